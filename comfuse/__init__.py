@@ -1,0 +1,43 @@
+"""comfuse: fuse a GEMM with the memory-intensive work after it into one kernel.
+
+    fused = comfuse.compile(fn, example_inputs)   # call it like fn
+    print(comfuse.explain(fn, example_inputs))    # what was fused, and why not
+
+Pipeline, in order (one folder each): frontend (capture, region finding) -> ir
+(Fusion Spec IR, verifier, reference interpreter) -> planner (reduction axis,
+stages, schedule) -> codegen (Triton source) -> runtime (cache, launch, fallback).
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _choose_interpreter() -> None:
+    # Triton decides at import time whether kernels run on a GPU or through its CPU
+    # interpreter. Without a GPU, choose the interpreter so fused kernels run on CPU tensors.
+    if "TRITON_INTERPRET" in os.environ or "triton" in sys.modules:
+        return
+    import torch
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+_choose_interpreter()
+
+from . import settings  # noqa: E402
+from .report import RegionReport, Report  # noqa: E402
+from .runtime.compiled import CompiledFunction, explain  # noqa: E402
+from .runtime.kernel import ComfuseWarning  # noqa: E402
+
+__version__ = "0.1.0"
+
+
+def compile(fn, example_inputs) -> CompiledFunction:  # noqa: A001 - mirrors torch.compile
+    """Trace ``fn`` on ``example_inputs`` and return a callable with ``fn``'s signature whose
+    GEMM + epilogue regions run as fused kernels; everything else runs as eager PyTorch."""
+    return CompiledFunction(fn, example_inputs)
+
+
+__all__ = ["CompiledFunction", "ComfuseWarning", "RegionReport", "Report", "compile", "explain",
+           "settings"]

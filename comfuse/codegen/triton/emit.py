@@ -1,0 +1,352 @@
+"""Emit the Triton source of a planned region.
+
+One kernel shape serves both schedules. A program owns a BLOCK_M x BLOCK_N
+output tile; under "row_in_cta" BLOCK_N covers the whole row (N), so each
+program holds complete rows and every reduction along N finishes inside it.
+The GEMM mainloop accumulates in fp32; then the epilogue streams stage by
+stage over the tile that stays in registers, and every output is written once.
+
+Values of the epilogue keep the Triton shape their axes imply: [BLOCK_M,
+BLOCK_N] for a full tile, [BLOCK_M, 1] for per-row values, [1, BLOCK_N] for
+row vectors, a scalar for scalars. Floating-point values are fp32.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from ...ir import Op, Region, format_region
+from ...planner import Plan
+
+TL_DTYPE = {
+    torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32",
+    torch.bool: "tl.int1", torch.int64: "tl.int64", torch.int32: "tl.int32",
+    torch.int16: "tl.int16", torch.int8: "tl.int8", torch.uint8: "tl.uint8",
+}
+
+_INFIX = {Op.ADD: "+", Op.SUB: "-", Op.MUL: "*", Op.DIV: "/", Op.EQ: "==", Op.NE: "!=",
+          Op.LT: "<", Op.LE: "<=", Op.GT: ">", Op.GE: ">=", Op.AND: "&", Op.OR: "|"}
+_CALL = {Op.ABS: "tl.abs", Op.EXP: "tl.exp", Op.LOG: "tl.log", Op.SQRT: "tl.sqrt",
+         Op.RSQRT: "tl.rsqrt", Op.SIGMOID: "tl.sigmoid", Op.ERF: "tl.erf", Op.SIN: "tl.sin",
+         Op.COS: "tl.cos", Op.TANH: "tanh", Op.LOG1P: "log1p", Op.EXPM1: "expm1"}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Param:
+    """One runtime argument: role is a, b, in, out, size or stride."""
+    name: str
+    role: str
+    index: int | None = None  # which side input / output
+    axis: str | None = None  # for strides: B, M, N or K; for sizes: M, N or K
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KernelSource:
+    name: str
+    text: str
+    params: tuple[Param, ...]
+    constexprs: tuple[tuple[str, object], ...]
+    num_warps: int
+    num_stages: int
+
+
+def _literal(value) -> str:
+    if isinstance(value, bool):
+        return "True" if value else "False"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return 'float("nan")'
+        if math.isinf(value):
+            return 'float("inf")' if value > 0 else 'float("-inf")'
+        return repr(value)
+    return repr(int(value))
+
+
+def _shape_of(axes) -> str:
+    if "M" in axes and "N" in axes:
+        return "(BLOCK_M, BLOCK_N)"
+    if "M" in axes:
+        return "(BLOCK_M, 1)"
+    if "N" in axes:
+        return "(1, BLOCK_N)"
+    return "(1, 1)"
+
+
+class _Emitter:
+    def __init__(self, plan: Plan, name: str):
+        self.plan = plan
+        self.region: Region = plan.region
+        self.name = name
+        self.lines: list[str] = []
+        self.params: list[Param] = []
+
+    def line(self, text: str = "", indent: int = 1) -> None:
+        self.lines.append("    " * indent + text if text else "")
+
+    # ---- addressing --------------------------------------------------------------------
+    def offsets(self, prefix: str, axes) -> str:
+        terms = []
+        if "B" in axes:
+            terms.append(f"pid_b * stride_{prefix}_b")
+        if "M" in axes:
+            terms.append(f"offs_m[:, None] * stride_{prefix}_m")
+        if "N" in axes:
+            terms.append(f"offs_n[None, :] * stride_{prefix}_n")
+        return " + ".join([f"{prefix}_ptr"] + terms)
+
+    @staticmethod
+    def mask(axes) -> str | None:
+        if "M" in axes and "N" in axes:
+            return "mask_m[:, None] & mask_n[None, :]"
+        if "M" in axes:
+            return "mask_m[:, None]"
+        if "N" in axes:
+            return "mask_n[None, :]"
+        return None
+
+    # ---- expressions -------------------------------------------------------------------
+    def ref(self, i: int) -> str:
+        node = self.region.nodes[i]
+        return _literal(node.arg) if node.op is Op.CONST else f"v{i}"
+
+    def expr(self, i: int) -> str:
+        node = self.region.nodes[i]
+        op = node.op
+        x = [self.ref(s) for s in node.src]
+        if op is Op.ACC:
+            return "acc"
+        if op is Op.INPUT:
+            inp = self.region.inputs[node.arg]
+            prefix = f"in{node.arg}"
+            mask = self.mask(inp.axes)
+            if mask is None:
+                load = f"tl.load({self.offsets(prefix, inp.axes)})"
+            else:
+                other = "0.0" if inp.dtype.is_floating_point else "0"
+                load = f"tl.load({self.offsets(prefix, inp.axes)}, mask={mask}, other={other})"
+            return load + (".to(tl.float32)" if inp.dtype.is_floating_point else "")
+        if op is Op.IOTA:
+            return "offs_m[:, None]" if node.arg == "M" else "offs_n[None, :]"
+        if op in _INFIX:
+            return f"{x[0]} {_INFIX[op]} {x[1]}"
+        if op in _CALL:
+            return f"{_CALL[op]}({x[0]})"
+        if op is Op.NEG:
+            return f"-{x[0]}"
+        if op is Op.RECIPROCAL:
+            return f"1.0 / {x[0]}"
+        if op is Op.RELU:
+            return f"tl.maximum({x[0]}, 0.0, propagate_nan=tl.PropagateNan.ALL)"
+        if op is Op.NOT:
+            return f"{x[0]} == 0"
+        if op in (Op.MAX, Op.MIN):
+            fn = "tl.maximum" if op is Op.MAX else "tl.minimum"
+            return f"{fn}({x[0]}, {x[1]}, propagate_nan=tl.PropagateNan.ALL)"
+        if op is Op.WHERE:
+            return f"tl.where({x[0]}, {x[1]}, {x[2]})"
+        if op is Op.POW:
+            return self.power(x[0], node.arg)
+        if op is Op.CAST:
+            return self.cast(node.src[0], node.arg)
+        if op is Op.SUM:
+            if node.dtype.is_floating_point:
+                return f"tl.sum(tl.where(mask_n[None, :], {x[0]}, 0.0), axis=1, keep_dims=True)"
+            return (f"tl.sum(tl.where(mask_n[None, :], {x[0]}.to(tl.int64), 0), axis=1, "
+                    "keep_dims=True)")
+        if op in (Op.RMAX, Op.RMIN):
+            fill, combine = ('float("-inf")', "max_propagate_nan") if op is Op.RMAX else \
+                ('float("inf")', "min_propagate_nan")
+            return f"tl.reduce(tl.where(mask_n[None, :], {x[0]}, {fill}), 1, {combine}, keep_dims=True)"
+        raise NotImplementedError(f"no Triton rule for {op}")  # pragma: no cover
+
+    def power(self, x: str, c: float) -> str:
+        if c == 1:
+            return x
+        if c == 0.5:
+            return f"tl.sqrt({x})"
+        if c == -0.5:
+            return f"tl.rsqrt({x})"
+        if float(c).is_integer() and abs(c) <= 4:
+            prod = " * ".join([x] * int(abs(c)))
+            return prod if c > 0 else f"1.0 / ({prod})"
+        if float(c).is_integer():
+            odd = "True" if int(c) % 2 else "False"
+            return f"pow_int({x}, {float(c)!r}, {odd})"
+        return f"pow_real({x}, {float(c)!r})"
+
+    def cast(self, src: int, target: torch.dtype) -> str:
+        node = self.region.nodes[src]
+        x = self.ref(src)
+        if node.op is Op.CONST:
+            value = node.arg
+            if target.is_floating_point:
+                value = float(torch.tensor(float(value)).to(target).item())
+            elif target == torch.bool:
+                value = bool(value)
+            else:
+                value = int(value)
+            return f"tl.full((1, 1), {_literal(value)}, {TL_DTYPE.get(target, 'tl.float32')})"
+        if target in (torch.float16, torch.bfloat16):
+            return f"{x}.to({TL_DTYPE[target]}).to(tl.float32)"  # round as the program asks
+        if target == torch.float32:
+            return f"{x}.to(tl.float32)"
+        if target == torch.bool:
+            return f"{x} != 0"
+        return f"{x}.to({TL_DTYPE[target]})"
+
+    def store_value(self, out) -> str:
+        node = self.region.nodes[out.node]
+        dtype = TL_DTYPE[out.dtype]
+        shape = _shape_of(out.axes)
+        if node.op is Op.CONST:
+            return f"tl.full({shape}, {_literal(node.arg)}, {dtype})"
+        value = f"v{out.node}"
+        if {a for a in node.axes if a != "B"} != {a for a in out.axes if a != "B"}:
+            value = f"tl.broadcast_to({value}, {shape})"
+        return f"{value}.to({dtype})"
+
+    # ---- the kernel ----------------------------------------------------------------------
+    def signature(self) -> list[str]:
+        r = self.region
+        batched = r.gemm.batched
+        args = [("a_ptr", Param("a_ptr", "a"), f"{r.gemm.a.name}: the A operand"),
+                ("b_ptr", Param("b_ptr", "b"), f"{r.gemm.b.name}: the B operand")]
+        for j, inp in enumerate(r.inputs):
+            args.append((f"in{j}_ptr", Param(f"in{j}_ptr", "in", j), f"{inp.name}"))
+        for k, out in enumerate(r.outputs):
+            args.append((f"out{k}_ptr", Param(f"out{k}_ptr", "out", k), f"{out.name}"))
+        for axis in ("M", "N", "K"):
+            args.append((axis, Param(axis, "size", None, axis), None))
+        for prefix, role, axes in [("a", "a", ("B", "M", "K") if batched else ("M", "K")),
+                                   ("b", "b", ("B", "K", "N") if batched else ("K", "N"))]:
+            for axis in axes:
+                name = f"stride_{prefix}_{axis.lower()}"
+                args.append((name, Param(name, f"stride_{role}", None, axis), None))
+        for j, inp in enumerate(r.inputs):
+            for axis in ("B", "M", "N"):
+                if axis in inp.axes:
+                    name = f"stride_in{j}_{axis.lower()}"
+                    args.append((name, Param(name, "stride_in", j, axis), None))
+        for k, out in enumerate(r.outputs):
+            for axis in ("B", "M", "N"):
+                if axis in out.axes:
+                    name = f"stride_out{k}_{axis.lower()}"
+                    args.append((name, Param(name, "stride_out", k, axis), None))
+        self.params = [p for _, p, _ in args]
+        lines = []
+        for name, _, comment in args:
+            lines.append(f"    {name},{'  # ' + comment if comment else ''}")
+        return lines
+
+    def emit(self) -> KernelSource:
+        p, r = self.plan, self.region
+        batched = r.gemm.batched
+        sig = self.signature()
+        consts = ["BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "UPCAST_OPERANDS", "DOT_PRECISION",
+                  "WIDE_INDEX"]
+        self.lines = []
+        self.line("@triton.jit", 0)
+        self.line(f"def {self.name}(", 0)
+        self.lines += sig
+        self.line(", ".join(f"{c}: tl.constexpr" for c in consts) + ",")
+        self.line("):", 0)
+        self.line(f'"""{p.describe()}"""')
+        self.line("# ---- which tile this program owns ----")
+        self.line("pid = tl.program_id(0)")
+        if batched:
+            self.line("pid_b = tl.program_id(1).to(tl.int64)")
+        if p.schedule == "row_in_cta":
+            self.line("pid_m = pid  # one program per strip of BLOCK_M whole rows")
+            self.line("pid_n = 0")
+        else:
+            self.line("num_pid_m = tl.cdiv(M, BLOCK_M)")
+            self.line("num_pid_n = tl.cdiv(N, BLOCK_N)")
+            self.line("group = GROUP_M * num_pid_n  # grouped order: neighbours share operand tiles in L2")
+            self.line("first_m = (pid // group) * GROUP_M")
+            self.line("group_m = min(num_pid_m - first_m, GROUP_M)")
+            self.line("pid_m = first_m + (pid % group) % group_m")
+            self.line("pid_n = (pid % group) // group_m")
+        self.line("offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
+        self.line("offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)")
+        self.line("if WIDE_INDEX:  # some tensor spans more than 2**31 elements")
+        self.line("offs_m = offs_m.to(tl.int64)", 2)
+        self.line("offs_n = offs_n.to(tl.int64)", 2)
+        self.line("mask_m = offs_m < M")
+        self.line("mask_n = offs_n < N")
+        self.line()
+        self.line("# ---- mainloop: acc = A[rows, :] @ B[:, cols] with fp32 accumulation ----")
+        a_base = "a_ptr + pid_b * stride_a_b" if batched else "a_ptr"
+        b_base = "b_ptr + pid_b * stride_b_b" if batched else "b_ptr"
+        self.line(f"a_rows = {a_base} + offs_m[:, None] * stride_a_m")
+        self.line(f"b_cols = {b_base} + offs_n[None, :] * stride_b_n")
+        self.line("acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
+        self.line("for k0 in range(0, K, BLOCK_K):")
+        self.line("offs_k = k0 + tl.arange(0, BLOCK_K)", 2)
+        self.line("if WIDE_INDEX:", 2)
+        self.line("offs_k = offs_k.to(tl.int64)", 3)
+        self.line("mask_k = offs_k < K", 2)
+        self.line("a = tl.load(a_rows + offs_k[None, :] * stride_a_k, "
+                  "mask=mask_m[:, None] & mask_k[None, :], other=0.0)", 2)
+        self.line("b = tl.load(b_cols + offs_k[:, None] * stride_b_k, "
+                  "mask=mask_k[:, None] & mask_n[None, :], other=0.0)", 2)
+        self.line("if UPCAST_OPERANDS:  # Triton 3.6's interpreter multiplies bf16 bit patterns", 2)
+        self.line("a = a.to(tl.float32)", 3)
+        self.line("b = b.to(tl.float32)", 3)
+        self.line("acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)", 2)
+        for stage in p.stages:
+            self.line()
+            self.line(self.stage_title(stage))
+            for i in stage.nodes:
+                node = r.nodes[i]
+                if node.op is Op.CONST:
+                    continue
+                self.line(f"v{i} = {self.expr(i)}  # {self.comment(i)}")
+            for k in stage.stores:
+                out = r.outputs[k]
+                mask = self.mask(out.axes)
+                mask_arg = f", mask={mask}" if mask else ""
+                self.line(f"tl.store({self.offsets(f'out{k}', out.axes)}, "
+                          f"{self.store_value(out)}{mask_arg})  # {out.name}")
+        body = "\n".join(self.lines)
+        header = "\n".join([
+            f'"""comfuse kernel {self.name}: {p.describe()}',
+            "",
+            "Generated from this region (do not edit; regenerated when anything below changes):",
+            "",
+            format_region(r),
+            '"""',
+            "import triton",
+            "import triton.language as tl",
+            "",
+            "from comfuse.codegen.triton.helpers import (expm1, log1p, max_propagate_nan, "
+            "min_propagate_nan, pow_int,",
+            "                                             pow_real, tanh)",
+            "",
+            "",
+        ])
+        constexprs = (("BLOCK_M", p.block_m), ("BLOCK_N", p.block_n), ("BLOCK_K", p.block_k),
+                      ("GROUP_M", p.group_m))
+        return KernelSource(self.name, header + body + "\n", tuple(self.params), constexprs,
+                            p.num_warps, p.num_stages)
+
+    def stage_title(self, stage) -> str:
+        reds = [self.region.nodes[i] for i in stage.reductions]
+        what = ", ".join(f"{n.op.value} over {n.arg}" for n in reds)
+        tail = f"; ends with {what}" if what else ""
+        head = "over the resident tile" if stage.index == 0 else "resumes on the resident tile"
+        return f"# ---- stage {stage.index}: elementwise {head}{tail} ----"
+
+    def comment(self, i: int) -> str:
+        node = self.region.nodes[i]
+        if node.op is Op.INPUT:
+            return f"load {self.region.inputs[node.arg].name}"
+        if node.op is Op.ACC:
+            return "GEMM result"
+        return node.op.value + (f" {node.arg}" if node.arg is not None else "")
+
+
+def emit(plan: Plan, name: str) -> KernelSource:
+    """The source text of ``plan``'s kernel, named ``name``, and its parameter list."""
+    return _Emitter(plan, name).emit()

@@ -1,0 +1,60 @@
+"""Triton device functions the generated kernels call.
+
+Each one is written with operations that both the CUDA backend and Triton's CPU
+interpreter implement (no libdevice), and keeps torch's NaN/Inf behaviour.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def max_propagate_nan(a, b):
+    """Combine for a max reduction: NaN wins, as in torch.amax."""
+    return tl.where((a > b) | (a != a), a, b)
+
+
+@triton.jit
+def min_propagate_nan(a, b):
+    return tl.where((a < b) | (a != a), a, b)
+
+
+@triton.jit
+def tanh(x):
+    # Small |x|: odd Taylor series (the exp form cancels there); large |x|: (1 - e) / (1 + e).
+    x2 = x * x
+    series = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
+    e = tl.exp(-2.0 * tl.abs(x))
+    big = (1.0 - e) / (1.0 + e)
+    big = tl.where(x < 0, -big, big)
+    return tl.where(tl.abs(x) < 0.1, series, big)
+
+
+@triton.jit
+def log1p(x):
+    # Kahan: log(u) * x / (u - 1) with u = 1 + x corrects the rounding of u.
+    u = 1.0 + x
+    r = tl.where(u == 1.0, x, tl.log(u) * (x / (u - 1.0)))
+    return tl.where(u == float("inf"), u, r)
+
+
+@triton.jit
+def expm1(x):
+    u = tl.exp(x)
+    r = tl.where(u == 1.0, x, (u - 1.0) * (x / tl.log(u)))
+    r = tl.where(u - 1.0 == -1.0, -1.0, r)
+    return tl.where(u == float("inf"), u, r)
+
+
+@triton.jit
+def pow_real(x, c):
+    """x ** c for a non-integer constant c: NaN for x < 0, as torch.pow."""
+    return tl.exp2(c * tl.log2(x))
+
+
+@triton.jit
+def pow_int(x, n, ODD: tl.constexpr):
+    """x ** n for a large integer constant n, keeping the sign of odd powers."""
+    r = tl.exp2(n * tl.log2(tl.abs(x)))
+    if ODD:
+        r = tl.where(x < 0, -r, r)
+    return r

@@ -1,0 +1,101 @@
+"""Reference interpreter: the living definition of every op, in plain torch.
+
+It is the oracle for passes and generated kernels. Values are 3-D tensors in
+the canonical layout (B|1, M|1, N|1): an axis a value does not vary along has
+size 1 and broadcasts.
+
+``compute_dtype=torch.float64`` (the default) evaluates every floating-point
+node in float64 and ignores casts between floating-point types: exact math to
+compare kernels against. ``compute_dtype=None`` evaluates each node in the dtype
+eager PyTorch would use (rounding after every op), like the unfused program.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .nodes import Op, Region, sort_axes
+
+_DIM = {"B": 0, "M": 1, "N": 2}
+
+_UNARY = {
+    Op.NEG: torch.neg, Op.ABS: torch.abs, Op.EXP: torch.exp, Op.EXPM1: torch.expm1,
+    Op.LOG: torch.log, Op.LOG1P: torch.log1p, Op.SQRT: torch.sqrt, Op.RSQRT: torch.rsqrt,
+    Op.RECIPROCAL: torch.reciprocal, Op.TANH: torch.tanh, Op.SIGMOID: torch.sigmoid,
+    Op.ERF: torch.erf, Op.RELU: torch.relu, Op.SIN: torch.sin, Op.COS: torch.cos,
+    Op.NOT: torch.logical_not,
+}
+_BINARY = {
+    Op.ADD: torch.add, Op.SUB: torch.sub, Op.MUL: torch.mul, Op.DIV: torch.true_divide,
+    Op.MAX: torch.maximum, Op.MIN: torch.minimum, Op.EQ: torch.eq, Op.NE: torch.ne,
+    Op.LT: torch.lt, Op.LE: torch.le, Op.GT: torch.gt, Op.GE: torch.ge,
+    Op.AND: torch.logical_and, Op.OR: torch.logical_or,
+}
+
+
+def canonical_shape(region: Region, axes) -> tuple[int, int, int]:
+    s = region.sizes
+    return tuple(s.of(a) if a in axes else 1 for a in ("B", "M", "N"))
+
+
+def evaluate(region: Region, a: torch.Tensor, b: torch.Tensor, inputs: Sequence[torch.Tensor],
+             compute_dtype: torch.dtype | None = torch.float64) -> list[torch.Tensor]:
+    """Evaluate ``region`` on operands ``a`` ([B?, M, K]), ``b`` ([B?, K, N]) and side
+    inputs in canonical 3-D layout; return the outputs in canonical 3-D layout."""
+    exact = compute_dtype is not None
+
+    def fix(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if dtype.is_floating_point:
+            return value.to(compute_dtype if exact else dtype)
+        return value.to(dtype)
+
+    s = region.sizes
+    vals: list[torch.Tensor] = []
+    for node in region.nodes:
+        x = [vals[i] for i in node.src]
+        op = node.op
+        if op is Op.ACC:
+            dt = compute_dtype if exact else region.gemm.out_dtype
+            v = torch.matmul(a.to(dt), b.to(dt)).reshape(s.B, s.M, s.N)
+        elif op is Op.INPUT:
+            v = inputs[node.arg]
+            if v.dim() != 3:
+                raise ValueError(f"input {node.arg} must be given in canonical 3-D layout")
+        elif op is Op.CONST:
+            v = torch.tensor(node.arg).reshape(1, 1, 1)
+        elif op is Op.IOTA:
+            shape = canonical_shape(region, {node.arg})
+            v = torch.arange(s.of(node.arg), device=a.device).reshape(shape)
+        elif op is Op.CAST:
+            target = node.arg
+            if exact and target.is_floating_point and x[0].dtype.is_floating_point:
+                v = x[0]  # exact mode: no rounding between floating-point types
+            else:
+                v = x[0].to(target)
+        elif op is Op.POW:
+            v = torch.pow(x[0], node.arg)
+        elif op in _UNARY:
+            v = _UNARY[op](x[0])
+        elif op in _BINARY:
+            v = _BINARY[op](x[0], x[1])
+        elif op is Op.WHERE:
+            v = torch.where(x[0], x[1], x[2])
+        elif op is Op.SUM:
+            v = x[0].sum(_DIM[node.arg], keepdim=True)
+        elif op is Op.RMAX:
+            v = x[0].amax(_DIM[node.arg], keepdim=True)
+        elif op is Op.RMIN:
+            v = x[0].amin(_DIM[node.arg], keepdim=True)
+        else:  # pragma: no cover
+            raise NotImplementedError(f"reference interpreter has no rule for {op}")
+        vals.append(fix(v.to(a.device), node.dtype))
+    outs = []
+    for out in region.outputs:
+        v = vals[out.node].expand(canonical_shape(region, out.axes))
+        outs.append(v if exact else v.to(out.dtype))
+    return outs
+
+
+def describe_axes(axes) -> str:
+    return "x".join(sort_axes(axes)) or "scalar"

@@ -1,0 +1,169 @@
+"""Fusion Spec IR: the records a region is made of.
+
+A region is one GEMM (the anchor) and the epilogue DAG that consumes its
+accumulator. Its iteration space is (B, M, N): B batches of an M x N output
+tile grid; K is the contraction length. Every value of the epilogue is a
+broadcastable slice of that space, described by its ``axes`` (the subset of
+{"B", "M", "N"} it may vary along): a full tile has {"M", "N"} (plus "B" when
+batched), a row vector such as a bias has {"N"}, per-row statistics after a
+reduction along N have {"M"}, a scalar has none.
+
+Nodes are kept in SSA order: ``Node.src`` holds indices of earlier nodes, so
+``Region.nodes`` is always topologically sorted. Records are frozen; passes
+build new ones.
+
+Numerics: floating-point nodes record the dtype eager PyTorch would give them,
+but generated kernels compute every floating-point node in fp32 and round only
+where the program casts explicitly (``CAST``) and when an output is stored.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+import torch
+
+AXES_ORDER = ("B", "M", "N")
+
+
+class Op(enum.Enum):
+    # leaves
+    ACC = "acc"  # the GEMM accumulator tile (fp32)
+    INPUT = "input"  # a side input; arg = index into Region.inputs
+    CONST = "const"  # a Python scalar; arg = value
+    IOTA = "iota"  # global index along one axis; arg = "M" or "N"
+    # elementwise, one source
+    NEG = "neg"
+    ABS = "abs"
+    EXP = "exp"
+    EXPM1 = "expm1"
+    LOG = "log"
+    LOG1P = "log1p"
+    SQRT = "sqrt"
+    RSQRT = "rsqrt"
+    RECIPROCAL = "reciprocal"
+    TANH = "tanh"
+    SIGMOID = "sigmoid"
+    ERF = "erf"
+    RELU = "relu"
+    SIN = "sin"
+    COS = "cos"
+    NOT = "not"
+    POW = "pow"  # arg = constant exponent
+    CAST = "cast"  # arg = target torch.dtype
+    # elementwise, two sources
+    ADD = "add"
+    SUB = "sub"
+    MUL = "mul"
+    DIV = "div"
+    MAX = "max"
+    MIN = "min"
+    EQ = "eq"
+    NE = "ne"
+    LT = "lt"
+    LE = "le"
+    GT = "gt"
+    GE = "ge"
+    AND = "and"
+    OR = "or"
+    # elementwise, three sources
+    WHERE = "where"  # (condition, if_true, if_false)
+    # reductions; arg = the reduced axis ("M" or "N"); the result keeps a size-1 axis
+    SUM = "sum"
+    RMAX = "rmax"
+    RMIN = "rmin"
+
+
+LEAF = frozenset({Op.ACC, Op.INPUT, Op.CONST, Op.IOTA})
+UNARY = frozenset({Op.NEG, Op.ABS, Op.EXP, Op.EXPM1, Op.LOG, Op.LOG1P, Op.SQRT, Op.RSQRT,
+                   Op.RECIPROCAL, Op.TANH, Op.SIGMOID, Op.ERF, Op.RELU, Op.SIN, Op.COS,
+                   Op.NOT, Op.POW, Op.CAST})
+BINARY = frozenset({Op.ADD, Op.SUB, Op.MUL, Op.DIV, Op.MAX, Op.MIN, Op.EQ, Op.NE, Op.LT,
+                    Op.LE, Op.GT, Op.GE, Op.AND, Op.OR})
+COMPARE = frozenset({Op.EQ, Op.NE, Op.LT, Op.LE, Op.GT, Op.GE})
+TERNARY = frozenset({Op.WHERE})
+ELEMENTWISE = UNARY | BINARY | TERNARY
+REDUCE = frozenset({Op.SUM, Op.RMAX, Op.RMIN})
+
+ARITY = {**{op: 0 for op in LEAF}, **{op: 1 for op in UNARY}, **{op: 2 for op in BINARY},
+         **{op: 3 for op in TERNARY}, **{op: 1 for op in REDUCE}}
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+GEMM_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def sort_axes(axes) -> tuple[str, ...]:
+    return tuple(a for a in AXES_ORDER if a in axes)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Node:
+    op: Op
+    src: tuple[int, ...]
+    dtype: torch.dtype
+    axes: frozenset[str]
+    arg: Any = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Operand:
+    """A GEMM operand: A is [B?, M, K], B is [B?, K, N], any strides."""
+    name: str
+    dtype: torch.dtype
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Gemm:
+    a: Operand
+    b: Operand
+    batched: bool
+    out_dtype: torch.dtype  # dtype eager gives the product
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Input:
+    """A side input (bias, residual, gamma, ...), viewed as a broadcast slice of (B, M, N)."""
+    name: str
+    dtype: torch.dtype
+    axes: frozenset[str]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Output:
+    """A value the kernel writes. ``axes`` is the stored shape (may be wider than the node's)."""
+    node: int
+    dtype: torch.dtype
+    axes: frozenset[str]
+    name: str = ""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Sizes:
+    B: int
+    M: int
+    N: int
+    K: int
+
+    def of(self, axis: str) -> int:
+        return getattr(self, axis)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Region:
+    kind: str  # "gemm_epilogue" (a GEMM and the epilogue after it)
+    gemm: Gemm
+    inputs: tuple[Input, ...]
+    nodes: tuple[Node, ...]
+    outputs: tuple[Output, ...]
+    sizes: Sizes
+
+    @property
+    def tile_axes(self) -> frozenset[str]:
+        return frozenset({"B", "M", "N"} if self.gemm.batched else {"M", "N"})
+
+    def reductions(self) -> list[int]:
+        return [i for i, n in enumerate(self.nodes) if n.op in REDUCE]
+
+    def replace(self, **changes) -> "Region":
+        return dataclasses.replace(self, **changes)

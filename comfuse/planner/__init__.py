@@ -1,0 +1,12 @@
+"""Planner (owns: reduction-axis analysis, region passes, stage partitioning and the choice
+of schedule and tile sizes).
+
+Invariants: every function here is pure (region in, new region or plan out); a
+plan's region is in row form, so reductions run along N only.
+"""
+from .passes import cse, dce, transpose
+from .plan import NotFused, Plan, SCHEDULES, plan, reduction_axis
+from .stages import Stage, levels, partition
+
+__all__ = ["NotFused", "Plan", "SCHEDULES", "Stage", "cse", "dce", "levels", "partition", "plan",
+           "reduction_axis", "transpose"]

@@ -1,0 +1,317 @@
+"""Compiled functions: capture, find regions, plan, generate, and run.
+
+``CompiledFunction`` keeps one specialisation per input signature (shapes,
+dtypes, devices, and the values of non-tensor arguments); a call with a new
+signature traces again, so a call never reuses a kernel built for other shapes.
+In each specialisation the captured graph has every fused region replaced by a
+``FusedRegion`` module; everything else runs as eager PyTorch ops.
+
+Failures never give a wrong answer: a region whose planning or code generation
+fails, or whose kernel fails at launch, runs its original ops instead, with a
+``ComfuseWarning`` naming the reason (``COMFUSE_STRICT=1`` raises instead).
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import inspect
+import operator
+
+import torch
+import torch.fx as fx
+
+from .. import settings as settings_mod
+from ..frontend.capture import CaptureError, capture
+from ..frontend.regions import Candidate, find_regions
+from ..ir import canonical_shape, format_region
+from ..planner import NotFused, plan as make_plan
+from ..report import RegionReport, Report
+from . import kernel as kernel_mod
+from .kernel import ComfuseWarning, notice_once
+
+
+class FusedRegion(torch.nn.Module):
+    """One fused region inside a captured graph: runs its kernel, or its original ops."""
+
+    def __init__(self, cand: Candidate, plan, unfused: fx.GraphModule, report: RegionReport):
+        super().__init__()
+        self.cand_inputs = cand.inputs
+        self.operands = cand.operands
+        self.out_shapes = [ob.shape for ob in cand.outputs]
+        self.plan = plan
+        self.region = cand.region  # as found (original orientation)
+        self.unfused = unfused
+        self.report = report
+        self.kernel = None
+        self.failed = ""
+
+    def forward(self, *ext):
+        if self.failed or settings_mod.get().disable:
+            return self.unfused(*ext)
+        a, b = ext[self.operands[0]], ext[self.operands[1]]
+        why = kernel_mod.can_run_on(a.device)
+        if why:
+            notice_once(f"device:{why}", f"comfuse: running unfused: {why}")
+            return self.unfused(*ext)
+        if a.device.type == "cpu":
+            notice_once("interpreter", "comfuse: fused kernels on CPU tensors run through Triton's "
+                        "interpreter (exact but slow); use CUDA tensors for speed")
+        try:
+            return self.run_kernel(ext, a, b)
+        except Exception as e:
+            if settings_mod.get().strict:
+                raise
+            self.fail(f"kernel failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+            return self.unfused(*ext)
+
+    def fail(self, reason: str) -> None:
+        self.failed = reason
+        self.report.fused = False
+        self.report.reason = reason
+        import warnings
+        warnings.warn(f"comfuse: region at {self.report.anchor} runs unfused: {reason}",
+                      ComfuseWarning, stacklevel=4)
+
+    def run_kernel(self, ext, a: torch.Tensor, b: torch.Tensor):
+        if self.kernel is None:
+            self.kernel = kernel_mod.build(self.plan)
+            self.report.kernel_path = self.kernel.path
+        region = self.region
+        device = a.device
+        a3 = a if region.gemm.batched else a.unsqueeze(0)
+        b3 = b if region.gemm.batched else b.unsqueeze(0)
+        ins = [self.prepare(ext[bind.ext], bind, device) for bind in self.cand_inputs]
+        outs = [torch.empty(canonical_shape(region, o.axes), dtype=o.dtype, device=device)
+                for o in region.outputs]
+        if self.plan.transposed:
+            self.kernel.launch(b3.transpose(1, 2), a3.transpose(1, 2),
+                               [t.transpose(1, 2) for t in ins], [t.transpose(1, 2) for t in outs])
+        else:
+            self.kernel.launch(a3, b3, ins, outs)
+        return tuple(o.view(shape) for o, shape in zip(outs, self.out_shapes))
+
+    @staticmethod
+    def prepare(t: torch.Tensor, bind, device: torch.device) -> torch.Tensor:
+        """A side input as a canonical (B, M, N) view; axes it does not vary along have size 1."""
+        if not isinstance(t, torch.Tensor):
+            t = torch.tensor(t)
+        if t.device != device:
+            t = t.to(device)  # 0-d CPU tensors may feed CUDA ops
+        v = t.expand(bind.expand_to).reshape(bind.canon)
+        for d, axis in enumerate(("B", "M", "N")):
+            if axis not in bind.axes and v.shape[d] != 1:
+                v = v.narrow(d, 0, 1)
+        return v
+
+
+def _extract(gm: fx.GraphModule, cand: Candidate) -> fx.GraphModule:
+    """The region's original ops as a graph of their own: the unfused path."""
+    members = set(cand.members)
+    for m in cand.members:  # every outside value the ops read becomes an argument
+        for i in m.all_input_nodes:
+            if i not in members and i not in cand.externals:
+                cand.externals.append(i)
+    g = fx.Graph()
+    env = {ext: g.placeholder(f"ext{i}") for i, ext in enumerate(cand.externals)}
+    for m in cand.members:
+        env[m] = g.node_copy(m, lambda n: env[n])
+    g.output(tuple(env[ob.node] for ob in cand.outputs))
+    return fx.GraphModule(gm, g)
+
+
+def _toposort(graph: fx.Graph) -> None:
+    nodes = list(graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    pending = {n: len(set(n.all_input_nodes)) for n in nodes}
+    import heapq
+    ready = [(index[n], n) for n in nodes if pending[n] == 0 and n.op != "output"]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        _, n = heapq.heappop(ready)
+        order.append(n)
+        for u in n.users:
+            pending[u] -= 1
+            if pending[u] == 0 and u.op != "output":
+                heapq.heappush(ready, (index[u], u))
+    if len(order) != len(nodes) - 1:
+        raise RuntimeError("graph has a cycle after fusion")  # a bug in region finding
+    prev = order[0]
+    for n in order[1:]:
+        if prev.next is not n:
+            prev.append(n)
+        prev = n
+
+
+def _rewrite(gm: fx.GraphModule, fused: list) -> None:
+    graph = gm.graph
+    for i, (cand, module) in enumerate(fused):
+        name = f"comfuse_region{i}"
+        gm.add_submodule(name, module)
+        members = set(cand.members)
+        with graph.inserting_before(cand.anchor):
+            call = graph.call_module(name, tuple(cand.externals))
+            outs = [graph.call_function(operator.getitem, (call, k)) for k in range(len(cand.outputs))]
+        for ob, new in zip(cand.outputs, outs):
+            ob.node.replace_all_uses_with(new, delete_user_cb=lambda u: u not in members)
+        for m in reversed(cand.members):
+            graph.erase_node(m)
+    _toposort(graph)
+    graph.lint()
+    gm.recompile()
+
+
+def _region_report(index: int, cand: Candidate) -> RegionReport:
+    return RegionReport(
+        index=index, anchor=cand.anchor.name, kind="gemm_epilogue", fused=False,
+        reason=cand.reason, stages=0, schedule="",
+        ir=format_region(cand.region) if cand.region is not None else "",
+        ops=[m.name for m in cand.members], outputs=[ob.node.name for ob in cand.outputs],
+        notes=list(cand.notes))
+
+
+class Specialization:
+    """The captured, rewritten graph for one input signature, and its report."""
+
+    def __init__(self, fn, args: tuple, execute: bool = True):
+        self.fn = fn
+        name = getattr(fn, "__qualname__", None) or type(fn).__name__
+        self.report = Report(function=name, regions=[])
+        self.gm = None
+        settings = settings_mod.get()
+        try:
+            gm = capture(fn, args)
+        except CaptureError as e:
+            if settings.strict:
+                raise
+            self.report.error = str(e)
+            if execute:
+                notice_once(f"capture:{name}", f"comfuse: {e}; running eagerly")
+            return
+        fused = []
+        fuel = settings.fuel
+        for index, cand in enumerate(find_regions(gm)):
+            rep = _region_report(index, cand)
+            self.report.regions.append(rep)
+            if cand.reason:
+                continue
+            if fuel == 0:
+                rep.reason = "fuel exhausted (COMFUSE_FUEL caps the number of fused regions)"
+                continue
+            module = self._plan_region(gm, cand, rep, settings)
+            if module is not None:
+                fused.append((cand, module))
+                fuel -= 1
+        _rewrite(gm, fused)
+        self.gm = gm
+        self.report.graph = gm.code
+
+    @staticmethod
+    def _plan_region(gm, cand: Candidate, rep: RegionReport, settings):
+        device = cand.anchor.meta["val"].device
+        target = "cuda" if device.type == "cuda" and not kernel_mod.interpreting() else "interpreter"
+        try:
+            plan = make_plan(cand.region, target=target, settings=settings)
+            rep.forms = [(name, format_region(r)) for name, r in plan.forms]
+            if isinstance(plan, NotFused):
+                rep.reason = plan.reason
+                return None
+            why = kernel_mod.can_run_on(device)
+            if why:
+                rep.reason = why
+                return None
+            unfused = _extract(gm, cand)
+            kernel = kernel_mod.build(plan)  # generate and load the source now: errors surface here
+        except Exception as e:
+            if settings.strict:
+                raise
+            rep.reason = f"compilation failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            import warnings
+            warnings.warn(f"comfuse: region at {rep.anchor} runs unfused: {rep.reason}",
+                          ComfuseWarning, stacklevel=5)
+            return None
+        rep.fused, rep.reason = True, ""
+        rep.stages, rep.schedule, rep.plan = len(plan.stages), plan.schedule, plan.describe()
+        rep.kernel_path = kernel.path
+        module = FusedRegion(cand, plan, unfused, rep)
+        module.kernel = kernel
+        return module
+
+    def __call__(self, *args):
+        if self.gm is None:
+            return self.fn(*args)
+        return self.gm(*args)
+
+
+def _signature(args) -> tuple:
+    key = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append(("T", tuple(a.shape), a.dtype, a.device))
+        else:
+            try:
+                hash(a)
+            except TypeError:
+                raise TypeError(f"comfuse.compile: argument of type {type(a).__name__} is neither a "
+                                "tensor nor a hashable constant") from None
+            key.append(("C", type(a), a))
+    return tuple(key)
+
+
+class CompiledFunction:
+    """``comfuse.compile(fn, example_inputs)``: call it like ``fn``."""
+
+    def __init__(self, fn, example_inputs):
+        if not callable(fn):
+            raise TypeError(f"comfuse.compile expects a callable, got {type(fn).__name__}")
+        if isinstance(example_inputs, (torch.Tensor,)) or not isinstance(example_inputs, (tuple, list)):
+            raise TypeError("comfuse.compile: example_inputs must be a tuple or list of arguments")
+        functools.update_wrapper(self, fn, updated=())
+        self._fn = fn
+        try:
+            self._sig = inspect.signature(fn)
+        except (TypeError, ValueError):
+            self._sig = None
+        self._specs: collections.OrderedDict = collections.OrderedDict()
+        self._specialize(tuple(example_inputs))
+
+    def _bind(self, args, kwargs) -> tuple:
+        if not kwargs or self._sig is None:
+            return args
+        bound = self._sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return tuple(bound.arguments.values())
+
+    def _specialize(self, args: tuple) -> Specialization:
+        key = _signature(args)
+        spec = self._specs.get(key)
+        if spec is None:
+            limit = settings_mod.get().max_specializations
+            if len(self._specs) >= limit:
+                self._specs.popitem(last=False)
+                notice_once(f"specs:{id(self)}", f"comfuse: more than {limit} input signatures for "
+                            f"{getattr(self._fn, '__name__', self._fn)}; dropping the oldest")
+            spec = Specialization(self._fn, args)
+            self._specs[key] = spec
+        return spec
+
+    @property
+    def report(self) -> Report:
+        """The report of the most recently built specialisation."""
+        return next(reversed(self._specs.values())).report
+
+    def __call__(self, *args, **kwargs):
+        args = self._bind(args, kwargs)
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad
+                                           for a in args):
+            notice_once(f"grad:{id(self)}", "comfuse: inputs require grad and fused kernels have no "
+                        "backward yet; running the function eagerly")
+            return self._fn(*args)
+        return self._specialize(args)(*args)
+
+
+def explain(fn, example_inputs) -> Report:
+    """Find, plan and generate without running anything; return the report."""
+    if not isinstance(example_inputs, (tuple, list)):
+        raise TypeError("comfuse.explain: example_inputs must be a tuple or list of arguments")
+    return Specialization(fn, tuple(example_inputs), execute=False).report

@@ -1,0 +1,82 @@
+"""Typed settings, read from ``COMFUSE_*`` environment variables.
+
+Every setting that changes generated code is listed in ``CODEGEN_SETTINGS`` and
+goes into the kernel cache key. ``override(...)`` sets values for a block of code
+(tests use it) and restores them afterwards.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from pathlib import Path
+from typing import Iterator
+
+
+def _flag(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    return raw.strip().lower() not in ("0", "false", "no", "off")
+
+
+def _int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Settings:
+    # COMFUSE_STRICT=1: a failure inside compilation raises instead of running unfused.
+    strict: bool
+    # COMFUSE_DISABLE=1: find and report regions, but run everything unfused.
+    disable: bool
+    # COMFUSE_CACHE_DIR: where generated kernel sources are written.
+    cache_dir: Path
+    # COMFUSE_ROW_BUDGET: most fp32 accumulator elements one program may hold for the
+    # row-in-CTA schedule (BLOCK_M * BLOCK_N). Rows wider than budget/16 are not fused.
+    row_budget: int
+    # COMFUSE_MAX_SPECIALIZATIONS: distinct input signatures one compiled function keeps.
+    max_specializations: int
+    # COMFUSE_FUEL: cap on the number of regions fused per compiled graph (-1: no cap);
+    # lowering it bisects a bad fusion.
+    fuel: int
+
+
+CODEGEN_SETTINGS = ("row_budget",)
+
+_overrides: dict[str, object] = {}
+
+
+def get() -> Settings:
+    cache_default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "comfuse"
+    values = dict(
+        strict=_flag("COMFUSE_STRICT", False),
+        disable=_flag("COMFUSE_DISABLE", False),
+        cache_dir=Path(os.environ.get("COMFUSE_CACHE_DIR") or cache_default),
+        row_budget=_int("COMFUSE_ROW_BUDGET", 128 * 256),
+        max_specializations=_int("COMFUSE_MAX_SPECIALIZATIONS", 64),
+        fuel=_int("COMFUSE_FUEL", -1),
+    )
+    values.update(_overrides)
+    return Settings(**values)
+
+
+@contextlib.contextmanager
+def override(**values: object) -> Iterator[Settings]:
+    """Temporarily set settings: ``with override(strict=True): ...``."""
+    unknown = set(values) - {f.name for f in dataclasses.fields(Settings)}
+    if unknown:
+        raise TypeError(f"unknown comfuse settings: {sorted(unknown)}")
+    saved = dict(_overrides)
+    _overrides.update(values)
+    try:
+        yield get()
+    finally:
+        _overrides.clear()
+        _overrides.update(saved)
