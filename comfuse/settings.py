@@ -43,6 +43,9 @@ class Settings:
     row_budget: int
     # COMFUSE_MAX_SPECIALIZATIONS: distinct input signatures one compiled function keeps.
     max_specializations: int
+    # COMFUSE_CHECK=1: after every kernel launch, compare the outputs with the IR's reference
+    # interpreter in float64 and raise KernelMismatch beyond tolerance (slow; for tests).
+    check: bool
     # COMFUSE_FUEL: cap on the number of regions fused per compiled graph (-1: no cap);
     # lowering it bisects a bad fusion.
     fuel: int
@@ -61,6 +64,7 @@ def get() -> Settings:
         cache_dir=Path(os.environ.get("COMFUSE_CACHE_DIR") or cache_default),
         row_budget=_int("COMFUSE_ROW_BUDGET", 128 * 256),
         max_specializations=_int("COMFUSE_MAX_SPECIALIZATIONS", 64),
+        check=_flag("COMFUSE_CHECK", False),
         fuel=_int("COMFUSE_FUEL", -1),
     )
     values.update(_overrides)

@@ -227,3 +227,30 @@ def hardswish(x):
 @_register("rsub.Scalar", "rsub.Tensor")
 def rsub(x, other, alpha=1):
     return other - (x * alpha if alpha != 1 else x)
+
+
+# ---- losses ------------------------------------------------------------------------------
+
+@_register("nll_loss_forward.default")
+def nll_loss_forward(x, target, weight, reduction, ignore_index):
+    """Negative log-likelihood over classes on the last dim: a gather of one column per row,
+    which the region finder lowers to a compare-and-sum along N (no logits leave the kernel)."""
+    batched = x.dim() == 2
+    xs = x if batched else x.unsqueeze(0)
+    ts = target if batched else target.unsqueeze(0)
+    valid = ts != ignore_index
+    safe = torch.where(valid, ts, torch.zeros_like(ts))
+    picked = torch.gather(xs, 1, safe.unsqueeze(1)).squeeze(1)
+    if weight is not None:
+        w = torch.where(valid, weight[safe], torch.zeros_like(weight[safe]))
+    else:
+        w = valid.to(x.dtype)
+    loss = torch.where(valid, -picked * w, torch.zeros_like(picked))
+    total = w.sum()
+    if reduction == 0:  # none
+        out = loss if batched else loss.squeeze(0)
+    elif reduction == 1:  # mean
+        out = loss.sum() / total
+    else:  # sum
+        out = loss.sum()
+    return out, total

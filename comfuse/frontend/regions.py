@@ -535,6 +535,15 @@ def _gather(b, n):
     return Value(result, out_labels)
 
 
+def _fill_like(b, n):
+    """zeros_like / ones_like / full_like of a region value: a constant with its shape."""
+    value = b.values[n.args[0]]
+    fill = _fill_value(n)
+    if not isinstance(fill, numbers.Number):
+        raise Unfusible("fill with a non-scalar value")
+    return Value(b.const(fill, _dtype(n)), value.labels)
+
+
 def _view(b, n):
     return b.view(n, n.args[0])
 
@@ -588,10 +597,15 @@ RULES = {
     aten.sum.dim_IntList: _sum, aten.sum.default: _full_sum,
     aten.amax.default: _amax(Op.RMAX), aten.amin.default: _amax(Op.RMIN),
     aten.gather.default: _gather,
+    aten.zeros_like.default: _fill_like, aten.ones_like.default: _fill_like,
+    aten.full_like.default: _fill_like,
     aten.view.default: _view, aten._unsafe_view.default: _view, aten.reshape.default: _view,
     aten.unsqueeze.default: _view, aten.squeeze.dim: _view, aten.squeeze.dims: _view,
     aten.squeeze.default: _view, aten.expand.default: _expand,
 }
+for _name in ("ScalarSelf", "ScalarOther", "Scalar"):
+    if hasattr(aten.where, _name):
+        RULES[getattr(aten.where, _name)] = _where
 if hasattr(torch.ops, "prims") and hasattr(torch.ops.prims, "convert_element_type"):
     RULES[torch.ops.prims.convert_element_type.default] = _convert
 

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import collections
 import functools
+import heapq
 import inspect
 import operator
+import warnings
 
 import torch
 import torch.fx as fx
@@ -23,10 +25,11 @@ import torch.fx as fx
 from .. import settings as settings_mod
 from ..frontend.capture import CaptureError, capture
 from ..frontend.regions import Candidate, find_regions
-from ..ir import canonical_shape, format_region
+from ..ir import canonical_shape, evaluate, format_region
 from ..planner import NotFused, plan as make_plan
 from ..report import RegionReport, Report
 from . import kernel as kernel_mod
+from .check import KernelMismatch, compare, region_tolerance
 from .kernel import ComfuseWarning, notice_once
 
 
@@ -58,6 +61,8 @@ class FusedRegion(torch.nn.Module):
                         "interpreter (exact but slow); use CUDA tensors for speed")
         try:
             return self.run_kernel(ext, a, b)
+        except KernelMismatch:
+            raise
         except Exception as e:
             if settings_mod.get().strict:
                 raise
@@ -68,7 +73,6 @@ class FusedRegion(torch.nn.Module):
         self.failed = reason
         self.report.fused = False
         self.report.reason = reason
-        import warnings
         warnings.warn(f"comfuse: region at {self.report.anchor} runs unfused: {reason}",
                       ComfuseWarning, stacklevel=4)
 
@@ -88,7 +92,17 @@ class FusedRegion(torch.nn.Module):
                                [t.transpose(1, 2) for t in ins], [t.transpose(1, 2) for t in outs])
         else:
             self.kernel.launch(a3, b3, ins, outs)
+        if settings_mod.get().check:
+            self.check(a3, b3, ins, outs)
         return tuple(o.view(shape) for o, shape in zip(outs, self.out_shapes))
+
+    def check(self, a3, b3, ins, outs) -> None:
+        refs = evaluate(self.region, a3, b3, ins, torch.float64)
+        tol = region_tolerance(self.region)
+        for out, ref, spec in zip(outs, refs, self.region.outputs):
+            result = compare(out, ref, tol)
+            if not result.ok:
+                raise KernelMismatch(f"kernel {self.kernel.source.name} output {spec.name}: {result}")
 
     @staticmethod
     def prepare(t: torch.Tensor, bind, device: torch.device) -> torch.Tensor:
@@ -123,7 +137,6 @@ def _toposort(graph: fx.Graph) -> None:
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     pending = {n: len(set(n.all_input_nodes)) for n in nodes}
-    import heapq
     ready = [(index[n], n) for n in nodes if pending[n] == 0 and n.op != "output"]
     heapq.heapify(ready)
     order = []
@@ -226,7 +239,6 @@ class Specialization:
             if settings.strict:
                 raise
             rep.reason = f"compilation failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
-            import warnings
             warnings.warn(f"comfuse: region at {rep.anchor} runs unfused: {rep.reason}",
                           ComfuseWarning, stacklevel=5)
             return None

@@ -1,0 +1,1 @@
+"""Benchmarks (owns: workload definitions, timing, baselines, reports)."""

@@ -1,0 +1,86 @@
+"""The ``comfuse`` command: demo, explain, cache."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+
+def _load_target(target: str):
+    """FILE.py:FUNC -> (function, example inputs). See README ("explain a function")."""
+    if ":" not in target:
+        raise SystemExit(f"comfuse explain: expected FILE.py:FUNC, got {target!r}")
+    path, func = target.rsplit(":", 1)
+    file = Path(path)
+    if not file.exists():
+        raise SystemExit(f"comfuse explain: no such file {path}")
+    spec = importlib.util.spec_from_file_location(file.stem, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(file.parent.resolve()))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.pop(0)
+    fn = getattr(module, func, None)
+    if fn is None:
+        raise SystemExit(f"comfuse explain: {path} defines no {func!r}")
+    for name in (f"{func}_inputs", "example_inputs"):
+        inputs = getattr(module, name, None)
+        if inputs is None:
+            continue
+        if isinstance(inputs, dict):
+            inputs = inputs.get(func)
+            if inputs is None:
+                continue
+        if callable(inputs):
+            inputs = inputs()
+        return fn, tuple(inputs)
+    raise SystemExit(f"comfuse explain: {path} must define {func}_inputs or example_inputs "
+                     "(a tuple of example arguments, or a function returning one)")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="comfuse", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_demo = sub.add_parser("demo", help="compile, check and (on a GPU) time the built-in suite")
+    p_demo.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p_demo.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p_demo.add_argument("--only", default="", help="comma-separated workload names")
+    p_explain = sub.add_parser("explain", help="report the regions of FILE.py:FUNC")
+    p_explain.add_argument("target", help="FILE.py:FUNC; the file also defines FUNC_inputs or example_inputs")
+    p_explain.add_argument("--forms", action="store_true", help="print every planner form of each region")
+    p_explain.add_argument("--source", action="store_true", help="print each generated kernel")
+    p_cache = sub.add_parser("cache", help="show or clear the kernel source cache")
+    p_cache.add_argument("action", choices=["info", "clear"])
+    args = parser.parse_args(argv)
+
+    if args.command == "demo":
+        from .demo import run
+        only = [s for s in args.only.split(",") if s]
+        return run(device=args.device, dtype=args.dtype, only=only)
+    if args.command == "explain":
+        import comfuse
+        fn, inputs = _load_target(args.target)
+        report = comfuse.explain(fn, inputs)
+        print(report)
+        for r in report.regions:
+            if args.forms:
+                for name, text in r.forms:
+                    print(f"\n-- region {r.index}, form '{name}' --\n{text}")
+            if args.source and r.kernel_path:
+                print(f"\n-- region {r.index}, kernel {r.kernel_path} --\n{Path(r.kernel_path).read_text()}")
+        return 0
+    if args.command == "cache":
+        from .runtime import cache
+        if args.action == "clear":
+            print(f"removed {cache.clear()} kernel sources from {cache.kernel_dir()}")
+        else:
+            files = sorted(cache.kernel_dir().glob("*.py")) if cache.kernel_dir().exists() else []
+            print(f"{cache.kernel_dir()}: {len(files)} kernel sources")
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

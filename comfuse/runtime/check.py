@@ -1,0 +1,72 @@
+"""Comparing results with a reference: the tolerances every check in comfuse uses.
+
+The error is norm-wise, ||out - ref|| / ||ref|| over the finite elements, and
+NaN and infinities must sit in the same places (with the same sign) in both.
+Tolerances by output dtype, against a float64 reference:
+fp32 1e-4 (3e-3 when TF32 matmuls are allowed), fp16 2e-3, bf16 2e-2.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+TF32_TOLERANCE = 3e-3
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+        return TF32_TOLERANCE
+    return TOLERANCE.get(dtype, 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    ok: bool
+    error: float  # norm-wise relative error over finite elements
+    tolerance: float
+    detail: str = ""
+
+    def __str__(self) -> str:
+        status = "ok" if self.ok else "MISMATCH"
+        extra = f" ({self.detail})" if self.detail else ""
+        return f"{status}: rel err {self.error:.2e} (tol {self.tolerance:.0e}){extra}"
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor, tol: float | None = None) -> Comparison:
+    """Compare ``out`` with ``ref`` (any float dtypes; bool/int compared exactly)."""
+    if tol is None:
+        tol = tolerance(out.dtype)
+    if out.shape != ref.shape:
+        return Comparison(False, float("inf"), tol, f"shape {list(out.shape)} != {list(ref.shape)}")
+    if not out.dtype.is_floating_point or not ref.dtype.is_floating_point:
+        bad = int((out.to(ref.dtype) != ref).sum())
+        return Comparison(bad == 0, float(bad), 0.0, f"{bad} elements differ" if bad else "")
+    o = out.detach().double().cpu()
+    # round the reference to the output's dtype first, so overflow to inf agrees
+    r = ref.detach().to(out.dtype).double().cpu() if out.dtype != ref.dtype else ref.detach().double().cpu()
+    nan_o, nan_r = o.isnan(), r.isnan()
+    if not torch.equal(nan_o, nan_r):
+        n = int((nan_o != nan_r).sum())
+        return Comparison(False, float("inf"), tol, f"NaN in different places ({n} elements)")
+    inf_o, inf_r = o.isinf(), r.isinf()
+    if not torch.equal(inf_o, inf_r) or not torch.equal(o[inf_o], r[inf_r]):
+        return Comparison(False, float("inf"), tol, "infinities in different places")
+    finite = ~(nan_r | inf_r)
+    diff = (o[finite] - r[finite]).norm()
+    scale = r[finite].norm()
+    err = float(diff / scale) if scale > 0 else float(diff)
+    return Comparison(err <= tol, err, tol)
+
+
+class KernelMismatch(AssertionError):
+    """A generated kernel disagreed with the IR's reference interpreter (COMFUSE_CHECK=1)."""
+
+
+def region_tolerance(region) -> float:
+    """The loosest tolerance among the region's outputs and explicit casts."""
+    from ..ir import Op
+    dtypes = [o.dtype for o in region.outputs]
+    dtypes += [n.arg for n in region.nodes if n.op is Op.CAST and n.arg.is_floating_point]
+    return max((tolerance(d) for d in dtypes if d.is_floating_point), default=0.0)
