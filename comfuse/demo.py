@@ -29,7 +29,8 @@ def _time_ms(fn) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
-def run(device: str = "auto", dtype: str = "bf16", only=None, out=sys.stdout) -> int:
+def run(device: str = "auto", dtype: str = "bf16", only=None, out=None) -> int:
+    out = out or sys.stdout
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dt = DTYPES[dtype]
@@ -37,6 +38,9 @@ def run(device: str = "auto", dtype: str = "bf16", only=None, out=sys.stdout) ->
     unknown = set(only or ()) - set(SUITE)
     if unknown:
         print(f"unknown workloads: {sorted(unknown)}; choose from {sorted(SUITE)}", file=out)
+        return 2
+    if device == "cuda" and not torch.cuda.is_available():
+        print("--device cuda: CUDA is not available here", file=out)
         return 2
     mode = "Triton interpreter, small shapes" if device == "cpu" else f"{torch.cuda.get_device_name()}"
     print(f"comfuse demo on {device} ({mode}), dtype {dtype}\n", file=out)

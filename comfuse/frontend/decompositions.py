@@ -117,6 +117,11 @@ def mean(x, dim, keepdim=False, *, dtype=None):
     return (s / _count(x, dims)).to(out_dtype)
 
 
+@_register("mean.default")
+def mean_all(x, *, dtype=None):
+    return mean(x, None, False, dtype=dtype)
+
+
 @_register("logsumexp.default")
 def logsumexp(x, dim, keepdim=False):
     dims = _dims(x, dim)

@@ -4,7 +4,7 @@ reference interpreter).
 Invariants: records are frozen; nodes are in SSA order; every pass's output
 passes ``verify``; ``interpret.evaluate`` defines what each op means.
 """
-from .interpret import canonical_shape, evaluate
+from .interpret import canonical_shape, evaluate, evaluate_with_scale
 from .key import structural_key, structural_text
 from .nodes import (AXES_ORDER, BINARY, COMPARE, ELEMENTWISE, FLOAT_DTYPES, GEMM_DTYPES, LEAF,
                     REDUCE, TERNARY, UNARY, Gemm, Input, Node, Op, Operand, Output, Region, Sizes,
@@ -15,6 +15,6 @@ from .verify import IRError, verify
 __all__ = [
     "AXES_ORDER", "BINARY", "COMPARE", "ELEMENTWISE", "FLOAT_DTYPES", "GEMM_DTYPES", "LEAF", "REDUCE",
     "TERNARY", "UNARY", "Gemm", "IRError", "Input", "Node", "Op", "Operand", "Output", "Region",
-    "Sizes", "canonical_shape", "dtype_name", "evaluate", "format_region", "sort_axes",
+    "Sizes", "canonical_shape", "dtype_name", "evaluate", "evaluate_with_scale", "format_region", "sort_axes",
     "structural_key", "structural_text", "verify",
 ]

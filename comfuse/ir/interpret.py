@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from .nodes import Op, Region, sort_axes
+from .nodes import Op, Region
 
 _DIM = {"B": 0, "M": 1, "N": 2}
 
@@ -43,6 +43,56 @@ def evaluate(region: Region, a: torch.Tensor, b: torch.Tensor, inputs: Sequence[
              compute_dtype: torch.dtype | None = torch.float64) -> list[torch.Tensor]:
     """Evaluate ``region`` on operands ``a`` ([B?, M, K]), ``b`` ([B?, K, N]) and side
     inputs in canonical 3-D layout; return the outputs in canonical 3-D layout."""
+    return _run(region, a, b, inputs, compute_dtype)[0]
+
+
+def evaluate_with_scale(region: Region, a: torch.Tensor, b: torch.Tensor,
+                        inputs: Sequence[torch.Tensor]) -> tuple[list, list]:
+    """Exact (float64) outputs and, for each, an error scale: a running forward-error
+    bound in units of the rounding unit. A kernel that rounds every op to precision u is
+    off by about u * scale, so ``|out - ref| / scale`` measures its error even where the
+    result cancels to near zero (a sum of normalised values) or the problem is
+    ill-conditioned (LayerNorm of a nearly constant row)."""
+    return _run(region, a, b, inputs, torch.float64, with_scale=True)
+
+
+def _scale(op: Op, node, x: list, sx: list, v: torch.Tensor) -> torch.Tensor:
+    """How the error bound grows through one op: |f'(x)| * scale(x) + |f(x)|."""
+    av = v.abs() if v.dtype.is_floating_point else torch.zeros((), dtype=torch.float64)
+    if not v.dtype.is_floating_point:
+        return torch.zeros(v.shape, dtype=torch.float64)
+    if op in (Op.NEG, Op.ABS, Op.RELU):
+        return sx[0]
+    if op is Op.CAST:
+        return sx[0] + av
+    if op in (Op.ADD, Op.SUB):
+        return sx[0] + sx[1]
+    if op is Op.MUL:
+        return sx[0] * x[1].abs() + x[0].abs() * sx[1]
+    if op is Op.DIV:
+        return (sx[0] + (x[0] / x[1]).abs() * sx[1]) / x[1].abs()
+    if op in (Op.MAX, Op.MIN):
+        return torch.maximum(sx[0], sx[1])
+    if op is Op.WHERE:
+        return torch.where(x[0], sx[1], sx[2])
+    if op is Op.SUM:
+        return sx[0].sum(_DIM[node.arg], keepdim=True) + av
+    if op in (Op.RMAX, Op.RMIN):
+        return sx[0].amax(_DIM[node.arg], keepdim=True)
+    xx = x[0]
+    slope = {
+        Op.EXP: lambda: av, Op.EXPM1: lambda: xx.exp(), Op.LOG: lambda: 1 / xx.abs(),
+        Op.LOG1P: lambda: 1 / (1 + xx).abs(), Op.SQRT: lambda: 0.5 / av,
+        Op.RSQRT: lambda: 0.5 * av / xx.abs(), Op.RECIPROCAL: lambda: av * av,
+        Op.TANH: lambda: 1 - v * v, Op.SIGMOID: lambda: v * (1 - v),
+        Op.ERF: lambda: 1.1283791670955126 * torch.exp(-xx * xx),
+        Op.SIN: lambda: xx.cos().abs(), Op.COS: lambda: xx.sin().abs(),
+        Op.POW: lambda: (node.arg * xx.abs() ** (node.arg - 1)).abs(),
+    }[op]()
+    return slope.abs() * sx[0] + av
+
+
+def _run(region: Region, a, b, inputs, compute_dtype, with_scale: bool = False):
     exact = compute_dtype is not None
 
     def fix(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -52,6 +102,7 @@ def evaluate(region: Region, a: torch.Tensor, b: torch.Tensor, inputs: Sequence[
 
     s = region.sizes
     vals: list[torch.Tensor] = []
+    scales: list[torch.Tensor] = []
     for node in region.nodes:
         x = [vals[i] for i in node.src]
         op = node.op
@@ -90,12 +141,20 @@ def evaluate(region: Region, a: torch.Tensor, b: torch.Tensor, inputs: Sequence[
         else:  # pragma: no cover
             raise NotImplementedError(f"reference interpreter has no rule for {op}")
         vals.append(fix(v.to(a.device), node.dtype))
-    outs = []
+        if with_scale:
+            if op is Op.ACC:
+                sc = torch.matmul(a.to(compute_dtype).abs(), b.to(compute_dtype).abs()).reshape(s.B, s.M, s.N)
+            elif op in (Op.INPUT, Op.CONST, Op.IOTA):
+                sc = vals[-1].abs().to(torch.float64) if vals[-1].dtype.is_floating_point else \
+                    torch.zeros(vals[-1].shape, dtype=torch.float64)
+            else:
+                sc = _scale(op, node, x, [scales[i] for i in node.src], vals[-1])
+            scales.append(sc.to(torch.float64))
+    outs, out_scales = [], []
     for out in region.outputs:
-        v = vals[out.node].expand(canonical_shape(region, out.axes))
+        shape = canonical_shape(region, out.axes)
+        v = vals[out.node].expand(shape)
         outs.append(v if exact else v.to(out.dtype))
-    return outs
-
-
-def describe_axes(axes) -> str:
-    return "x".join(sort_axes(axes)) or "scalar"
+        if with_scale:
+            out_scales.append(scales[out.node].expand(shape))
+    return outs, out_scales

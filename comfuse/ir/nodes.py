@@ -14,7 +14,10 @@ build new ones.
 
 Numerics: floating-point nodes record the dtype eager PyTorch would give them,
 but generated kernels compute every floating-point node in fp32 and round only
-where the program casts explicitly (``CAST``) and when an output is stored.
+when an output is stored; a ``CAST`` between floating-point types does not
+round inside the kernel (rounding some values but not the ones they meet
+again, as in ``x - mean(x)``, would be less faithful, not more). The reference
+interpreter's exact mode follows the same rule.
 """
 from __future__ import annotations
 

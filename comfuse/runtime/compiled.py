@@ -25,7 +25,7 @@ import torch.fx as fx
 from .. import settings as settings_mod
 from ..frontend.capture import CaptureError, capture
 from ..frontend.regions import Candidate, find_regions
-from ..ir import canonical_shape, evaluate, format_region
+from ..ir import canonical_shape, evaluate_with_scale, format_region
 from ..planner import NotFused, plan as make_plan
 from ..report import RegionReport, Report
 from . import kernel as kernel_mod
@@ -97,10 +97,10 @@ class FusedRegion(torch.nn.Module):
         return tuple(o.view(shape) for o, shape in zip(outs, self.out_shapes))
 
     def check(self, a3, b3, ins, outs) -> None:
-        refs = evaluate(self.region, a3, b3, ins, torch.float64)
+        refs, scales = evaluate_with_scale(self.region, a3, b3, ins)
         tol = region_tolerance(self.region)
-        for out, ref, spec in zip(outs, refs, self.region.outputs):
-            result = compare(out, ref, tol)
+        for out, ref, scale, spec in zip(outs, refs, scales, self.region.outputs):
+            result = compare(out, ref, tol, scale)
             if not result.ok:
                 raise KernelMismatch(f"kernel {self.kernel.source.name} output {spec.name}: {result}")
 

@@ -188,10 +188,10 @@ class _Emitter:
             else:
                 value = int(value)
             return f"tl.full((1, 1), {_literal(value)}, {TL_DTYPE.get(target, 'tl.float32')})"
-        if target in (torch.float16, torch.bfloat16):
-            return f"{x}.to({TL_DTYPE[target]}).to(tl.float32)"  # round as the program asks
-        if target == torch.float32:
-            return f"{x}.to(tl.float32)"
+        if target.is_floating_point:
+            # float -> float casts keep fp32: rounding only some values would make the rest
+            # inconsistent with them (x - mean(x) != 0); outputs round once when stored
+            return f"{x}.to(tl.float32)" if not node.dtype.is_floating_point else x
         if target == torch.bool:
             return f"{x} != 0"
         return f"{x}.to({TL_DTYPE[target]})"

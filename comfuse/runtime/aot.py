@@ -1,0 +1,54 @@
+"""Ahead-of-time compilation of a generated kernel for a GPU target, without a GPU.
+
+``triton.compile`` can build PTX and a cubin for sm_90 on a CPU-only machine,
+which proves the generated source is valid Triton for the H200 and shows what
+the compiler made of it (tensor-core instructions, registers, shared memory).
+Triton must not be in interpreter mode in this process (set TRITON_INTERPRET=0
+before importing comfuse).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from ..planner import Plan
+from .kernel import build, interpreting
+
+_PTR = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.bool: "*i1",
+        torch.int64: "*i64", torch.int32: "*i32", torch.int16: "*i16", torch.int8: "*i8",
+        torch.uint8: "*u8"}
+
+
+def compile_for_gpu(plan: Plan, arch: int = 90, tf32: bool = False) -> dict:
+    """Compile ``plan``'s kernel for CUDA sm_``arch``; return Triton's asm dict plus metadata."""
+    if interpreting():
+        raise RuntimeError("Triton is in interpreter mode in this process; set TRITON_INTERPRET=0 "
+                           "before importing comfuse to compile for a GPU")
+    kernel = build(plan)
+    r = plan.region
+    sig = {}
+    for p in kernel.source.params:
+        if p.role in ("a", "b"):
+            sig[p.name] = _PTR[(r.gemm.a if p.role == "a" else r.gemm.b).dtype]
+        elif p.role == "in":
+            sig[p.name] = _PTR[r.inputs[p.index].dtype]
+        elif p.role == "out":
+            sig[p.name] = _PTR[r.outputs[p.index].dtype]
+        else:
+            sig[p.name] = "i32"
+    constexprs = dict(kernel.source.constexprs)
+    constexprs.update(UPCAST_OPERANDS=False, DOT_PRECISION="tf32" if tf32 else "ieee",
+                      WIDE_INDEX=False)
+    for name in constexprs:
+        sig[name] = "constexpr"
+    compiled = triton.compile(ASTSource(fn=kernel.fn, signature=sig, constexprs=constexprs),
+                              target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": kernel.source.num_warps,
+                                       "num_stages": kernel.source.num_stages})
+    asm = dict(compiled.asm)
+    ptx = asm.get("ptx", "")
+    return {"asm": asm, "shared_bytes": compiled.metadata.shared, "name": kernel.source.name,
+            "wgmma": ptx.count("wgmma.mma_async"), "mma": ptx.count("mma.sync"),
+            "registers": getattr(compiled, "n_regs", None)}

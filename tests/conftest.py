@@ -1,0 +1,39 @@
+"""Shared test set-up.
+
+- comfuse is imported first: on a machine without a GPU it switches Triton to its
+  CPU interpreter, which must happen before anything imports triton.
+- COMFUSE_CHECK=1: every kernel launch is compared with the IR's float64 reference
+  interpreter and raises KernelMismatch beyond tolerance.
+- Kernel sources go to a fresh temporary cache directory.
+- Tests marked ``gpu`` are skipped (with the reason) where CUDA is unavailable.
+"""
+import os
+import tempfile
+
+os.environ.setdefault("COMFUSE_CHECK", "1")
+os.environ.setdefault("COMFUSE_CACHE_DIR", tempfile.mkdtemp(prefix="comfuse-test-cache-"))
+
+import comfuse  # noqa: E402,F401  (must precede triton)
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from helpers import PROPERTY_COUNTS  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; run on the H200 (see docs/gpu.md)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    for name, count in sorted(PROPERTY_COUNTS.items()):
+        terminalreporter.write_line(f"property test {name}: {count} generated examples ran")
+
+
+@pytest.fixture
+def device():
+    return "cuda" if torch.cuda.is_available() else "cpu"

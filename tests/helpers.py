@@ -1,0 +1,51 @@
+"""Helpers shared by the tests."""
+import collections
+import math
+import os
+
+import torch
+
+from comfuse.runtime.check import compare, tolerance
+
+PROPERTY_COUNTS: collections.Counter = collections.Counter()
+
+# Where the tests run their tensors: CUDA when present (the whole suite then runs on the
+# GPU), else the CPU through Triton's interpreter. COMFUSE_TEST_DEVICE overrides.
+DEVICE = os.environ.get("COMFUSE_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def as_tuple(x):
+    return x if isinstance(x, tuple) else (x,)
+
+
+def double(args):
+    return tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                 for a in args)
+
+
+def reference(fn, args):
+    """fn evaluated in float64 on the same (rounded) inputs."""
+    return as_tuple(fn(*double(args)))
+
+
+def assert_matches_reference(fn, args, outs, tol=None):
+    """Fused outputs against fn in float64 on the same inputs, norm-wise, with values below 1
+    in magnitude judged absolutely (a sum of a normalised row cancels to ~0; the kernels
+    themselves are judged more finely by COMFUSE_CHECK's error scale)."""
+    refs = reference(fn, args)
+    outs = as_tuple(outs)
+    assert len(outs) == len(refs)
+    for o, r in zip(outs, refs):
+        t = tol if tol is not None else tolerance(o.dtype)
+        c = compare(o, r, t, floor=1.0)
+        assert c.ok, f"fused result differs from the float64 reference: {c}"
+
+
+def randn(*shape, dtype=torch.float32, device=None, scale=1.0, gen=None):
+    device = device or DEVICE
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype=dtype, device=device)
+
+
+def weight(K, N, dtype=torch.float32, device=None, gen=None):
+    device = device or DEVICE
+    return (torch.randn(K, N, generator=gen) / math.sqrt(max(K, 1))).to(dtype=dtype, device=device)

@@ -1,0 +1,57 @@
+"""The comfuse command: demo, explain FILE.py:FUNC, cache."""
+import textwrap
+
+import pytest
+
+from comfuse.cli import main
+
+from helpers import DEVICE
+
+
+def test_demo_runs_checks_and_ends_with_a_verdict(capsys):
+    code = main(["demo", "--device", DEVICE, "--only", "softmax,multi_stage,linear_ce"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "== multi_stage" in out and "plan: row_in_cta" in out
+    assert out.strip().splitlines()[-1].startswith("verdict: PASS: 3/3 workloads match")
+
+
+def test_demo_rejects_unknown_workloads(capsys):
+    assert main(["demo", "--device", DEVICE, "--only", "nope"]) == 2
+    assert "unknown workloads" in capsys.readouterr().out
+
+
+def test_explain_file_function(tmp_path, capsys):
+    src = tmp_path / "model.py"
+    src.write_text(textwrap.dedent("""
+        import torch
+        def block(x, w, b):
+            return torch.softmax(x @ w + b, -1)
+        def block_inputs():
+            return torch.randn(8, 16), torch.randn(16, 24), torch.randn(24)
+        def other(x, w):
+            return torch.relu(x @ w)
+        example_inputs = {"other": (torch.randn(4, 8), torch.randn(8, 8))}
+    """))
+    assert main(["explain", f"{src}:block", "--forms", "--source"]) == 0
+    out = capsys.readouterr().out
+    assert "1 fused" in out and "schedule row_in_cta" in out
+    assert "form 'simplified'" in out and "@triton.jit" in out
+    assert main(["explain", f"{src}:other"]) == 0
+    assert "schedule tile" in capsys.readouterr().out
+
+
+def test_explain_errors_are_clear(tmp_path):
+    src = tmp_path / "bare.py"
+    src.write_text("def f(x):\n    return x\n")
+    with pytest.raises(SystemExit, match="must define f_inputs or example_inputs"):
+        main(["explain", f"{src}:f"])
+    with pytest.raises(SystemExit, match="defines no 'g'"):
+        main(["explain", f"{src}:g"])
+    with pytest.raises(SystemExit, match="expected FILE.py:FUNC"):
+        main(["explain", str(src)])
+
+
+def test_cache_info(capsys):
+    assert main(["cache", "info"]) == 0
+    assert "kernel sources" in capsys.readouterr().out

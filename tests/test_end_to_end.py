@@ -1,0 +1,257 @@
+"""comfuse.compile end to end on the CPU (Triton interpreter); COMFUSE_CHECK=1 (conftest) also
+checks every kernel launch against the IR's float64 reference interpreter."""
+import math
+import warnings
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import comfuse
+from comfuse import settings
+from comfuse.bench.workloads import SUITE
+from comfuse.runtime import kernel as kernel_mod
+
+from helpers import DEVICE, as_tuple, assert_matches_reference, randn, weight
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SHAPES = [(1, 16, 16), (37, 29, 50), (64, 16, 130)]  # M=1, odd sizes, N past a power of two
+
+
+def compile_and_run(fn, args):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", comfuse.ComfuseWarning)
+        compiled = comfuse.compile(fn, args)
+        out = compiled(*args)
+    return compiled, out
+
+
+@pytest.mark.parametrize("name", list(SUITE))
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=["M1", "odd", "wide"])
+def test_suite_matches_reference(name, dtype, shape):
+    wl = SUITE[name]
+    args = wl.inputs(*shape, dtype=dtype, device=DEVICE, seed=zlib.crc32(f"{name}{shape}".encode()) % 1000)
+    compiled, out = compile_and_run(wl.fn, args)
+    assert all(r.fused for r in compiled.report.regions), str(compiled.report)
+    assert_matches_reference(wl.fn, args, out)
+    eager = as_tuple(wl.fn(*args))
+    for o, e in zip(as_tuple(out), eager):
+        assert o.shape == e.shape and o.dtype == e.dtype
+
+
+def test_column_strip_reductions():
+    fns = {
+        "softmax_dim0": lambda x, w: torch.softmax(x @ w, dim=0),
+        "layer_norm_over_M": lambda x, w, g: (lambda y: (y - y.mean(0)) * torch.rsqrt(y.var(0, unbiased=False) + 1e-5) * g)(x @ w),
+    }
+    for name, fn in fns.items():
+        args = (randn(40, 24), weight(24, 33)) + ((randn(33),) if "layer" in name else ())
+        compiled, out = compile_and_run(fn, args)
+        (r,) = compiled.report.regions
+        assert r.fused and "column strip" in r.plan, name
+        assert_matches_reference(fn, args, out)
+
+
+def test_batched_and_3d_inputs():
+    fn = lambda q, k, v_bias: torch.softmax(q @ k.transpose(1, 2) / 8.0 + v_bias, -1)  # noqa: E731
+    args = (randn(3, 17, 16), randn(3, 21, 16), randn(21))
+    compiled, out = compile_and_run(fn, args)
+    assert compiled.report.regions[0].fused
+    assert_matches_reference(fn, args, out)
+    lin = lambda x, W, b, r: F.layer_norm(F.linear(x, W, b) + r, (24,))  # noqa: E731
+    args = (randn(2, 7, 16), randn(24, 16), randn(24), randn(2, 7, 24))
+    compiled, out = compile_and_run(lin, args)
+    assert compiled.report.regions[0].fused and out.shape == (2, 7, 24)
+    assert_matches_reference(lin, args, out)
+
+
+def test_multi_output_pre_norm_block():
+    def block(x, w, r, g):
+        h = x @ w + r
+        return h, h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * g
+    args = (randn(20, 16, dtype=torch.bfloat16), weight(16, 40, dtype=torch.bfloat16),
+            randn(20, 40, dtype=torch.bfloat16), randn(40, dtype=torch.bfloat16))
+    compiled, out = compile_and_run(block, args)
+    assert len(compiled.report.regions[0].outputs) == 2
+    assert_matches_reference(block, args, out)
+
+
+def test_non_contiguous_and_transposed_inputs():
+    def f(x, w, b, r):
+        return F.layer_norm(x @ w + b + r, (w.shape[1],))
+    x = randn(24, 40)[:, ::2]            # strided rows
+    w = randn(36, 20).t()                # transposed weight
+    b = randn(72)[::2]                   # strided bias
+    r = randn(36, 24).t()                # transposed residual
+    args = (x, w, b, r)
+    compiled, out = compile_and_run(f, args)
+    assert compiled.report.regions[0].fused
+    assert_matches_reference(f, args, out)
+
+
+def test_nan_and_inf_propagate_as_in_eager():
+    def f(x, w, b):
+        return torch.softmax(x @ w + b, -1), torch.relu(x @ w) + b
+    x, w, b = randn(8, 16), weight(16, 24), randn(24)
+    x[2, 3] = float("nan")
+    b[5] = float("inf")
+    compiled, out = compile_and_run(f, (x, w, b))
+    eager = f(x, w, b)
+    for o, e in zip(out, eager):
+        assert torch.equal(o.isnan(), e.isnan())
+        assert torch.equal(o.isinf(), e.isinf())
+        finite = ~(e.isnan() | e.isinf())
+        torch.testing.assert_close(o[finite], e[finite], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("M,K,N", [(0, 8, 16), (8, 0, 16), (8, 16, 0)])
+def test_zero_size_dimensions(M, K, N):
+    def f(x, w, b):
+        return torch.relu(x @ w + b) * 2.0, F.layer_norm(x @ w, (N,))
+    args = (randn(M, K), weight(K, N), randn(N))
+    _, out = compile_and_run(f, args)
+    for o, e in zip(out, f(*args)):
+        assert o.shape == e.shape
+        torch.testing.assert_close(o, e, equal_nan=True)
+
+
+def test_new_shapes_dtypes_and_devices_respecialise():
+    fn = SUITE["ln_postnorm"].fn
+    wl = SUITE["ln_postnorm"]
+    f32 = torch.float32
+    compiled, _ = compile_and_run(fn, wl.inputs(16, 16, 32, dtype=f32, device=DEVICE))
+    for args in [wl.inputs(9, 16, 32, dtype=f32, device=DEVICE), wl.inputs(16, 24, 48, dtype=f32, device=DEVICE),
+                 wl.inputs(16, 16, 32, dtype=torch.bfloat16, device=DEVICE)]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", comfuse.ComfuseWarning)
+            out = compiled(*args)
+        assert_matches_reference(fn, args, out)
+    assert len(compiled._specs) == 4
+
+
+def test_keyword_arguments_and_signature():
+    def f(x, w, scale=2.0):
+        return torch.tanh(x @ w) * scale
+    args = (randn(4, 8), weight(8, 16))
+    compiled, _ = compile_and_run(f, args)
+    assert compiled.__name__ == "f"
+    out = compiled(x=args[0], w=args[1])
+    assert_matches_reference(f, args, out)
+
+
+def test_compilation_failure_falls_back_with_a_warning(monkeypatch):
+    def boom(plan):
+        raise RuntimeError("synthetic code generator failure")
+    monkeypatch.setattr(kernel_mod, "build", boom)
+    fn = SUITE["softmax"].fn
+    args = SUITE["softmax"].inputs(8, 16, 24, device=DEVICE)
+    with pytest.warns(comfuse.ComfuseWarning, match="synthetic code generator failure"):
+        compiled = comfuse.compile(fn, args)
+    (r,) = compiled.report.regions
+    assert not r.fused and "compilation failed" in r.reason
+    torch.testing.assert_close(compiled(*args), fn(*args))
+    with settings.override(strict=True), pytest.raises(RuntimeError, match="synthetic"):
+        comfuse.compile(fn, args)
+
+
+def test_kernel_failure_at_launch_falls_back_with_a_warning(monkeypatch):
+    fn = SUITE["rmsnorm"].fn
+    args = SUITE["rmsnorm"].inputs(8, 16, 24, device=DEVICE)
+    compiled = comfuse.compile(fn, args)
+
+    def broken(self, *a, **k):
+        raise RuntimeError("synthetic launch failure")
+    monkeypatch.setattr(kernel_mod.Kernel, "launch", broken)
+    with pytest.warns(comfuse.ComfuseWarning, match="synthetic launch failure"):
+        out = compiled(*args)
+    torch.testing.assert_close(out, fn(*args))
+    assert not compiled.report.regions[0].fused
+    strict = comfuse.compile(fn, SUITE["rmsnorm"].inputs(9, 16, 24, device=DEVICE))
+    with settings.override(strict=True), pytest.raises(RuntimeError, match="synthetic launch"):
+        strict(*SUITE["rmsnorm"].inputs(9, 16, 24, device=DEVICE))
+
+
+def test_inputs_requiring_grad_run_eagerly_with_gradients():
+    fn = SUITE["softmax"].fn
+    x, w = randn(4, 8), weight(8, 16)
+    compiled = comfuse.compile(fn, (x, w))
+    w.requires_grad_(True)
+    with pytest.warns(comfuse.ComfuseWarning, match="backward"):
+        out = compiled(x, w)
+    out.sum().backward()
+    assert w.grad is not None
+
+
+def test_unsupported_graphs_run_unfused_with_a_reason():
+    cases = {
+        "both axes": lambda x, w: (x @ w) - (x @ w).amax(0) - (x @ w).sum(1, keepdim=True),
+        "float64": lambda x, w: torch.softmax(x.double() @ w.double(), -1),
+    }
+    for expect, fn in cases.items():
+        args = (randn(6, 8), weight(8, 10))
+        report = comfuse.explain(fn, args)
+        assert not report.regions[0].fused and expect.split()[0] in report.regions[0].reason, str(report)
+        compiled, out = compile_and_run(fn, args)
+        torch.testing.assert_close(out, fn(*args))
+
+
+def test_rows_wider_than_budget_run_unfused_and_say_why():
+    fn = SUITE["softmax"].fn
+    args = SUITE["softmax"].inputs(8, 16, 300, device=DEVICE)
+    with settings.override(row_budget=16 * 256):
+        compiled, out = compile_and_run(fn, args)
+    (r,) = compiled.report.regions
+    assert not r.fused and "wider than one program holds" in r.reason
+    torch.testing.assert_close(out, fn(*args))
+
+
+def test_disable_setting_runs_everything_unfused():
+    fn = SUITE["mblr"].fn
+    args = SUITE["mblr"].inputs(8, 16, 24, device=DEVICE)
+    compiled = comfuse.compile(fn, args)
+    with settings.override(disable=True):
+        torch.testing.assert_close(compiled(*args), fn(*args))
+
+
+def test_fuel_caps_the_number_of_fused_regions():
+    def two(x, w1, w2):
+        return torch.relu(x @ w1), torch.softmax(x @ w2, -1)
+    args = (randn(4, 8), weight(8, 16), weight(8, 12))
+    with settings.override(fuel=1):
+        report = comfuse.explain(two, args)
+    assert [r.fused for r in report.regions] == [True, False]
+    assert "fuel" in report.regions[1].reason
+
+
+def test_cross_entropy_never_writes_logits():
+    wl = SUITE["linear_ce"]
+    args = wl.inputs(16, 24, 40, device=DEVICE)
+    compiled, out = compile_and_run(wl.fn, args)
+    (r,) = compiled.report.regions
+    assert r.fused and all("[M,N]" not in line for line in r.ir.splitlines() if line.strip().startswith("out"))
+    assert_matches_reference(wl.fn, args, out)
+
+
+def test_constants_from_scalar_tensors_and_fills():
+    def f(x, w):
+        y = x @ w
+        return torch.where(y > 0, y, torch.zeros_like(y)) * torch.tensor(3.0) + torch.full_like(y, 0.5)
+    args = (randn(5, 8), weight(8, 12))
+    compiled, out = compile_and_run(f, args)
+    assert compiled.report.regions[0].fused
+    assert_matches_reference(f, args, out)
+
+
+def test_integer_and_boolean_side_inputs():
+    def f(x, w, mask, idx):
+        y = (x @ w).masked_fill(mask, -math.inf)
+        return torch.log_softmax(y, -1).gather(1, idx)
+    x, w = randn(6, 8), weight(8, 12)
+    mask = torch.zeros(6, 12, dtype=torch.bool, device=DEVICE)
+    mask[:, 7:] = True
+    idx = torch.randint(0, 7, (6, 1), device=DEVICE)
+    compiled, out = compile_and_run(f, (x, w, mask, idx))
+    assert compiled.report.regions[0].fused
+    assert_matches_reference(f, (x, w, mask, idx), out)

@@ -1,0 +1,130 @@
+"""Capture and region finding."""
+import torch
+import torch.nn.functional as F
+
+import comfuse
+from comfuse.frontend.capture import capture
+from comfuse.frontend.regions import find_regions
+from comfuse.ir import Op, verify
+
+aten = torch.ops.aten
+
+
+def targets(gm):
+    return {n.target for n in gm.graph.nodes if n.op == "call_function"}
+
+
+def regions_of(fn, *args):
+    gm = capture(fn, args)
+    return gm, find_regions(gm)
+
+
+def test_capture_decomposes_composites_into_primitives():
+    def f(x, w, g, b):
+        y = x @ w
+        return F.layer_norm(y, (y.shape[-1],), g, b), torch.softmax(y, -1), F.gelu(y), F.silu(y)
+    gm = capture(f, (torch.randn(4, 8), torch.randn(8, 16), torch.randn(16), torch.randn(16)))
+    t = targets(gm)
+    for composite in (aten.native_layer_norm.default, aten._softmax.default, aten.gelu.default,
+                      aten.silu.default, aten.var_mean.correction):
+        assert composite not in t
+    assert aten.mm.default in t and aten.amax.default in t and aten.erf.default in t
+
+
+def test_capture_merges_duplicate_gemms():
+    f = lambda x, w: (torch.softmax(x @ w, -1), torch.log_softmax(x @ w, -1))  # noqa: E731
+    gm = capture(f, (torch.randn(4, 8), torch.randn(8, 16)))
+    assert sum(n.target is aten.mm.default for n in gm.graph.nodes) == 1
+
+
+def test_post_norm_block_is_one_region_writing_one_output():
+    def f(x, w, b, r, g, be):
+        return F.layer_norm(x @ w + b + r, (16,), g, be)
+    args = (torch.randn(4, 8), torch.randn(8, 16), torch.randn(16), torch.randn(4, 16),
+            torch.randn(16), torch.randn(16))
+    _, (cand,) = regions_of(f, *args)
+    assert not cand.reason and not cand.notes
+    region = verify(cand.region)
+    assert len(region.outputs) == 1
+    assert [i.axes for i in region.inputs] == [{"N"}, {"M", "N"}, {"N"}, {"N"}]
+    assert sum(n.op is Op.SUM for n in region.nodes) == 2  # mean, then variance of deviations
+
+
+def test_variance_is_two_pass_never_mean_of_squares_minus_square_of_mean():
+    f = lambda x, w: torch.var_mean(x @ w, -1)  # noqa: E731
+    _, (cand,) = regions_of(f, torch.randn(4, 8), torch.randn(8, 16))
+    nodes = cand.region.nodes
+    sums = [i for i, n in enumerate(nodes) if n.op is Op.SUM]
+    second_input = nodes[nodes[sums[1]].src[0]]
+    assert second_input.op is Op.MUL
+    deviation = nodes[second_input.src[0]]
+    assert deviation.op is Op.SUB and deviation.src[0] == 0  # (acc - mean)^2
+
+
+def test_pre_norm_returns_both_the_sum_and_its_norm():
+    def f(x, w, r, g):
+        h = x @ w + r
+        return h, h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * g
+    _, (cand,) = regions_of(f, torch.randn(4, 8), torch.randn(8, 16), torch.randn(4, 16), torch.randn(16))
+    assert len(cand.region.outputs) == 2
+
+
+def test_3d_linear_views_stay_in_the_region():
+    f = lambda x, W, b: F.layer_norm(F.linear(x, W, b), (16,))  # noqa: E731
+    _, (cand,) = regions_of(f, torch.randn(2, 5, 8), torch.randn(16, 8), torch.randn(16))
+    assert not cand.notes
+    assert cand.region.sizes.M == 10 and cand.region.sizes.N == 16
+    assert cand.outputs[0].shape == (2, 5, 16)
+
+
+def test_batched_matmul_keeps_batch_axis():
+    f = lambda q, k: torch.softmax(q @ k.transpose(1, 2), -1)  # noqa: E731
+    _, (cand,) = regions_of(f, torch.randn(3, 4, 8), torch.randn(3, 6, 8))
+    assert cand.region.gemm.batched and cand.region.sizes.B == 3
+
+
+def test_growth_stops_at_full_reduction_with_a_note():
+    f = lambda x, w, t: (torch.relu(x @ w) - t).pow(2).mean()  # noqa: E731
+    _, (cand,) = regions_of(f, torch.randn(4, 8), torch.randn(8, 16), torch.randn(4, 16))
+    assert any("full reduction" in n for n in cand.notes)
+    assert len(cand.region.outputs) == 1  # the squared error; the mean runs after the kernel
+
+
+def test_growth_stops_at_permute_and_batch_reduction():
+    f = lambda x, w: (x @ w).t().relu()  # noqa: E731
+    _, (cand,) = regions_of(f, torch.randn(4, 8), torch.randn(8, 16))
+    assert any("permute" in n or "not an epilogue op" in n for n in cand.notes)
+    g = lambda q, k: (q @ k).sum(0)  # noqa: E731
+    _, (cand,) = regions_of(g, torch.randn(3, 4, 8), torch.randn(3, 8, 6))
+    assert any("batch axis" in n for n in cand.notes)
+
+
+def test_side_input_that_depends_on_the_region_is_not_absorbed():
+    def f(x, w):
+        y = x @ w
+        s = torch.cumsum(y, 1)  # not an epilogue op: runs outside
+        return y + s
+    _, (cand,) = regions_of(f, torch.randn(4, 8), torch.randn(8, 16))
+    assert any("runs outside the region" in n for n in cand.notes)
+
+
+def test_unsupported_anchor_dtype_has_a_reason():
+    f = lambda x, w: torch.softmax(x @ w, -1)  # noqa: E731
+    _, (cand,) = regions_of(f, torch.randn(4, 8, dtype=torch.float64), torch.randn(8, 16, dtype=torch.float64))
+    assert "float64" in cand.reason
+
+
+def test_explain_reports_fields():
+    f = lambda x, w, b: torch.softmax(x @ w + b, -1)  # noqa: E731
+    report = comfuse.explain(f, (torch.randn(4, 8), torch.randn(8, 16), torch.randn(16)))
+    (r,) = report.regions
+    assert r.fused and r.reason == "" and r.kind == "gemm_epilogue"
+    assert r.stages == 3 and r.schedule == "row_in_cta"
+    assert "rmax[N]" in r.ir and "sum[N]" in r.ir
+    assert "fused, 3 stage(s)" in str(report)
+
+
+def test_explain_plain_gemm_is_not_fused():
+    report = comfuse.explain(lambda x, w: x @ w, (torch.randn(4, 8), torch.randn(8, 16)))
+    (r,) = report.regions
+    assert not r.fused and "no epilogue" in r.reason

@@ -1,0 +1,102 @@
+"""The planner: reduction axis, passes, stages, schedule choice."""
+import torch
+
+from comfuse import settings
+from comfuse.frontend.capture import capture
+from comfuse.frontend.regions import find_regions
+from comfuse.ir import Node, Op, Output, evaluate, structural_key, verify
+from comfuse.planner import NotFused, Plan, cse, dce, partition, plan, reduction_axis, transpose
+
+from test_ir import MN, NONE, layer_norm_region
+
+
+def region_of(fn, *args):
+    (cand,) = find_regions(capture(fn, args))
+    return verify(cand.region)
+
+
+def x_w(M=6, K=5, N=9):
+    return torch.randn(M, K), torch.randn(K, N)
+
+
+def test_reduction_axis():
+    assert reduction_axis(region_of(lambda x, w: torch.softmax(x @ w, -1), *x_w()))[0] == "N"
+    assert reduction_axis(region_of(lambda x, w: torch.softmax(x @ w, 0), *x_w()))[0] == "M"
+    assert reduction_axis(region_of(lambda x, w: torch.relu(x @ w), *x_w()))[0] is None
+    mixed = region_of(lambda x, w: (x @ w) - (x @ w).amax(0) - (x @ w).sum(1, keepdim=True), *x_w())
+    axis, why = reduction_axis(mixed)
+    assert axis is None and "both M" in why and "and N" in why
+
+
+def test_mixed_axes_are_not_fused_with_the_reason():
+    mixed = region_of(lambda x, w: (x @ w) - (x @ w).amax(0) - (x @ w).sum(1, keepdim=True), *x_w())
+    result = plan(mixed)
+    assert isinstance(result, NotFused) and "no strip of tiles holds both" in result.reason
+
+
+def test_stage_counts_follow_the_reduction_chain():
+    ln = region_of(lambda x, w: torch.nn.functional.layer_norm(x @ w, (9,)), *x_w())
+    sm = region_of(lambda x, w: torch.softmax(x @ w, -1), *x_w())
+    act = region_of(lambda x, w: torch.nn.functional.gelu(x @ w), *x_w())
+    assert len(partition(dce(ln))) == 3  # mean | variance of deviations | normalise
+    assert len(partition(dce(sm))) == 3  # max | sum of exp | divide
+    assert len(partition(dce(act))) == 1
+
+
+def test_independent_reductions_share_a_boundary():
+    r = dce(region_of(lambda x, w: ((x @ w).sum(-1), ((x @ w) * (x @ w)).sum(-1)), *x_w()))
+    stages = partition(r)
+    assert len(stages) == 1 and len(stages[0].reductions) == 2  # terminal: both end stage 0
+
+
+def test_leaves_load_in_the_stage_that_first_uses_them():
+    r = dce(layer_norm_region())
+    stages = partition(r)
+    gamma = next(i for i, n in enumerate(r.nodes) if n.op is Op.INPUT and n.arg == 1)
+    assert gamma in stages[-1].nodes
+
+
+def test_transpose_is_an_involution_and_preserves_meaning():
+    r = region_of(lambda x, w, c: torch.softmax((x @ w) * c, 0), *x_w(M=6, K=5, N=9), torch.randn(6, 1))
+    t = transpose(r)
+    assert structural_key(transpose(t)) == structural_key(r)
+    assert t.sizes.M == r.sizes.N and all(n.arg == "N" for n in t.nodes if n.op is Op.SUM)
+    x, w, c = torch.randn(6, 5, dtype=torch.float64), torch.randn(5, 9, dtype=torch.float64), \
+        torch.randn(6, 1, dtype=torch.float64)
+    (orig,) = evaluate(r, x[None], w[None], [c.view(1, 6, 1)])
+    (flip,) = evaluate(t, w.t()[None], x.t()[None], [c.view(1, 1, 6)])
+    torch.testing.assert_close(flip.transpose(1, 2), orig)
+
+
+def test_dce_and_cse_preserve_meaning():
+    base = layer_norm_region()
+    f32 = torch.float32
+    extra = base.nodes + (
+        Node(Op.ADD, (0, 1), f32, MN),                 # 16: duplicate of %2
+        Node(Op.EXP, (16,), f32, MN),                  # 17: dead unless output
+        Node(Op.CONST, (), f32, NONE, 7.0),            # 18: duplicate of %4 (N = 7)
+        Node(Op.MUL, (16, 18), f32, MN),               # 19
+    )
+    r = verify(base.replace(nodes=extra, outputs=base.outputs + (Output(19, f32, MN, "dup"),)))
+    simplified = verify(cse(dce(r)))
+    assert len(simplified.nodes) < len(r.nodes)
+    assert not any(n.op is Op.EXP for n in simplified.nodes)
+    args = (torch.randn(1, 5, 3), torch.randn(1, 3, 7), [torch.randn(1, 1, 7), torch.randn(1, 1, 7)])
+    for a, b in zip(evaluate(r, *args), evaluate(simplified, *args)):
+        torch.testing.assert_close(a, b)
+
+
+def test_schedule_choice_and_blocks():
+    p = plan(region_of(lambda x, w: torch.softmax(x @ w, -1), *x_w(N=300)), target="cuda")
+    assert isinstance(p, Plan) and p.schedule == "row_in_cta" and p.block_n >= 300
+    p = plan(region_of(lambda x, w: torch.relu(x @ w), *x_w(N=300)), target="cuda")
+    assert p.schedule == "tile" and p.block_n < 300
+    p = plan(region_of(lambda x, w: torch.softmax(x @ w, 0), *x_w(M=40, N=7)), target="interpreter")
+    assert p.transposed and p.block_n >= 40
+
+
+def test_rows_wider_than_the_budget_are_not_fused():
+    r = region_of(lambda x, w: torch.softmax(x @ w, -1), *x_w(N=300))
+    with settings.override(row_budget=16 * 256):
+        result = plan(r)
+    assert isinstance(result, NotFused) and "wider than one program holds" in result.reason

@@ -1,0 +1,191 @@
+"""Property tests: random epilogue DAGs, fused and compared with float64 PyTorch.
+
+Each example draws a dtype, M, N, K (1 and sizes that are not multiples of 16
+included), a reduction axis (rows or columns) and a program of elementwise ops,
+broadcast side inputs and at least two chained reductions, sometimes with an
+extra output. It must be fused, and its result must match the same program run
+in float64 (and, through COMFUSE_CHECK, the IR's reference interpreter).
+"""
+import dataclasses
+import os
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import comfuse
+from comfuse.frontend.capture import capture
+from comfuse.frontend.regions import find_regions
+from comfuse.ir import evaluate, verify
+from comfuse.planner import cse, dce, transpose
+
+from helpers import DEVICE, PROPERTY_COUNTS, assert_matches_reference, as_tuple
+
+pytestmark = pytest.mark.filterwarnings("ignore:var\\(\\)")  # var over one element: NaN, as eager
+
+EXAMPLES = int(os.environ.get("COMFUSE_PROPERTY_EXAMPLES", "200"))
+settings.register_profile("comfuse", max_examples=EXAMPLES, deadline=None,
+                          derandomize=bool(os.environ.get("CI")),
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.load_profile("comfuse")
+
+UNARY = {
+    "relu": torch.relu, "tanh": torch.tanh, "sigmoid": torch.sigmoid, "gelu": F.gelu,
+    "gelu_tanh": lambda v: F.gelu(v, approximate="tanh"), "silu": F.silu, "neg": torch.neg,
+    "abs": torch.abs, "exp_tanh": lambda v: torch.exp(torch.tanh(v)),
+    "log1p_abs": lambda v: torch.log1p(v.abs()), "sqrt_abs1": lambda v: torch.sqrt(v.abs() + 1),
+    "clamp": lambda v: torch.clamp(v, -2.0, 2.0), "square": lambda v: torch.clamp(v, -3, 3) ** 2,
+    "leaky": lambda v: F.leaky_relu(v, 0.1), "rsqrt_sq1": lambda v: torch.rsqrt(v * v + 1),
+}
+BINARY = {  # (name, side input kind)
+    "add_row": "row", "mul_row": "row", "sub_col": "col", "add_full": "full", "max_full": "full",
+    "where_full": "full", "scale": "scalar", "add_prev": None,
+}
+CHAINED = ["softmax", "log_softmax", "layer_norm", "rms_norm", "sub_max", "div_abs_sum",
+           "mul_mean", "sub_logsumexp"]
+TERMINAL = ["sum", "amax", "mean", "var"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    dtype: torch.dtype
+    M: int
+    K: int
+    N: int
+    axis: int  # -1: reductions along N (row strip); 0: along M (column strip)
+    steps: tuple
+    extra_output: int  # index of an intermediate also returned, or -1
+    terminal: str  # a reduction whose result is an output, or ""
+    seed: int
+
+    def side_shapes(self):
+        shapes = {"row": (self.N,), "col": (self.M, 1), "full": (self.M, self.N), "scalar": ()}
+        return [shapes[kind] for op, kind in self.steps if op in BINARY and BINARY[op]]
+
+
+def _reduce(op: str, v: torch.Tensor, d: int) -> torch.Tensor:
+    if op == "softmax":
+        return torch.softmax(v, d)
+    if op == "log_softmax":
+        return torch.log_softmax(v, d)
+    if op == "layer_norm":
+        return (v - v.mean(d, keepdim=True)) * torch.rsqrt(v.var(d, keepdim=True, unbiased=False) + 1e-5)
+    if op == "rms_norm":
+        return v * torch.rsqrt(v.pow(2).mean(d, keepdim=True) + 1e-5)
+    if op == "sub_max":
+        return v - v.amax(d, keepdim=True)
+    if op == "div_abs_sum":
+        return v / (v.abs().sum(d, keepdim=True) + 1.0)
+    if op == "mul_mean":
+        return v * torch.tanh(v.mean(d, keepdim=True))
+    if op == "sub_logsumexp":
+        return v - torch.logsumexp(v, d, keepdim=True)
+    raise AssertionError(op)
+
+
+def build(program: Program):
+    def fn(x, w, *side):
+        v = x @ w
+        values = [v]
+        side = list(side)
+        for op, kind in program.steps:
+            if op in UNARY:
+                v = UNARY[op](v)
+            elif op in CHAINED:
+                v = _reduce(op, v, program.axis)
+            elif op == "add_prev":
+                v = v + values[len(values) // 2]
+            else:
+                s = side.pop(0)
+                if op in ("add_row", "add_full"):
+                    v = v + s
+                elif op == "mul_row":
+                    v = v * s
+                elif op == "sub_col":
+                    v = v - s
+                elif op == "max_full":
+                    v = torch.maximum(v, s)
+                elif op == "where_full":
+                    v = torch.where(v > 0, v, s)
+                elif op == "scale":
+                    v = v * s
+            values.append(v)
+        outs = [v]
+        if program.extra_output >= 0:
+            outs.append(values[min(program.extra_output, len(values) - 1)])
+        if program.terminal == "sum":
+            outs.append(v.sum(program.axis))
+        elif program.terminal == "amax":
+            outs.append(v.amax(program.axis))
+        elif program.terminal == "mean":
+            outs.append(v.mean(program.axis, keepdim=True))
+        elif program.terminal == "var":
+            outs.append(v.var(program.axis))
+        return tuple(outs) if len(outs) > 1 else outs[0]
+    return fn
+
+
+def make_inputs(program: Program):
+    g = torch.Generator().manual_seed(program.seed)
+    x = torch.randn(program.M, program.K, generator=g)
+    w = torch.randn(program.K, program.N, generator=g) / max(program.K, 1) ** 0.5
+    side = [torch.randn(*s, generator=g) if s else torch.tensor(1.5) for s in program.side_shapes()]
+    return tuple(t.to(dtype=program.dtype, device=DEVICE) for t in (x, w, *side))
+
+
+SIZES = st.one_of(st.sampled_from([1, 2, 15, 16, 17, 33]), st.integers(1, 40))
+
+
+@st.composite
+def programs(draw):
+    n_red = draw(st.integers(2, 3))
+    others = draw(st.lists(st.sampled_from(sorted(UNARY) + sorted(BINARY)), min_size=0, max_size=5))
+    reds = draw(st.lists(st.sampled_from(CHAINED), min_size=n_red, max_size=n_red))
+    ops = draw(st.permutations(others + reds))
+    steps = tuple((op, BINARY.get(op)) for op in ops)
+    return Program(
+        dtype=draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16])),
+        M=draw(SIZES), K=draw(SIZES), N=draw(SIZES), axis=draw(st.sampled_from([-1, 0])),
+        steps=steps, extra_output=draw(st.integers(-1, len(steps))),
+        terminal=draw(st.sampled_from([""] + TERMINAL)), seed=draw(st.integers(0, 2**16)))
+
+
+@given(programs())
+def test_random_epilogues_fuse_and_match_float64(program):
+    PROPERTY_COUNTS["random epilogues (fused vs float64)"] += 1
+    fn, args = build(program), make_inputs(program)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", comfuse.ComfuseWarning)
+        compiled = comfuse.compile(fn, args)
+        out = compiled(*args)
+    (region,) = compiled.report.regions
+    assert region.fused, f"{program}\n{compiled.report}"
+    assert_matches_reference(fn, args, out)
+    assert [o.shape for o in as_tuple(out)] == [e.shape for e in as_tuple(fn(*args))]
+
+
+@settings(max_examples=max(EXAMPLES // 2, 10))
+@given(programs())
+def test_planner_passes_preserve_meaning(program):
+    PROPERTY_COUNTS["planner passes (IR interpreter)"] += 1
+    fn, args = build(program), make_inputs(program)
+    (cand,) = find_regions(capture(fn, args))
+    region = verify(cand.region)
+    g = torch.Generator().manual_seed(program.seed)
+    s = region.sizes
+    a = torch.randn(1, s.M, s.K, generator=g, dtype=torch.float64)
+    b = torch.randn(1, s.K, s.N, generator=g, dtype=torch.float64)
+    ins = [torch.randn(*[s.of(ax) if ax in i.axes else 1 for ax in "BMN"], generator=g,
+                       dtype=torch.float64) if i.dtype.is_floating_point else
+           torch.ones(*[s.of(ax) if ax in i.axes else 1 for ax in "BMN"], dtype=i.dtype)
+           for i in region.inputs]
+    expect = evaluate(region, a, b, ins)
+    simple = verify(cse(dce(region)))
+    for e, o in zip(expect, evaluate(simple, a, b, ins)):
+        torch.testing.assert_close(o, e, equal_nan=True)
+    flipped = verify(transpose(simple))
+    outs = evaluate(flipped, b.transpose(1, 2), a.transpose(1, 2), [t.transpose(1, 2) for t in ins])
+    for e, o in zip(expect, outs):
+        torch.testing.assert_close(o.transpose(1, 2), e, equal_nan=True)
