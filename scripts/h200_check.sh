@@ -15,7 +15,7 @@ export COMFUSE_CACHE_DIR=$OUT/cache
 cat "$OUT/env.txt"
 
 start=$(date +%s)
-python3 -m pytest -q -x -p no:cacheprovider ${PYTEST_ARGS:-} > "$OUT/pytest.txt" 2>&1
+timeout 450 python3 -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} > "$OUT/pytest.txt" 2>&1
 pytest_rc=$?
 echo "pytest rc=$pytest_rc in $(( $(date +%s) - start )) s"
 tail -n 15 "$OUT/pytest.txt"

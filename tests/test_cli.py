@@ -23,15 +23,15 @@ def test_demo_rejects_unknown_workloads(capsys):
 
 def test_explain_file_function(tmp_path, capsys):
     src = tmp_path / "model.py"
-    src.write_text(textwrap.dedent("""
+    src.write_text(textwrap.dedent(f"""
         import torch
         def block(x, w, b):
             return torch.softmax(x @ w + b, -1)
         def block_inputs():
-            return torch.randn(8, 16), torch.randn(16, 24), torch.randn(24)
+            return [torch.randn(*s, device="{DEVICE}") for s in [(8, 16), (16, 24), (24,)]]
         def other(x, w):
             return torch.relu(x @ w)
-        example_inputs = {"other": (torch.randn(4, 8), torch.randn(8, 8))}
+        example_inputs = {{"other": (torch.randn(4, 8, device="{DEVICE}"), torch.randn(8, 8, device="{DEVICE}"))}}
     """))
     assert main(["explain", f"{src}:block", "--forms", "--source"]) == 0
     out = capsys.readouterr().out

@@ -1,17 +1,22 @@
 """Capture a PyTorch function as an aten graph (torch.fx) with shapes on every node.
 
 ``make_fx`` traces with fake tensors (nothing is computed), after
-functionalisation (in-place ops become out-of-place) and with comfuse's
-decompositions. Dead code is dropped and duplicate pure ops are merged, so that
-``softmax(x @ w)`` and ``log_softmax(x @ w)`` share one GEMM.
+functionalisation (in-place ops become out-of-place). Composite ops (layer_norm,
+softmax, gelu, ...) are then decomposed only where a GEMM feeds them, so the
+region finder sees primitives there while the rest of the program keeps its
+composite ops and runs as fast as eager. Dead code is dropped and duplicate pure
+ops are merged, so that ``softmax(x @ w)`` and ``log_softmax(x @ w)`` share one
+GEMM.
 """
 from __future__ import annotations
 
+import operator
 from typing import Callable, Sequence
 
 import torch
 import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .decompositions import DECOMPOSITIONS
 
@@ -22,9 +27,9 @@ class CaptureError(RuntimeError):
 
 def capture(fn: Callable, example_inputs: Sequence) -> fx.GraphModule:
     try:
-        gm = make_fx(torch.func.functionalize(fn, remove="mutations"),
-                     decomposition_table=DECOMPOSITIONS, tracing_mode="fake",
+        gm = make_fx(torch.func.functionalize(fn, remove="mutations"), tracing_mode="fake",
                      _allow_non_fake_inputs=True)(*example_inputs)
+        decompose_after_gemms(gm)
     except Exception as e:  # tracing can fail in many ways: data-dependent control flow, ...
         raise CaptureError(f"could not trace {getattr(fn, '__name__', fn)!r}: "
                            f"{type(e).__name__}: {e}") from e
@@ -33,6 +38,71 @@ def capture(fn: Callable, example_inputs: Sequence) -> fx.GraphModule:
     gm.recompile()
     return gm
 
+
+_GEMMS = (torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.addmm.default,
+          torch.ops.aten.baddbmm.default)
+
+
+def _downstream_of_gemms(graph: fx.Graph) -> set:
+    seen: set = set()
+    todo = [n for n in graph.nodes if n.op == "call_function" and n.target in _GEMMS]
+    seen.update(todo)
+    while todo:
+        for user in todo.pop().users:
+            if user not in seen:
+                seen.add(user)
+                todo.append(user)
+    return seen
+
+
+def decompose_after_gemms(gm: fx.GraphModule) -> None:
+    """Inline comfuse's decomposition of every composite op that a GEMM feeds (and of
+    addmm/baddbmm themselves), repeating until none is left."""
+    while True:
+        downstream = _downstream_of_gemms(gm.graph)
+        todo = [n for n in gm.graph.nodes
+                if n in downstream and n.op == "call_function" and n.target in DECOMPOSITIONS]
+        if not todo:
+            return
+        for node in todo:
+            _inline_decomposition(gm.graph, node, DECOMPOSITIONS[node.target])
+
+
+def _inline_decomposition(graph: fx.Graph, node: fx.Node, decomposition) -> None:
+    flat, spec = tree_flatten((node.args, node.kwargs))
+    positions = [i for i, a in enumerate(flat) if isinstance(a, fx.Node)]
+
+    def call(*tensors):
+        values = list(flat)
+        for p, t in zip(positions, tensors):
+            values[p] = t
+        args, kwargs = tree_unflatten(values, spec)
+        return decomposition(*args, **kwargs)
+
+    sub = make_fx(call, decomposition_table=DECOMPOSITIONS, tracing_mode="fake")(
+        *[flat[p].meta["val"] for p in positions])
+    env = {}
+    placeholders = iter(flat[p] for p in positions)
+    with graph.inserting_before(node):
+        for sn in sub.graph.nodes:
+            if sn.op == "placeholder":
+                env[sn] = next(placeholders)
+            elif sn.op == "get_attr":
+                raise RuntimeError(f"decomposition of {node.target} created a constant tensor")
+            elif sn.op == "output":
+                result = tree_map(lambda a: env[a] if isinstance(a, fx.Node) else a, sn.args[0])
+            else:
+                env[sn] = graph.node_copy(sn, lambda a: env[a])
+    if isinstance(result, (list, tuple)):
+        for user in list(node.users):
+            if user.op == "call_function" and user.target is operator.getitem:
+                user.replace_all_uses_with(result[user.args[1]])
+                graph.erase_node(user)
+            else:
+                raise RuntimeError(f"{node.target}'s tuple result is used whole by {user}")
+    else:
+        node.replace_all_uses_with(result)
+    graph.erase_node(node)
 
 def _freeze(value):
     if isinstance(value, (list, tuple)):

@@ -215,6 +215,9 @@ class Specialization:
             if module is not None:
                 fused.append((cand, module))
                 fuel -= 1
+        if not fused:  # nothing to gain from the captured graph: run the program as written
+            self.report.graph = gm.code
+            return
         _rewrite(gm, fused)
         self.gm = gm
         self.report.graph = gm.code
