@@ -7,6 +7,8 @@ from comfuse.frontend.capture import capture
 from comfuse.frontend.regions import find_regions
 from comfuse.ir import Op, verify
 
+from helpers import randn
+
 aten = torch.ops.aten
 
 
@@ -116,7 +118,7 @@ def test_unsupported_anchor_dtype_has_a_reason():
 
 def test_explain_reports_fields():
     f = lambda x, w, b: torch.softmax(x @ w + b, -1)  # noqa: E731
-    report = comfuse.explain(f, (torch.randn(4, 8), torch.randn(8, 16), torch.randn(16)))
+    report = comfuse.explain(f, (randn(4, 8), randn(8, 16), randn(16)))
     (r,) = report.regions
     assert r.fused and r.reason == "" and r.kind == "gemm_epilogue"
     assert r.stages == 3 and r.schedule == "row_in_cta"

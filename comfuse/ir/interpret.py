@@ -58,9 +58,9 @@ def evaluate_with_scale(region: Region, a: torch.Tensor, b: torch.Tensor,
 
 def _scale(op: Op, node, x: list, sx: list, v: torch.Tensor) -> torch.Tensor:
     """How the error bound grows through one op: |f'(x)| * scale(x) + |f(x)|."""
-    av = v.abs() if v.dtype.is_floating_point else torch.zeros((), dtype=torch.float64)
     if not v.dtype.is_floating_point:
-        return torch.zeros(v.shape, dtype=torch.float64)
+        return torch.zeros(v.shape, dtype=torch.float64, device=v.device)
+    av = v.abs()
     if op in (Op.NEG, Op.ABS, Op.RELU):
         return sx[0]
     if op is Op.CAST:
@@ -146,7 +146,7 @@ def _run(region: Region, a, b, inputs, compute_dtype, with_scale: bool = False):
                 sc = torch.matmul(a.to(compute_dtype).abs(), b.to(compute_dtype).abs()).reshape(s.B, s.M, s.N)
             elif op in (Op.INPUT, Op.CONST, Op.IOTA):
                 sc = vals[-1].abs().to(torch.float64) if vals[-1].dtype.is_floating_point else \
-                    torch.zeros(vals[-1].shape, dtype=torch.float64)
+                    torch.zeros(vals[-1].shape, dtype=torch.float64, device=vals[-1].device)
             else:
                 sc = _scale(op, node, x, [scales[i] for i in node.src], vals[-1])
             scales.append(sc.to(torch.float64))
