@@ -90,7 +90,7 @@ def build(program: Program):
         v = x @ w
         values = [v]
         side = list(side)
-        for op, kind in program.steps:
+        for op, _kind in program.steps:
             if op in UNARY:
                 v = UNARY[op](v)
             elif op in CHAINED:

@@ -43,16 +43,22 @@ _GEMMS = (torch.ops.aten.mm.default, torch.ops.aten.bmm.default, torch.ops.aten.
           torch.ops.aten.baddbmm.default)
 
 
-def _downstream_of_gemms(graph: fx.Graph) -> set:
+def descendants(nodes) -> set:
+    """Every node that (transitively) uses one of ``nodes``; the nodes themselves excluded
+    unless reached again."""
     seen: set = set()
-    todo = [n for n in graph.nodes if n.op == "call_function" and n.target in _GEMMS]
-    seen.update(todo)
+    todo = list(nodes)
     while todo:
         for user in todo.pop().users:
             if user not in seen:
                 seen.add(user)
                 todo.append(user)
     return seen
+
+
+def _downstream_of_gemms(graph: fx.Graph) -> set:
+    gemms = [n for n in graph.nodes if n.op == "call_function" and n.target in _GEMMS]
+    return descendants(gemms) | set(gemms)
 
 
 def decompose_after_gemms(gm: fx.GraphModule) -> None:

@@ -23,8 +23,8 @@ import numbers
 import torch
 import torch.fx as fx
 
-from ..ir import (GEMM_DTYPES, Gemm, Input, Node, Op, Operand, Output, Region, Sizes, UNARY,
-                  REDUCE)
+from .capture import descendants
+from ..ir import GEMM_DTYPES, REDUCE, Gemm, Input, Node, Op, Operand, Output, Region, Sizes
 
 aten = torch.ops.aten
 ANCHORS = {aten.mm.default: False, aten.bmm.default: True}
@@ -99,16 +99,6 @@ def _fill_value(node: fx.Node):
     if t in (aten.ones.default, aten.ones_like.default):
         return 1
     return None
-
-
-def _descendants(node: fx.Node) -> set:
-    seen, todo = set(), [node]
-    while todo:
-        for user in todo.pop().users:
-            if user not in seen:
-                seen.add(user)
-                todo.append(user)
-    return seen
 
 
 class _Builder:
@@ -449,18 +439,15 @@ def _clamp(b, n):
     return Value(v, labels)
 
 
-def _clamp_min(b, n):
-    labels = b.out_labels(n, [n.args[0], n.args[1]])
-    v = b.as_float(b.values[n.args[0]].idx) if _dtype(n).is_floating_point else b.values[n.args[0]].idx
-    bound = b.operand(n.args[1], labels, _shape(n), _dtype(n).is_floating_point)
-    return Value(b.add(Op.MAX, (v, bound), _dtype(n)), labels)
-
-
-def _clamp_max(b, n):
-    labels = b.out_labels(n, [n.args[0], n.args[1]])
-    v = b.as_float(b.values[n.args[0]].idx) if _dtype(n).is_floating_point else b.values[n.args[0]].idx
-    bound = b.operand(n.args[1], labels, _shape(n), _dtype(n).is_floating_point)
-    return Value(b.add(Op.MIN, (v, bound), _dtype(n)), labels)
+def _bound(op: Op):
+    """clamp_min / clamp_max: one bound, scalar or tensor."""
+    def rule(b, n):
+        x, bound = n.args[0], n.args[1]
+        labels, shape, dtype = b.out_labels(n, [x, bound]), _shape(n), _dtype(n)
+        floaty = dtype.is_floating_point
+        return Value(b.apply(op, [b.values[x].idx, b.operand(bound, labels, shape, floaty)], dtype),
+                     labels)
+    return rule
 
 
 def _where(b, n):
@@ -591,7 +578,7 @@ RULES = {
     aten.isnan.default: _isnan, aten.isinf.default: _isinf,
     aten.pow.Tensor_Scalar: _pow, aten.pow.Scalar: _pow_scalar_base,
     aten.clamp.default: _clamp, aten.clamp.Tensor: _clamp,
-    aten.clamp_min.default: _clamp_min, aten.clamp_max.default: _clamp_max,
+    aten.clamp_min.default: _bound(Op.MAX), aten.clamp_max.default: _bound(Op.MIN),
     aten._to_copy.default: _cast, aten.clone.default: _identity, aten.alias.default: _identity,
     aten.lift_fresh_copy.default: _identity,
     aten.sum.dim_IntList: _sum, aten.sum.default: _full_sum,
@@ -639,7 +626,7 @@ def grow(anchor: fx.Node, order: dict) -> Candidate:
     b = _Builder(anchor, ANCHORS[anchor.target])
     members = [anchor]
     member_set = {anchor}
-    downstream = _descendants(anchor)
+    downstream = descendants([anchor])
     graph_nodes = list(anchor.graph.nodes)
     for node in graph_nodes[order[anchor] + 1:]:
         if node not in downstream or node.op != "call_function":
@@ -693,5 +680,4 @@ def find_regions(gm: fx.GraphModule) -> list:
             if n.op == "call_function" and n.target in ANCHORS]
 
 
-__all__ = ["Candidate", "InputBinding", "OutputBinding", "RULES", "Unfusible", "find_regions",
-           "UNARY"]
+__all__ = ["Candidate", "InputBinding", "OutputBinding", "RULES", "Unfusible", "find_regions"]
