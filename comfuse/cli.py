@@ -51,6 +51,21 @@ def main(argv=None) -> int:
     p_explain.add_argument("target", help="FILE.py:FUNC; the file also defines FUNC_inputs or example_inputs")
     p_explain.add_argument("--forms", action="store_true", help="print every planner form of each region")
     p_explain.add_argument("--source", action="store_true", help="print each generated kernel")
+    p_bench = sub.add_parser("bench", help="the paper's evaluation: time comfuse against eager, "
+                             "torch.compile and the GEMM alone; write JSON, Markdown and figures")
+    p_bench.add_argument("--suite", default="all", choices=["paper", "b2b", "attention", "all"])
+    p_bench.add_argument("--quick", action="store_true", help="one shape per workload")
+    p_bench.add_argument("--out", default="bench/results/latest", help="output folder")
+    p_bench.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p_bench.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p_bench.add_argument("--candidates", default="", help="comma-separated subset of candidates")
+    p_bench.add_argument("--resume", action="store_true", help="keep the cases already in OUT/results.json")
+    p_bench.add_argument("--report-only", action="store_true", help="rewrite the report of OUT/results.json")
+    p_prof = sub.add_parser("profile", help="DRAM bytes of a fused kernel and its unfused pipeline (ncu)")
+    p_prof.add_argument("workload", help="a workload of the bench suites, e.g. ln_postnorm")
+    p_prof.add_argument("--shape", default="8192,1024,1024", help="M,K,N for GEMM + epilogue workloads")
+    p_prof.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p_prof.add_argument("--out", default=None, help="folder for profile-<workload>.json/.md")
     p_cache = sub.add_parser("cache", help="show or clear the kernel source cache")
     p_cache.add_argument("action", choices=["info", "clear"])
     args = parser.parse_args(argv)
@@ -70,6 +85,24 @@ def main(argv=None) -> int:
                     print(f"\n-- region {r.index}, form '{name}' --\n{text}")
             if args.source and r.kernel_path:
                 print(f"\n-- region {r.index}, kernel {r.kernel_path} --\n{Path(r.kernel_path).read_text()}")
+        return 0
+    if args.command == "bench":
+        import json as _json
+
+        from .bench import report, runner
+        if args.report_only:
+            results = _json.loads((Path(args.out) / "results.json").read_text())
+        else:
+            cands = [c for c in args.candidates.split(",") if c] or None
+            results = runner.run(args.suite, args.quick, args.out, args.device, args.dtype, cands,
+                                 args.resume)
+        for path in report.write(results, args.out):
+            print(f"wrote {path}")
+        print(report.markdown(results))
+        return 0
+    if args.command == "profile":
+        from .bench.profile import profile, profile_markdown
+        print(profile_markdown(profile(args.workload, args.shape, args.dtype, args.out)))
         return 0
     if args.command == "cache":
         from .runtime import cache

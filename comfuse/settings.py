@@ -46,12 +46,15 @@ class Settings:
     # COMFUSE_CHECK=1: after every kernel launch, compare the outputs with the IR's reference
     # interpreter in float64 and raise KernelMismatch beyond tolerance (slow; for tests).
     check: bool
+    # COMFUSE_SCHEDULE: force one schedule ("tile", "row_in_cta"); a region it cannot run
+    # is not fused, with the reason. Empty: the planner chooses.
+    schedule: str
     # COMFUSE_FUEL: cap on the number of regions fused per compiled graph (-1: no cap);
     # lowering it bisects a bad fusion.
     fuel: int
 
 
-CODEGEN_SETTINGS = ("row_budget",)
+CODEGEN_SETTINGS = ("row_budget", "schedule")
 
 _overrides: dict[str, object] = {}
 
@@ -65,6 +68,7 @@ def get() -> Settings:
         row_budget=_int("COMFUSE_ROW_BUDGET", 128 * 256),
         max_specializations=_int("COMFUSE_MAX_SPECIALIZATIONS", 64),
         check=_flag("COMFUSE_CHECK", False),
+        schedule=os.environ.get("COMFUSE_SCHEDULE", ""),
         fuel=_int("COMFUSE_FUEL", -1),
     )
     values.update(_overrides)

@@ -1,7 +1,10 @@
-"""The GEMM + epilogue workloads of the paper's evaluation, as plain PyTorch functions.
+"""The workloads of the paper's evaluation, as plain PyTorch functions.
 
-They mirror ``shared/baselines/measure_baselines.py`` so comfuse is measured on
-the same programs as eager PyTorch and torch.compile.
+The GEMM + epilogue programs mirror ``shared/baselines/measure_baselines.py`` so
+comfuse is measured on the same programs as eager PyTorch and torch.compile.
+Each is written as ``epilogue(x @ w, *side)`` so the harness can also time the
+GEMM alone (the floor) and the epilogue alone on a precomputed GEMM output.
+Back-to-back GEMM and attention workloads follow the same baselines file.
 """
 from __future__ import annotations
 
@@ -21,43 +24,89 @@ def rms_norm(y, w):
     return y * torch.rsqrt(y.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(y.dtype) * w
 
 
-def ln_postnorm(x, w, b, r, g, be):
-    """LayerNorm(x @ W + b + residual): a BERT-style post-norm block."""
-    return layer_norm(x @ w + b + r, g, be)
+# ---- epilogues (y is the GEMM output) -----------------------------------------------------
+
+def ep_ln_postnorm(y, b, r, g, be):
+    return layer_norm(y + b + r, g, be)
 
 
-def gemm_rmsnorm(x, w, g):
-    return rms_norm(x @ w, g)
+def ep_rmsnorm(y, g):
+    return rms_norm(y, g)
 
 
-def gemm_softmax(x, w):
-    return torch.softmax(x @ w, dim=-1)
+def ep_softmax(y):
+    return torch.softmax(y, dim=-1)
 
 
-def mblr(x, w, b, g, be):
-    """relu(LayerNorm(x @ W + b))."""
-    return torch.relu(layer_norm(x @ w + b, g, be))
+def ep_mblr(y, b, g, be):
+    return torch.relu(layer_norm(y + b, g, be))
 
 
-def multi_stage(x, w, g, be):
-    """softmax, then a scale by tanh, then LayerNorm: two chained reductions."""
-    y = x @ w
+def ep_multi_stage(y, g, be):
     p = torch.softmax(y, dim=-1)
     return layer_norm(torch.tanh(y) * p * y.shape[-1], g, be)
 
 
+def ep_cross_entropy(y, t):
+    return F.cross_entropy(y.float(), t)
+
+
+# ---- whole programs ---------------------------------------------------------------------
+
+def ln_postnorm(x, w, b, r, g, be):
+    """LayerNorm(x @ W + b + residual): a BERT-style post-norm block."""
+    return ep_ln_postnorm(x @ w, b, r, g, be)
+
+
+def gemm_rmsnorm(x, w, g):
+    return ep_rmsnorm(x @ w, g)
+
+
+def gemm_softmax(x, w):
+    return ep_softmax(x @ w)
+
+
+def mblr(x, w, b, g, be):
+    """relu(LayerNorm(x @ W + b))."""
+    return ep_mblr(x @ w, b, g, be)
+
+
+def multi_stage(x, w, g, be):
+    """softmax, then a scale by tanh, then LayerNorm: two chained reductions."""
+    return ep_multi_stage(x @ w, g, be)
+
+
 def linear_cross_entropy(x, w, t):
     """LM head + cross-entropy: the loss without keeping the logits."""
-    return F.cross_entropy((x @ w).float(), t)
+    return ep_cross_entropy(x @ w, t)
+
+
+def dlrm_bottom_mlp(x, w1, w2, w3):
+    return torch.relu(torch.relu(torch.relu(x @ w1) @ w2) @ w3)
+
+
+def target_attention(q, k, v):
+    return torch.softmax(q @ k.transpose(1, 2), dim=-1) @ v
+
+
+def self_attention(q, k, v):
+    return torch.softmax(q @ k.transpose(-1, -2) / 8.0, dim=-1) @ v
+
+
+def transformer_mlp(x, w1, w2):
+    return F.gelu(x @ w1) @ w2
 
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
+    """A GEMM + epilogue program: ``fn(x, w, *side) == epilogue(x @ w, *side)``."""
     name: str
     fn: Callable
     side: tuple  # side inputs after x and w: "row" [N], "full" [M, N], "target" [M] ints
     gpu_shapes: tuple
+    epilogue: Callable | None = None
     cpu_shape: tuple = (96, 64, 96)
+    sweep: tuple = ()  # extra (M, K, N) shapes for `comfuse bench --suite paper`
 
     def inputs(self, M: int, K: int, N: int, dtype=torch.bfloat16, device="cpu", seed=0):
         g = torch.Generator(device="cpu").manual_seed(seed)
@@ -77,13 +126,133 @@ class Workload:
         return (x, w, *side)
 
 
+SWEEP = ((2048, 1024, 1024), (16384, 1024, 1024), (8192, 512, 1024), (8192, 1024, 768),
+         (8192, 1024, 3072), (8192, 1024, 5120), (8191, 1024, 1024))
+
 SUITE = {
     "ln_postnorm": Workload("ln_postnorm", ln_postnorm, ("row", "full", "row", "row"),
-                            ((8192, 1024, 1024), (8192, 4096, 4096), (16384, 2048, 8192))),
-    "rmsnorm": Workload("rmsnorm", gemm_rmsnorm, ("row",), ((8192, 1024, 1024), (8192, 4096, 4096))),
-    "softmax": Workload("softmax", gemm_softmax, (), ((8192, 1024, 1024), (8192, 4096, 4096))),
-    "mblr": Workload("mblr", mblr, ("row", "row", "row"), ((8192, 2048, 2048),)),
+                            ((8192, 1024, 1024), (8192, 4096, 4096), (16384, 2048, 8192)),
+                            ep_ln_postnorm, sweep=SWEEP),
+    "rmsnorm": Workload("rmsnorm", gemm_rmsnorm, ("row",), ((8192, 1024, 1024), (8192, 4096, 4096)),
+                        ep_rmsnorm),
+    "softmax": Workload("softmax", gemm_softmax, (), ((8192, 1024, 1024), (8192, 4096, 4096)),
+                        ep_softmax),
+    "mblr": Workload("mblr", mblr, ("row", "row", "row"), ((8192, 2048, 2048),), ep_mblr),
     "multi_stage": Workload("multi_stage", multi_stage, ("row", "row"),
-                            ((8192, 1024, 1024), (8192, 4096, 4096))),
-    "linear_ce": Workload("linear_ce", linear_cross_entropy, ("target",), ((8192, 4096, 32768),)),
+                            ((8192, 1024, 1024), (8192, 4096, 4096)), ep_multi_stage),
+    "linear_ce": Workload("linear_ce", linear_cross_entropy, ("target",), ((8192, 4096, 32768),),
+                          ep_cross_entropy),
 }
+
+
+@dataclasses.dataclass
+class Program:
+    """One benchmark case, ready to run: the program, its inputs and its companions."""
+    suite: str
+    workload: str
+    shape: tuple
+    dtype: torch.dtype
+    fn: Callable
+    args: tuple
+    flops: float
+    min_bytes: float  # every input read once, every output written once
+    gemm: Callable | None = None  # the GEMMs alone, on precomputed operands (the floor)
+    epilogue: Callable | None = None  # the epilogue alone, on a precomputed GEMM output
+    epilogue_args: tuple = ()
+    sdpa: Callable | None = None  # scaled_dot_product_attention, where it computes the same
+
+    @property
+    def label(self) -> str:
+        return f"{self.workload} {'x'.join(map(str, self.shape))}"
+
+
+def _bytes(tensors, out_numel: int, out_itemsize: int) -> float:
+    return float(sum(t.numel() * t.element_size() for t in tensors) + out_numel * out_itemsize)
+
+
+def paper_program(name: str, shape: tuple, dtype, device, seed=0) -> Program:
+    wl = SUITE[name]
+    M, K, N = shape
+    args = wl.inputs(M, K, N, dtype=dtype, device=device, seed=seed)
+    x, w, side = args[0], args[1], args[2:]
+    y = x @ w
+    out_numel = 1 if name == "linear_ce" else M * N
+    return Program("paper", name, shape, dtype, wl.fn, args, 2.0 * M * N * K,
+                   _bytes(args, out_numel, dtype.itemsize if name != "linear_ce" else 4),
+                   gemm=lambda: x @ w, epilogue=wl.epilogue, epilogue_args=(y, *side))
+
+
+def b2b_program(name: str, dtype, device, seed=0) -> Program:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype=dtype, device=device)
+    if name == "dlrm_bottom_mlp":
+        M = 65536
+        dims = [(512, 512), (512, 256), (256, 128)]
+        x = randn(M, 512)
+        ws = [randn(a, b, scale=1 / math.sqrt(a)) for a, b in dims]
+        hs = [x, torch.relu(x @ ws[0])]
+        hs.append(torch.relu(hs[1] @ ws[1]))
+        flops = sum(2.0 * M * a * b for a, b in dims)
+        return Program("b2b", name, (M, 512, 512, 256, 128), dtype, dlrm_bottom_mlp, (x, *ws), flops,
+                       _bytes((x, *ws), M * 128, dtype.itemsize),
+                       gemm=lambda: [h @ w for h, w in zip(hs, ws)])
+    if name == "target_attention":
+        B, Lq, Lk, d = 4096, 16, 256, 64
+        q, k, v = randn(B, Lq, d), randn(B, Lk, d), randn(B, Lk, d)
+        p = torch.softmax(q @ k.transpose(1, 2), -1)
+        return Program("b2b", name, (B, Lq, Lk, d), dtype, target_attention, (q, k, v),
+                       4.0 * B * Lq * Lk * d, _bytes((q, k, v), B * Lq * d, dtype.itemsize),
+                       gemm=lambda: (q @ k.transpose(1, 2), p @ v),
+                       sdpa=lambda: F.scaled_dot_product_attention(q, k, v, scale=1.0))
+    if name == "transformer_mlp":
+        M, H, F4 = 8192, 4096, 16384
+        x, w1, w2 = randn(M, H), randn(H, F4, scale=1 / math.sqrt(H)), randn(F4, H, scale=1 / math.sqrt(F4))
+        h = F.gelu(x @ w1)
+        return Program("b2b", name, (M, H, F4, H), dtype, transformer_mlp, (x, w1, w2),
+                       4.0 * M * H * F4, _bytes((x, w1, w2), M * H, dtype.itemsize),
+                       gemm=lambda: (x @ w1, h @ w2))
+    raise KeyError(name)
+
+
+def attention_program(dtype, device, seed=0) -> Program:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    B, H, L, d = 8, 16, 2048, 64
+    q, k, v = (torch.randn(B, H, L, d, generator=g).to(dtype=dtype, device=device) for _ in range(3))
+    p = torch.softmax(q @ k.transpose(-1, -2) / 8.0, -1)
+    return Program("attention", "self_attention", (B, H, L, d), dtype, self_attention, (q, k, v),
+                   4.0 * B * H * L * L * d, _bytes((q, k, v), B * H * L * d, dtype.itemsize),
+                   gemm=lambda: (q @ k.transpose(-1, -2), p @ v),
+                   sdpa=lambda: F.scaled_dot_product_attention(q, k, v, scale=1 / 8.0))
+
+
+SUITES = ("paper", "b2b", "attention")
+B2B = ("dlrm_bottom_mlp", "target_attention", "transformer_mlp")
+
+
+def cases(suite: str, quick: bool = False) -> list[tuple]:
+    """(suite, workload, shape or None) for ``suite`` ("paper", "b2b", "attention", "all")."""
+    if suite == "all":
+        return [c for s in SUITES for c in cases(s, quick)]
+    if suite == "paper":
+        out = []
+        for name, wl in SUITE.items():
+            shapes = wl.gpu_shapes[:1] if quick else wl.gpu_shapes + wl.sweep
+            out += [("paper", name, s) for s in shapes]
+        return out
+    if suite == "b2b":
+        return [("b2b", n, None) for n in (B2B[:2] if quick else B2B)]
+    if suite == "attention":
+        return [("attention", "self_attention", None)]
+    raise ValueError(f"unknown suite {suite!r}; choose from {', '.join(SUITES + ('all',))}")
+
+
+def build(case: tuple, dtype, device, cpu_scale: bool = False) -> Program:
+    """The Program for a case; on the CPU (interpreter) paper shapes shrink to small ones."""
+    suite, name, shape = case
+    if suite == "paper":
+        return paper_program(name, SUITE[name].cpu_shape if cpu_scale else shape, dtype, device)
+    if suite == "b2b":
+        return b2b_program(name, dtype, device)
+    return attention_program(dtype, device)

@@ -105,5 +105,17 @@ def plan(region: Region, target: str = "cuda", settings=None) -> Plan | NotFused
                 "cross-CTA schedules are not built yet", tuple(forms))
     else:
         schedule = "tile"
+    forced = settings.schedule
+    if forced and forced != schedule:
+        if forced not in SCHEDULES:
+            return NotFused(f"COMFUSE_SCHEDULE={forced!r} is not a schedule ({', '.join(SCHEDULES)})",
+                            tuple(forms))
+        if forced == "tile" and region.reductions():
+            return NotFused("forced schedule 'tile' cannot finish a reduction: tiles are independent",
+                            tuple(forms))
+        schedule = forced  # row_in_cta also runs elementwise regions (one program per row strip)
+        if schedule == "row_in_cta" and max(16, _pow2(region.sizes.N)) * 16 > settings.row_budget:
+            return NotFused(f"forced schedule 'row_in_cta': a row of N={region.sizes.N} is wider "
+                            "than one program holds", tuple(forms))
     bm, bn, bk, warps, pipe = _blocks(region, schedule, target, settings.row_budget)
     return Plan(region, transposed, schedule, stages, bm, bn, bk, 8, warps, pipe, tuple(forms))

@@ -1,0 +1,225 @@
+"""Reports from a ``results.json``: derived figures of merit, a Markdown page, PNG figures.
+
+Everything here is a pure function of the results, so it is tested on synthetic data.
+The epilogue cost is measured directly, as the fused time minus the GEMM-alone time,
+next to the time of the epilogue run on its own (torch.compile on a precomputed GEMM
+output), rather than through the paper's residual-time ratio alone: when the epilogue
+overlaps the mainloop the difference can be small or even negative, and the standalone
+time says what fusing saved.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+BASELINE_NAMES = ("eager", "inductor", "inductor-max-autotune", "sdpa")
+LABELS = {"eager": "eager", "inductor": "torch.compile", "inductor-max-autotune": "max-autotune",
+          "sdpa": "SDPA", "comfuse": "comfuse", "gemm": "GEMM alone", "epilogue": "epilogue alone"}
+
+
+def _ms(cand: dict | None):
+    return cand.get("median_ms") if cand and cand.get("status") == "ok" else None
+
+
+def derive(case: dict) -> dict:
+    """Figures of merit for one case (None where an input is missing)."""
+    c = case["candidates"]
+    comfuse = _ms(c.get("comfuse"))
+    baselines = {n: _ms(c.get(n)) for n in BASELINE_NAMES}
+    baselines = {n: t for n, t in baselines.items() if t is not None}
+    best_name = min(baselines, key=baselines.get) if baselines else None
+    best = baselines.get(best_name) if best_name else None
+    gemm = _ms(c.get("gemm"))
+    epilogue = _ms(c.get("epilogue"))
+    d = {"best_baseline": best_name, "best_baseline_ms": best, "comfuse_ms": comfuse,
+         "speedup_vs_best": best / comfuse if best and comfuse else None,
+         "speedups": {n: t / comfuse for n, t in baselines.items()} if comfuse else {},
+         "gemm_ms": gemm, "comfuse_over_gemm": comfuse / gemm if comfuse and gemm else None,
+         "epilogue_cost_ms": comfuse - gemm if comfuse and gemm else None,
+         "baseline_epilogue_cost_ms": best - gemm if best and gemm else None,
+         "standalone_epilogue_ms": epilogue,
+         "comfuse_tflops": case["flops"] / comfuse / 1e9 if comfuse else None,
+         "comfuse_tb_s": case["min_bytes"] / comfuse / 1e9 if comfuse else None}
+    return d
+
+
+def geomean(values) -> float | None:
+    values = [v for v in values if v]
+    if not values:
+        return None
+    import math
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def _fmt(cand: dict | None) -> str:
+    if not cand:
+        return "-"
+    status = cand.get("status")
+    if status == "ok":
+        return f"{cand['median_ms']:.4f} ({cand['iqr_ms']:.4f})"
+    if status == "wrong":
+        return f"WRONG (err {cand.get('err', float('nan')):.1e})"
+    return status or "-"
+
+
+def markdown(results: dict) -> str:
+    meta, ceil = results["meta"], results.get("ceilings", {})
+    lines = ["# comfuse bench results", ""]
+    lines.append(f"- GPU: {meta.get('gpu')}, {meta.get('sm_count', '?')} SMs, driver "
+                 f"{meta.get('driver', '?')}, SM clock {meta.get('sm_clock', '?')} "
+                 f"(max {meta.get('sm_clock_max', '?')}), memory clock {meta.get('mem_clock', '?')}")
+    lines.append(f"- torch {meta.get('torch')}, triton {meta.get('triton')}, CUDA {meta.get('cuda')}, "
+                 f"Python {meta.get('python')}; dtype {meta.get('dtype')}; date {meta.get('date')}")
+    if ceil:
+        lines.append(f"- measured ceilings: device copy {ceil['copy_tb_s']:.2f} TB/s, bf16 GEMM "
+                     f"8192^3 {ceil['bf16_gemm_tflops']:.0f} TFLOP/s")
+    how = ("`triton.testing.do_bench`, CUDA events, L2 flushed between repetitions"
+           if meta.get("device") == "cuda" else
+           "wall clock on the CPU through Triton's interpreter: a smoke test, not a measurement")
+    lines.append(f"- times: median (IQR) in ms of >= 20 repetitions ({how}); every candidate's "
+                 "output was checked against float64 PyTorch before it was timed; WRONG results "
+                 "are reported, not timed")
+    lines.append("")
+    cols = ["gemm", "eager", "inductor", "inductor-max-autotune", "sdpa", "comfuse"]
+    for suite in ("paper", "b2b", "attention"):
+        cases = [c for c in results["cases"] if c["suite"] == suite]
+        if not cases:
+            continue
+        lines += [f"## {suite}", "",
+                  "| workload | shape | " + " | ".join(LABELS.get(c, c) for c in cols) +
+                  " | best baseline | speedup | comfuse / GEMM | epilogue cost (fused - GEMM) | "
+                  "epilogue alone | comfuse plan |",
+                  "|" + "---|" * (len(cols) + 8)]
+        for case in cases:
+            d = derive(case)
+            cand = case["candidates"]
+            plan = cand.get("comfuse", {})
+            plan_text = f"{plan.get('fused', '?')} fused {plan.get('schedules', '')}".strip()
+            if plan.get("reason"):
+                plan_text += f"; {plan['reason'][:80]}"
+            lines.append("| " + " | ".join([
+                case["workload"], "x".join(map(str, case["shape"])),
+                *[_fmt(cand.get(c)) for c in cols],
+                LABELS.get(d["best_baseline"], "-") if d["best_baseline"] else "-",
+                f"{d['speedup_vs_best']:.2f}x" if d["speedup_vs_best"] else "-",
+                f"{d['comfuse_over_gemm']:.2f}" if d["comfuse_over_gemm"] else "-",
+                f"{d['epilogue_cost_ms']:.4f}" if d["epilogue_cost_ms"] is not None else "-",
+                _fmt(cand.get("epilogue")), plan_text]) + " |")
+        g = geomean(derive(c)["speedup_vs_best"] for c in cases)
+        if g:
+            lines += ["", f"Geometric-mean speedup of comfuse over the best baseline: {g:.2f}x"]
+        lines.append("")
+    forced = sorted({n for c in results["cases"] for n in c["candidates"] if n.startswith("comfuse[")})
+    if forced:
+        lines += ["## comfuse with each schedule forced", "",
+                  "| workload | shape | " + " | ".join(forced) + " |", "|" + "---|" * (len(forced) + 2)]
+        for case in results["cases"]:
+            lines.append(f"| {case['workload']} | {'x'.join(map(str, case['shape']))} | " +
+                         " | ".join(_fmt(case["candidates"].get(n)) for n in forced) + " |")
+        lines.append("")
+    missing = {}
+    for case in results["cases"]:
+        for name, cand in case["candidates"].items():
+            if cand.get("status") in ("unavailable", "failed", "not run"):
+                missing.setdefault(name, cand.get("reason", ""))
+    if missing:
+        lines += ["## Not measured", ""]
+        lines += [f"- {name}: {reason}" for name, reason in sorted(missing.items())]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def figures(results: dict, out_dir: str | Path) -> list[Path]:
+    """speedup.png, roofline.png and epilogue.png; returns the paths written."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cases = results["cases"]
+    labels = [f"{c['workload']}\n{'x'.join(map(str, c['shape']))}" for c in cases]
+    derived = [derive(c) for c in cases]
+    written = []
+    gpu = results["meta"].get("gpu", "")
+
+    # 1. speedup of comfuse over each baseline (the paper's Figures 7, 9-11)
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(cases) + 2), 4.5))
+    names = [n for n in BASELINE_NAMES if any(n in d["speedups"] for d in derived)]
+    width = 0.8 / max(len(names), 1)
+    for k, name in enumerate(names):
+        xs = [i + (k - (len(names) - 1) / 2) * width for i in range(len(cases))]
+        ys = [d["speedups"].get(name, 0) for d in derived]
+        ax.bar(xs, ys, width, label=f"vs {LABELS[name]}")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(cases)), labels, fontsize=7, rotation=45, ha="right")
+    ax.set_ylabel("speedup of comfuse (baseline time / comfuse time)")
+    ax.set_title(f"comfuse speedup, {gpu}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    written.append(out / "speedup.png")
+    fig.savefig(written[-1], dpi=120)
+    plt.close(fig)
+
+    # 2. roofline: achieved TFLOP/s against arithmetic intensity, under the measured ceilings
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    ceil = results.get("ceilings") or {}
+    intensity = [c["flops"] / c["min_bytes"] for c in cases]
+    if ceil and intensity:
+        lo, hi = min(intensity) / 4, max(intensity) * 4
+        xs = [lo * (hi / lo) ** (i / 100) for i in range(101)]
+        roof = [min(ceil["bf16_gemm_tflops"], x * ceil["copy_tb_s"]) for x in xs]
+        ax.plot(xs, roof, color="black", linewidth=1, label="measured ceilings")
+    for name, marker in (("comfuse", "o"), ("best", "s"), ("gemm", "^")):
+        pts = []
+        for c, d, x in zip(cases, derived, intensity):
+            t = d["comfuse_ms"] if name == "comfuse" else d["best_baseline_ms"] if name == "best" else d["gemm_ms"]
+            if t:
+                pts.append((x, c["flops"] / t / 1e9))
+        if pts:
+            ax.scatter(*zip(*pts), marker=marker,
+                       label={"best": "best baseline", "gemm": "GEMM alone (cuBLAS)"}.get(name, name))
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("FLOP per byte of minimum traffic")
+    ax.set_ylabel("achieved TFLOP/s")
+    ax.set_title("roofline")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    written.append(out / "roofline.png")
+    fig.savefig(written[-1], dpi=120)
+    plt.close(fig)
+
+    # 3. the epilogue's cost, measured directly
+    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(cases) + 2), 4.5))
+    series = (("epilogue_cost_ms", "comfuse: fused - GEMM alone"),
+              ("baseline_epilogue_cost_ms", "best baseline - GEMM alone"),
+              ("standalone_epilogue_ms", "epilogue alone (torch.compile)"))
+    for k, (key, label) in enumerate(series):
+        xs = [i + (k - 1) * 0.27 for i in range(len(cases))]
+        ax.bar(xs, [d[key] or 0 for d in derived], 0.27, label=label)
+    ax.axhline(0.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(cases)), labels, fontsize=7, rotation=45, ha="right")
+    ax.set_ylabel("ms")
+    ax.set_title("what the epilogue costs")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    written.append(out / "epilogue.png")
+    fig.savefig(written[-1], dpi=120)
+    plt.close(fig)
+    return written
+
+
+def write(results: dict, out_dir: str | Path) -> list[Path]:
+    """results.json, results.md and the figures in ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "results.md").write_text(markdown(results))
+    paths = [out / "results.json", out / "results.md"]
+    try:
+        paths += figures(results, out)
+    except ImportError:
+        (out / "figures-missing.txt").write_text("matplotlib is not installed: "
+                                                 "pip install -e '.[bench]' for figures\n")
+    return paths

@@ -1,0 +1,190 @@
+"""``comfuse bench``: run the candidates of every case, check them, time them.
+
+For each case the harness computes the float64 reference once, then for each
+candidate: builds it (recording compile time), runs it once and checks the result
+against the reference (a wrong result is reported with its error and not timed),
+then times it (median and IQR of at least 20 repetitions, L2 flushed between
+them). Results are written to ``results.json`` after every case, so a long run can
+be resumed (``--resume``) after an interruption.
+"""
+from __future__ import annotations
+
+import json
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .. import settings
+from ..planner import SCHEDULES
+from ..runtime.check import compare, tolerance
+from . import workloads
+from .env import ceilings, environment
+from .timing import measure
+
+BASELINES = ("eager", "inductor", "inductor-max-autotune")
+ALL_CANDIDATES = ("comfuse",) + tuple(f"comfuse[{s}]" for s in SCHEDULES) + BASELINES + (
+    "gemm", "epilogue", "sdpa", "tensorrt")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _as_tuple(x):
+    return x if isinstance(x, (tuple, list)) else (x,)
+
+
+def _double(args):
+    return tuple(a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                 for a in args)
+
+
+def _check(outs, refs) -> tuple[bool, float, str]:
+    worst, detail = 0.0, ""
+    for o, r in zip(_as_tuple(outs), _as_tuple(refs)):
+        c = compare(o, r, tolerance(o.dtype), floor=1.0)
+        worst = max(worst, c.error)
+        if not c.ok:
+            return False, c.error, str(c)
+    return True, worst, detail
+
+
+def _tensorrt_reason() -> str:
+    for module in ("torch_tensorrt", "tensorrt"):
+        try:
+            __import__(module)
+            return ""
+        except Exception:
+            continue
+    return "neither torch_tensorrt nor tensorrt imports in this environment"
+
+
+def _compile_torch(fn, mode):
+    torch._dynamo.reset()
+    return torch.compile(fn, mode=mode, dynamic=False)
+
+
+def _candidate(name: str, prog: workloads.Program) -> tuple[Callable | None, dict]:
+    """(callable, info) for a candidate; callable None with info['status'] when it can't run."""
+    import comfuse
+    fn, args = prog.fn, prog.args
+    info: dict = {}
+    if name == "eager":
+        return (lambda: fn(*args)), info
+    if name in ("inductor", "inductor-max-autotune"):
+        compiled = _compile_torch(fn, None if name == "inductor" else "max-autotune-no-cudagraphs")
+        return (lambda: compiled(*args)), info
+    if name.startswith("comfuse"):
+        schedule = name[len("comfuse["):-1] if "[" in name else ""
+        with settings.override(schedule=schedule), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            compiled = comfuse.compile(fn, args)
+        regions = compiled.report.regions
+        fused = [r for r in regions if r.fused]
+        info["fused"] = f"{len(fused)}/{len(regions)}"
+        info["schedules"] = ",".join(sorted({r.schedule for r in fused}))
+        if schedule and not fused:
+            info["status"] = "infeasible"
+            info["reason"] = "; ".join(r.reason for r in regions if r.reason)[:300]
+            return None, info
+        if not fused:
+            info["reason"] = "; ".join(r.reason for r in regions if r.reason)[:300]
+        return (lambda: compiled(*args)), info
+    if name == "gemm":
+        return prog.gemm, info
+    if name == "epilogue":
+        if prog.epilogue is None:
+            info.update(status="n/a", reason="no separable epilogue")
+            return None, info
+        ep = _compile_torch(prog.epilogue, None)
+        ep_args = prog.epilogue_args
+        return (lambda: ep(*ep_args)), info
+    if name == "sdpa":
+        if prog.sdpa is None:
+            info.update(status="n/a", reason="SDPA does not compute this program")
+            return None, info
+        return prog.sdpa, info
+    if name == "tensorrt":
+        reason = _tensorrt_reason()
+        info.update(status="unavailable" if reason else "not run",
+                    reason=reason or "TensorRT imports, but comfuse has no TensorRT path yet")
+        return None, info
+    raise ValueError(f"unknown candidate {name!r}")
+
+
+_UNCHECKED = ("gemm", "epilogue")  # they compute something else than the program: floors
+
+
+def run_case(prog: workloads.Program, candidates, device: str, progress) -> dict:
+    row = {"suite": prog.suite, "workload": prog.workload, "shape": list(prog.shape),
+           "dtype": str(prog.dtype).replace("torch.", ""), "flops": prog.flops,
+           "min_bytes": prog.min_bytes, "candidates": {}}
+    ref = _as_tuple(prog.fn(*_double(prog.args)))
+    for name in candidates:
+        t0 = time.perf_counter()
+        try:
+            call, info = _candidate(name, prog)
+            if call is None:
+                row["candidates"][name] = info
+                progress(f"    {name:24s} {info['status']}: {info.get('reason', '')}")
+                continue
+            out = call()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            info["compile_s"] = round(time.perf_counter() - t0, 2)
+            if name not in _UNCHECKED:
+                ok, err, detail = _check(out, ref)
+                info["err"] = err
+                if not ok:
+                    info.update(status="wrong", reason=detail)
+                    row["candidates"][name] = info
+                    progress(f"    {name:24s} WRONG: {detail}")
+                    continue
+            timing = measure(call, device)
+            info.update(status="ok", **timing.as_dict())
+            progress(f"    {name:24s} {timing.median_ms:9.4f} ms  (IQR {timing.iqr_ms:.4f}, "
+                     f"{timing.reps} reps, built in {info['compile_s']:.1f} s)")
+        except Exception as e:  # a failing candidate must not stop the run
+            info = {"status": "failed", "reason": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}",
+                    "traceback": traceback.format_exc()[-2000:]}
+            progress(f"    {name:24s} FAILED: {info['reason']}")
+        row["candidates"][name] = info
+    return row
+
+
+def run(suite: str = "all", quick: bool = False, out_dir: str | Path = "bench/results/latest",
+        device: str = "auto", dtype: str = "bf16", candidates=None, resume: bool = False,
+        progress=print) -> dict:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and suite not in ("paper",):
+        raise SystemExit("comfuse bench --device cpu runs only --suite paper (small shapes through "
+                         "Triton's interpreter, a smoke test of the harness, not a measurement)")
+    candidates = tuple(candidates or ALL_CANDIDATES)
+    unknown = set(candidates) - set(ALL_CANDIDATES)
+    if unknown:
+        raise SystemExit(f"unknown candidates {sorted(unknown)}; choose from {', '.join(ALL_CANDIDATES)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "results.json"
+    results = json.loads(path.read_text()) if resume and path.exists() else None
+    if results is None:
+        progress("measuring the machine's ceilings ...")
+        results = {"meta": environment(device), "ceilings": ceilings(device), "cases": []}
+        results["meta"].update(suite=suite, quick=quick, dtype=dtype, candidates=list(candidates))
+    done = {(c["workload"], tuple(c["shape"])) for c in results["cases"]}
+    todo = workloads.cases(suite, quick)
+    start = time.perf_counter()
+    for i, case in enumerate(todo, 1):
+        prog = workloads.build(case, DTYPES[dtype], device, cpu_scale=device == "cpu")
+        if (prog.workload, tuple(prog.shape)) in done:
+            progress(f"[{i}/{len(todo)}] {prog.label}: already measured (resume)")
+            continue
+        progress(f"[{i}/{len(todo)}] {prog.label} ({time.perf_counter() - start:.0f} s so far)")
+        results["cases"].append(run_case(prog, candidates, device, progress))
+        path.write_text(json.dumps(results, indent=1))
+        del prog
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return results

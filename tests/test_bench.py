@@ -1,0 +1,136 @@
+"""The evaluation harness: timing aggregation, reference checks, reports and figures on
+synthetic data, missing baselines, and the ncu output parser."""
+import json
+
+import pytest
+import torch
+
+from comfuse.bench import report, runner, workloads
+from comfuse.bench.profile import parse_csv, profile_markdown, summarize as summarize_ncu
+from comfuse.bench.timing import measure, summarize
+
+
+def test_summarize_median_and_quartiles():
+    t = summarize([5.0, 1.0, 3.0, 2.0, 4.0])
+    assert (t.median_ms, t.q1_ms, t.q3_ms, t.iqr_ms, t.reps) == (3.0, 2.0, 4.0, 2.0, 5)
+    assert summarize([7.0]).iqr_ms == 0.0
+    with pytest.raises(ValueError):
+        summarize([])
+
+
+def test_measure_on_cpu_takes_at_least_20_repetitions():
+    calls = []
+    t = measure(lambda: calls.append(1), device="cpu")
+    assert t.reps >= 20 and len(calls) == t.reps + 1  # one warm-up call
+
+
+def _synthetic(comfuse_ms=0.5, eager_ms=1.0, inductor_ms=0.8, gemm_ms=0.4, epilogue_ms=0.3):
+    def ok(ms):
+        return {"status": "ok", "median_ms": ms, "q1_ms": ms * 0.98, "q3_ms": ms * 1.02,
+                "iqr_ms": ms * 0.04, "reps": 50, "err": 1e-3}
+    return {"suite": "paper", "workload": "ln_postnorm", "shape": [8192, 1024, 1024], "dtype": "bfloat16",
+            "flops": 2 * 8192 * 1024 * 1024, "min_bytes": 3 * 8192 * 1024 * 2,
+            "candidates": {"comfuse": {**ok(comfuse_ms), "fused": "1/1", "schedules": "row_in_cta"},
+                           "eager": ok(eager_ms), "inductor": ok(inductor_ms),
+                           "inductor-max-autotune": {"status": "wrong", "err": 0.5, "reason": "MISMATCH"},
+                           "gemm": ok(gemm_ms), "epilogue": ok(epilogue_ms),
+                           "sdpa": {"status": "n/a", "reason": "SDPA does not compute this program"},
+                           "tensorrt": {"status": "unavailable", "reason": "torch_tensorrt missing"}}}
+
+
+def _results(*cases):
+    return {"meta": {"gpu": "NVIDIA H200", "sm_count": 132, "device": "cuda", "torch": "2.11",
+                     "triton": "3.6.0", "dtype": "bf16", "date": "2026-11-30"},
+            "ceilings": {"copy_tb_s": 4.3, "bf16_gemm_tflops": 790.0}, "cases": list(cases)}
+
+
+def test_derive_uses_only_correct_baselines():
+    d = report.derive(_synthetic())
+    assert d["best_baseline"] == "inductor"  # max-autotune was wrong: not a candidate for "best"
+    assert d["speedup_vs_best"] == pytest.approx(0.8 / 0.5)
+    assert d["comfuse_over_gemm"] == pytest.approx(0.5 / 0.4)
+    assert d["epilogue_cost_ms"] == pytest.approx(0.1)
+    assert d["standalone_epilogue_ms"] == pytest.approx(0.3)
+
+
+def test_missing_candidates_derive_to_none():
+    case = _synthetic()
+    del case["candidates"]["comfuse"]
+    d = report.derive(case)
+    assert d["speedup_vs_best"] is None and d["epilogue_cost_ms"] is None
+
+
+def test_markdown_reports_wrong_and_unavailable_candidates():
+    md = report.markdown(_results(_synthetic(), _synthetic(comfuse_ms=1.6)))
+    assert "NVIDIA H200" in md and "790 TFLOP/s" in md
+    assert "WRONG (err 5.0e-01)" in md
+    assert "- tensorrt: torch_tensorrt missing" in md
+    assert "Geometric-mean speedup of comfuse over the best baseline: 0.89x" in md  # sqrt(1.6 * 0.5)
+
+
+def test_figures_and_files_are_written(tmp_path):
+    paths = report.write(_results(_synthetic(), _synthetic(comfuse_ms=0.3)), tmp_path)
+    names = {p.name for p in paths}
+    assert {"results.json", "results.md", "speedup.png", "roofline.png", "epilogue.png"} <= names
+    for p in paths:
+        assert p.stat().st_size > 0
+    assert json.loads((tmp_path / "results.json").read_text())["cases"][0]["workload"] == "ln_postnorm"
+
+
+def test_run_case_reports_a_wrong_candidate_without_timing_it():
+    x, w = torch.randn(8, 16), torch.randn(16, 8)
+    prog = workloads.Program("paper", "toy", (8, 16, 8), torch.float32, lambda x, w: torch.relu(x @ w),
+                             (x, w), 2 * 8 * 16 * 8, 1.0, gemm=lambda: x @ w,
+                             sdpa=lambda: torch.relu(x @ w) + 1.0)  # deliberately wrong
+    row = runner.run_case(prog, ["eager", "sdpa", "gemm", "tensorrt"], "cpu", progress=lambda s: None)
+    c = row["candidates"]
+    assert c["eager"]["status"] == "ok" and c["eager"]["reps"] >= 20
+    assert c["sdpa"]["status"] == "wrong" and "median_ms" not in c["sdpa"]
+    assert c["gemm"]["status"] == "ok"  # a floor: timed, not checked against the program
+    assert c["tensorrt"]["status"] in ("unavailable", "not run")
+
+
+def test_run_case_survives_a_failing_candidate():
+    x, w = torch.randn(4, 4), torch.randn(4, 4)
+
+    def broken():
+        raise RuntimeError("kaputt")
+    prog = workloads.Program("paper", "toy", (4, 4, 4), torch.float32, lambda x, w: x @ w, (x, w), 1.0, 1.0,
+                             gemm=broken)
+    row = runner.run_case(prog, ["gemm", "eager"], "cpu", progress=lambda s: None)
+    assert row["candidates"]["gemm"]["status"] == "failed" and "kaputt" in row["candidates"]["gemm"]["reason"]
+    assert row["candidates"]["eager"]["status"] == "ok"
+
+
+def test_suites_list_the_paper_workloads():
+    quick = workloads.cases("all", quick=True)
+    assert ("paper", "linear_ce", (8192, 4096, 32768)) in quick
+    assert ("attention", "self_attention", None) in quick
+    assert len(workloads.cases("paper")) > len(workloads.cases("paper", quick=True))
+    with pytest.raises(ValueError):
+        workloads.cases("nope")
+
+
+NCU_CSV = '''==PROF== Connected to process 1
+"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","1","python","h","comfuse_row_in_cta_ab","1","7","(256, 1, 1)","(256, 1, 1)","Command line profiler metrics","dram__bytes_read.sum","byte","33,554,432"
+"0","1","python","h","comfuse_row_in_cta_ab","1","7","(256, 1, 1)","(256, 1, 1)","Command line profiler metrics","dram__bytes_write.sum","byte","16777216"
+"0","1","python","h","comfuse_row_in_cta_ab","1","7","(256, 1, 1)","(256, 1, 1)","Command line profiler metrics","gpu__time_duration.sum","nsecond","120000"
+"1","1","python","h","other_kernel","1","7","(1, 1, 1)","(1, 1, 1)","Command line profiler metrics","dram__bytes_read.sum","byte","1000"
+'''
+
+
+def test_ncu_csv_parsing_and_report():
+    s = summarize_ncu(parse_csv(NCU_CSV))
+    assert s["read_bytes"] == 33554432 + 1000 and s["write_bytes"] == 16777216
+    assert s["time_us"] == pytest.approx(120.0) and len(s["kernels"]) == 2
+    md = profile_markdown({"workload": "ln_postnorm", "shape": "8192,1024,1024", "dtype": "bf16",
+                           "min_bytes": 50e6, "variants": {"fused": s}})
+    assert "| fused | 2 | 33.6 | 16.8 | 50.3 | 50.0 | 1.01 |" in md
+
+
+def test_profile_without_ncu_says_so(monkeypatch):
+    from comfuse.bench import profile
+    monkeypatch.setattr(profile, "find_ncu", lambda: None)
+    with pytest.raises(SystemExit, match="Nsight Compute"):
+        profile.profile("ln_postnorm", "8192,1024,1024")
