@@ -225,6 +225,16 @@ def test_fuel_caps_the_number_of_fused_regions():
     assert "fuel" in report.regions[1].reason
 
 
+def test_chained_gemms_each_fuse_their_epilogue():
+    """A DLRM-style MLP: every GEMM's ReLU fuses; each region feeds the next GEMM."""
+    def mlp(x, w1, w2, w3):
+        return torch.relu(torch.relu(torch.relu(x @ w1) @ w2) @ w3)
+    args = (randn(33, 24), weight(24, 40), weight(40, 20), weight(20, 16))
+    compiled, out = compile_and_run(mlp, args)
+    assert [r.fused for r in compiled.report.regions] == [True, True, True]
+    assert_matches_reference(mlp, args, out)
+
+
 def test_cross_entropy_never_writes_logits():
     wl = SUITE["linear_ce"]
     args = wl.inputs(16, 24, 40, device=DEVICE)

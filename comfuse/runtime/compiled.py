@@ -158,15 +158,17 @@ def _toposort(graph: fx.Graph) -> None:
 
 def _rewrite(gm: fx.GraphModule, fused: list) -> None:
     graph = gm.graph
+    replaced: dict = {}  # outputs of regions already rewritten -> the getitem that replaced them
     for i, (cand, module) in enumerate(fused):
         name = f"comfuse_region{i}"
         gm.add_submodule(name, module)
         members = set(cand.members)
         with graph.inserting_before(cand.anchor):
-            call = graph.call_module(name, tuple(cand.externals))
+            call = graph.call_module(name, tuple(replaced.get(e, e) for e in cand.externals))
             outs = [graph.call_function(operator.getitem, (call, k)) for k in range(len(cand.outputs))]
         for ob, new in zip(cand.outputs, outs):
             ob.node.replace_all_uses_with(new, delete_user_cb=lambda u: u not in members)
+            replaced[ob.node] = new
         for m in reversed(cand.members):
             graph.erase_node(m)
     _toposort(graph)
