@@ -66,10 +66,12 @@ def markdown(results: dict) -> str:
     meta, ceil = results["meta"], results.get("ceilings", {})
     lines = ["# comfuse bench results", ""]
     lines.append(f"- GPU: {meta.get('gpu')}, {meta.get('sm_count', '?')} SMs, driver "
-                 f"{meta.get('driver', '?')}, SM clock {meta.get('sm_clock', '?')} "
+                 f"{meta.get('driver', '?')}, SM clock at start {meta.get('sm_clock', '?')} "
                  f"(max {meta.get('sm_clock_max', '?')}), memory clock {meta.get('mem_clock', '?')}")
     lines.append(f"- torch {meta.get('torch')}, triton {meta.get('triton')}, CUDA {meta.get('cuda')}, "
                  f"Python {meta.get('python')}; dtype {meta.get('dtype')}; date {meta.get('date')}")
+    if meta.get("note"):
+        lines.append(f"- run: {meta['note']}")
     if ceil:
         lines.append(f"- measured ceilings: device copy {ceil['copy_tb_s']:.2f} TB/s, bf16 GEMM "
                      f"8192^3 {ceil['bf16_gemm_tflops']:.0f} TFLOP/s")
