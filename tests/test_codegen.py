@@ -60,7 +60,7 @@ def test_generated_kernels_compile_for_sm90_with_tensor_cores():
             "ln_bf16": (lambda x, w, b, r: F.layer_norm(x @ w + b + r, (512,)),
                         (torch.randn(256, 512, dtype=bf), torch.randn(512, 512, dtype=bf),
                          torch.randn(512, dtype=bf), torch.randn(256, 512, dtype=bf))),
-            # rows of 1024 leave BLOCK_M = 32, under wgmma's 64: Ampere-style mma.sync
+            # rows of 1024: a cooperative strip of 8 tiles of 128 that exchange partials
             "wide_row_bf16": (lambda x, w: torch.softmax(x @ w, -1), (torch.randn(256, 256, dtype=bf), torch.randn(256, 1024, dtype=bf))),
             "gelu_tile_fp16": (lambda x, w: F.gelu(x @ w), (torch.randn(512, 256, dtype=h), torch.randn(256, 512, dtype=h))),
             "col_softmax_bf16": (lambda x, w: torch.softmax(x @ w, 0), (torch.randn(256, 128, dtype=bf), torch.randn(128, 512, dtype=bf))),
@@ -73,7 +73,8 @@ def test_generated_kernels_compile_for_sm90_with_tensor_cores():
         for name, (fn, args) in cases.items():
             (cand,) = find_regions(capture(fn, args))
             info = compile_for_gpu(plan(cand.region, target="cuda"))
-            out[name] = {"wgmma": info["wgmma"], "mma": info["mma"], "shared": info["shared_bytes"]}
+            out[name] = {k: info[k] for k in ("wgmma", "atomics", "schedule")}
+            out[name]["shared"] = info["shared_bytes"]
         print(json.dumps(out))
     """)
     env = {**os.environ, "TRITON_INTERPRET": "0"}
@@ -82,8 +83,8 @@ def test_generated_kernels_compile_for_sm90_with_tensor_cores():
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     for name, info in result.items():
-        if name == "wide_row_bf16":
-            assert info["mma"] > 0, f"{name}: no tensor-core mma in the sm_90 PTX"
-        else:
-            assert info["wgmma"] > 0, f"{name}: no wgmma in the sm_90 PTX"
+        assert info["wgmma"] > 0, f"{name}: no wgmma in the sm_90 PTX"
+        if info["schedule"] == "cooperative":
+            assert info["atomics"] > 0, f"{name}: a cooperative strip without its arrival atomics"
         assert info["shared"] <= 227 * 1024, f"{name}: needs {info['shared']} bytes of shared memory"
+    assert result["wide_row_bf16"]["schedule"] == "cooperative"

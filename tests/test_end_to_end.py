@@ -200,7 +200,7 @@ def test_unsupported_graphs_run_unfused_with_a_reason():
 def test_rows_wider_than_budget_run_unfused_and_say_why():
     fn = SUITE["softmax"].fn
     args = SUITE["softmax"].inputs(8, 16, 300, device=DEVICE)
-    with settings.override(row_budget=16 * 256):
+    with settings.override(row_budget=16 * 256, schedule="row_in_cta"):
         compiled, out = compile_and_run(fn, args)
     (r,) = compiled.report.regions
     assert not r.fused and "wider than one program holds" in r.reason

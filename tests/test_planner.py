@@ -87,16 +87,22 @@ def test_dce_and_cse_preserve_meaning():
 
 
 def test_schedule_choice_and_blocks():
+    p = plan(region_of(lambda x, w: torch.softmax(x @ w, -1), *x_w(N=200)), target="cuda")
+    assert isinstance(p, Plan) and p.schedule == "row_in_cta" and p.block_n >= 200
     p = plan(region_of(lambda x, w: torch.softmax(x @ w, -1), *x_w(N=300)), target="cuda")
-    assert isinstance(p, Plan) and p.schedule == "row_in_cta" and p.block_n >= 300
+    assert p.schedule == "cooperative" and p.tiles_n == 3 and p.exchanges == 2 and p.exchange_width == 1
     p = plan(region_of(lambda x, w: torch.relu(x @ w), *x_w(N=300)), target="cuda")
     assert p.schedule == "tile" and p.block_n < 300
     p = plan(region_of(lambda x, w: torch.softmax(x @ w, 0), *x_w(M=40, N=7)), target="interpreter")
     assert p.transposed and p.block_n >= 40
 
 
-def test_rows_wider_than_the_budget_are_not_fused():
+def test_rows_no_schedule_holds_are_not_fused():
     r = region_of(lambda x, w: torch.softmax(x @ w, -1), *x_w(N=300))
-    with settings.override(row_budget=16 * 256):
+    with settings.override(row_budget=16 * 256, schedule="row_in_cta"):
         result = plan(r)
     assert isinstance(result, NotFused) and "wider than one program holds" in result.reason
+    with settings.override(row_budget=16 * 256):
+        result = plan(r, target="cuda", sm_count=2)  # 3 tiles per strip, 2 resident programs
+    assert isinstance(result, NotFused) and "no schedule fits" in result.reason
+    assert "more than the 2 programs" in result.reason

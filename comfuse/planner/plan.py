@@ -8,14 +8,15 @@ from ..ir import Op, Region, verify
 from . import passes
 from .stages import Stage, partition
 
-SCHEDULES = ("tile", "row_in_cta")
+SCHEDULES = ("tile", "row_in_cta", "cooperative")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Plan:
     region: Region  # the region in row form (reductions along N only)
     transposed: bool  # the source region reduced along M; operands and views are swapped
-    schedule: str  # "tile": independent output tiles; "row_in_cta": a program owns whole rows
+    schedule: str  # "tile": independent output tiles; "row_in_cta": a program owns whole rows;
+    # "cooperative": the TILES_N programs of a row strip exchange per-tile partials
     stages: tuple[Stage, ...]
     block_m: int
     block_n: int
@@ -24,11 +25,16 @@ class Plan:
     num_warps: int
     num_stages: int
     forms: tuple  # (pass name, region) for every intermediate form, for explain
+    tiles_n: int = 1  # cooperative: tiles per row strip (programs that exchange)
+    exchanges: int = 0  # cooperative: exchanges per strip (stages that end in reductions)
+    exchange_width: int = 0  # cooperative: most reductions published at one exchange
 
     def describe(self) -> str:
         strip = "column strip (reductions along M, run transposed)" if self.transposed else \
             ("row strip (reductions along N)" if self.region.reductions() else "no reductions")
-        return (f"{self.schedule}: {strip}; {len(self.stages)} stage(s); "
+        coop = (f", {self.tiles_n} tiles per strip exchange {self.exchanges} time(s)"
+                if self.schedule == "cooperative" else "")
+        return (f"{self.schedule}: {strip}; {len(self.stages)} stage(s){coop}; "
                 f"tile {self.block_m}x{self.block_n}x{self.block_k}, "
                 f"{self.num_warps} warps, {self.num_stages} pipeline stages")
 
@@ -58,14 +64,22 @@ def reduction_axis(region: Region) -> tuple[str | None, str]:
 def _blocks(region: Region, schedule: str, target: str, row_budget: int):
     s = region.sizes
     elem = 4 if region.gemm.a.dtype.itemsize == 4 else 2
-    if target == "interpreter":  # smallest tiles that cover the problem: the interpreter pays per element
+    if target == "interpreter":  # small tiles: the interpreter pays per element
         bm = min(64, max(16, _pow2(s.M)))
-        bn = max(16, _pow2(s.N)) if schedule == "row_in_cta" else min(64, max(16, _pow2(s.N)))
+        if schedule == "row_in_cta":
+            bn = max(16, _pow2(s.N))
+        elif schedule == "cooperative":
+            bn = 16 if s.N <= 64 else 32  # several tiles per strip even at test sizes
+        else:
+            bn = min(64, max(16, _pow2(s.N)))
         bk = min(64, max(16, _pow2(s.K)))
         return bm, bn, bk, 4, 1
     if schedule == "row_in_cta":
         bn = max(16, _pow2(s.N))
         bm = max(16, min(128, row_budget // bn, _pow2(s.M)))
+    elif schedule == "cooperative":
+        bn = 128 if s.N <= 128 * 64 else 256
+        bm = 128 if s.M > 64 else 64
     else:
         bn = min(128, max(16, _pow2(s.N)))
         bm = min(128, max(16, _pow2(s.M)))
@@ -78,8 +92,53 @@ def _blocks(region: Region, schedule: str, target: str, row_budget: int):
     return bm, bn, bk, num_warps, num_stages
 
 
-def plan(region: Region, target: str = "cuda", settings=None) -> Plan | NotFused:
-    """Run the passes in order; choose a schedule for ``target`` ("cuda" or "interpreter")."""
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _feasible(schedule: str, region: Region, target: str, settings, sm_count: int) -> str:
+    """'' when ``schedule`` can run ``region``, else why not."""
+    n = region.sizes.N
+    if schedule == "tile":
+        return "tiles are independent: no tile can finish a reduction" if region.reductions() else ""
+    if schedule == "row_in_cta":
+        width = max(16, _pow2(n))
+        if width * 16 > settings.row_budget:
+            return (f"a row of N={n} (padded to {width}) is wider than one program holds "
+                    f"(row-in-CTA budget {settings.row_budget} accumulator elements, >= 16 rows)")
+        return ""
+    if schedule == "cooperative":
+        if not region.reductions():
+            return "no reduction to exchange"
+        bn = _blocks(region, schedule, target, settings.row_budget)[1]
+        tiles = _cdiv(n, bn)
+        if target != "interpreter" and tiles > sm_count:
+            return (f"a row of N={n} needs {tiles} tiles of {bn} at once, more than the "
+                    f"{sm_count} programs that are sure to be resident together")
+        return ""
+    return f"unknown schedule {schedule!r} ({', '.join(SCHEDULES)})"
+
+
+def _choose(region: Region, target: str, settings, sm_count: int) -> tuple[str, str]:
+    """(schedule, '') or ('', why none fits). Rows that fit a 256-wide tile stay in one
+    program; wider rows go to the cooperative strip; the interpreter prefers the
+    cooperative strip already past 64 columns, so tests exercise it at small sizes."""
+    if not region.reductions():
+        return "tile", ""
+    limit = 64 if target == "interpreter" else 256
+    order = ("row_in_cta", "cooperative") if region.sizes.N <= limit else ("cooperative", "row_in_cta")
+    reasons = []
+    for schedule in order:
+        why = _feasible(schedule, region, target, settings, sm_count)
+        if not why:
+            return schedule, ""
+        reasons.append(f"{schedule}: {why}")
+    return "", "; ".join(reasons)
+
+
+def plan(region: Region, target: str = "cuda", settings=None, sm_count: int = 132) -> Plan | NotFused:
+    """Run the passes in order; choose a schedule for ``target`` ("cuda" or "interpreter");
+    ``sm_count`` bounds how many programs a cooperative strip may need at once."""
     settings = settings or settings_mod.get()
     forms = [("found", verify(region))]
     region = verify(passes.dce(region))           # drop what no output needs
@@ -95,27 +154,19 @@ def plan(region: Region, target: str = "cuda", settings=None) -> Plan | NotFused
         region = verify(passes.transpose(region))  # column strip -> row strip over C^T
         forms.append(("transposed", region))
     stages = partition(region)                     # reductions are stage boundaries
-    if region.reductions():
-        schedule = "row_in_cta"
-        width = max(16, _pow2(region.sizes.N))
-        if width * 16 > settings.row_budget:
-            return NotFused(
-                f"a row of N={region.sizes.N} (padded to {width}) is wider than one program holds "
-                f"(row-in-CTA budget {settings.row_budget} accumulator elements, at least 16 rows); "
-                "cross-CTA schedules are not built yet", tuple(forms))
+    forced = settings.schedule                     # the schedule: forced, or the first that fits
+    if forced:
+        why = _feasible(forced, region, target, settings, sm_count)
+        if why:
+            return NotFused(f"forced schedule {forced!r}: {why}", tuple(forms))
+        schedule = forced
     else:
-        schedule = "tile"
-    forced = settings.schedule
-    if forced and forced != schedule:
-        if forced not in SCHEDULES:
-            return NotFused(f"COMFUSE_SCHEDULE={forced!r} is not a schedule ({', '.join(SCHEDULES)})",
-                            tuple(forms))
-        if forced == "tile" and region.reductions():
-            return NotFused("forced schedule 'tile' cannot finish a reduction: tiles are independent",
-                            tuple(forms))
-        schedule = forced  # row_in_cta also runs elementwise regions (one program per row strip)
-        if schedule == "row_in_cta" and max(16, _pow2(region.sizes.N)) * 16 > settings.row_budget:
-            return NotFused(f"forced schedule 'row_in_cta': a row of N={region.sizes.N} is wider "
-                            "than one program holds", tuple(forms))
+        schedule, why = _choose(region, target, settings, sm_count)
+        if why:
+            return NotFused(f"no schedule fits: {why}", tuple(forms))
     bm, bn, bk, warps, pipe = _blocks(region, schedule, target, settings.row_budget)
-    return Plan(region, transposed, schedule, stages, bm, bn, bk, 8, warps, pipe, tuple(forms))
+    ends = [len(st.reductions) for st in stages if st.reductions]
+    return Plan(region, transposed, schedule, stages, bm, bn, bk, 8, warps, pipe, tuple(forms),
+                tiles_n=_cdiv(region.sizes.N, bn) if schedule == "cooperative" else 1,
+                exchanges=len(ends) if schedule == "cooperative" else 0,
+                exchange_width=max(ends, default=0) if schedule == "cooperative" else 0)

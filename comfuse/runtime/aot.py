@@ -36,6 +36,10 @@ def compile_for_gpu(plan: Plan, arch: int = 90, tf32: bool = False) -> dict:
             sig[p.name] = _PTR[r.inputs[p.index].dtype]
         elif p.role == "out":
             sig[p.name] = _PTR[r.outputs[p.index].dtype]
+        elif p.role == "workspace":
+            sig[p.name] = "*fp32"
+        elif p.role == "counters":
+            sig[p.name] = "*i32"
         else:
             sig[p.name] = "i32"
     constexprs = dict(kernel.source.constexprs)
@@ -51,4 +55,5 @@ def compile_for_gpu(plan: Plan, arch: int = 90, tf32: bool = False) -> dict:
     ptx = asm.get("ptx", "")
     return {"asm": asm, "shared_bytes": compiled.metadata.shared, "name": kernel.source.name,
             "wgmma": ptx.count("wgmma.mma_async"), "mma": ptx.count("mma.sync"),
+            "atomics": ptx.count("atom."), "schedule": plan.schedule,
             "registers": getattr(compiled, "n_regs", None)}

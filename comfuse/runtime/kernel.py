@@ -17,7 +17,7 @@ from ..ir import structural_text
 from ..planner import Plan
 from . import cache
 
-CODEGEN_VERSION = "triton-1"
+CODEGEN_VERSION = "triton-2"
 
 
 class ComfuseWarning(UserWarning):
@@ -63,6 +63,9 @@ class Kernel:
     plan: Plan
     source: KernelSource
     fn: object
+    phases: tuple = ()  # interpreter form of a cooperative plan: one kernel per phase
+    _scratch: dict = dataclasses.field(default_factory=dict)  # device -> (workspace, counters)
+    _resident: dict = dataclasses.field(default_factory=dict)  # device -> programs per SM
 
     @property
     def path(self) -> str:
@@ -71,6 +74,69 @@ class Kernel:
     def launch(self, a3: torch.Tensor, b3: torch.Tensor, ins: list, outs: list) -> None:
         """Run on canonical views: a3 [B, M, K], b3 [B, K, N], ins/outs [B|1, M|1, N|1],
         already transposed for column-strip plans."""
+        B, M, K = a3.shape
+        N = b3.shape[2]
+        plan = self.plan
+        on_cpu = a3.device.type == "cpu" or interpreting()
+        low = a3.dtype in (torch.float16, torch.bfloat16)
+        tf32 = torch.backends.cuda.matmul.allow_tf32 and not on_cpu
+        options = dict(self.source.constexprs, UPCAST_OPERANDS=on_cpu and low,
+                       DOT_PRECISION="tf32" if tf32 else "ieee", WIDE_INDEX=_wide(a3, b3, *ins, *outs),
+                       num_warps=self.source.num_warps, num_stages=self.source.num_stages)
+        if plan.schedule != "cooperative":
+            grid = (triton.cdiv(M, plan.block_m) * triton.cdiv(N, plan.block_n), B)
+            self.fn[grid](*self.arguments(a3, b3, ins, outs, None, None, 0), **options)
+            return
+        strips = triton.cdiv(M, plan.block_m) * B
+        if on_cpu:
+            # interpreter form: one slot per strip, phases as consecutive launches
+            ws, counters = self.scratch(a3.device, strips)
+            args = self.arguments(a3, b3, ins, outs, ws, counters, strips)
+            for fn in self.phases:
+                fn[(strips * plan.tiles_n,)](*args, **options)
+            return
+        groups = min(strips, self.resident_slots(a3.device, a3, b3, ins, outs, options))
+        ws, counters = self.scratch(a3.device, groups)
+        self.fn[(groups * plan.tiles_n,)](*self.arguments(a3, b3, ins, outs, ws, counters, groups),
+                                          **options)
+
+    def resident_slots(self, device, a3, b3, ins, outs, options) -> int:
+        """How many strips may be in flight: every program of every slot must be resident at
+        once (members spin until their strip has arrived), so the persistent grid is at most
+        the SM count times the programs one SM holds, from the compiled kernel's registers
+        and shared memory."""
+        key = str(device)
+        if key not in self._resident:
+            args = self.arguments(a3, b3, ins, outs, *self.scratch(device, 1), 1)
+            compiled = self.fn.warmup(*args, grid=(1,), **options)
+            props = torch.cuda.get_device_properties(device)
+            warps = self.source.num_warps
+            regs = max(getattr(compiled, "n_regs", 0) or 0, 1)
+            smem = max(compiled.metadata.shared, 1)
+            smem_sm = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
+            per_sm = min(65536 // (regs * 32 * warps), smem_sm // smem, 64 // warps, 32)
+            self._resident[key] = max(per_sm, 0) * props.multi_processor_count
+        slots = self._resident[key] // self.plan.tiles_n
+        if slots < 1:
+            raise RuntimeError(f"cooperative strip of {self.plan.tiles_n} tiles cannot be resident "
+                               f"at once ({self._resident[key]} programs fit the GPU)")
+        return slots
+
+    def scratch(self, device, slots: int):
+        """Workspace for the exchanged partials and the arrival counters, kept per device and
+        grown as needed; counters start at zero once and only ever grow."""
+        key = str(device)
+        p = self.plan
+        pow2 = dict(self.source.constexprs)["TILES_POW2"]
+        need = slots * max(p.exchanges, 2) * max(p.exchange_width, 1) * pow2 * p.block_m
+        ws, counters = self._scratch.get(key, (None, None))
+        if ws is None or ws.numel() < need or counters.numel() < slots:
+            ws = torch.empty(need, dtype=torch.float32, device=device)
+            counters = torch.zeros(slots, dtype=torch.int32, device=device)
+            self._scratch[key] = (ws, counters)
+        return ws, counters
+
+    def arguments(self, a3, b3, ins, outs, ws, counters, groups) -> list:
         B, M, K = a3.shape
         N = b3.shape[2]
         dims3 = {"B": 0, "M": 1, "N": 2}
@@ -85,7 +151,15 @@ class Kernel:
             elif p.role == "out":
                 args.append(outs[p.index])
             elif p.role == "size":
-                args.append({"M": M, "N": N, "K": K}[p.axis])
+                args.append({"B": B, "M": M, "N": N, "K": K}[p.axis])
+            elif p.role == "workspace":
+                args.append(ws)
+            elif p.role == "counters":
+                args.append(counters)
+            elif p.role == "tiles_n":
+                args.append(self.plan.tiles_n)
+            elif p.role == "groups":
+                args.append(groups)
             elif p.role == "stride_a":
                 args.append(a3.stride({"B": 0, "M": 1, "K": 2}[p.axis]))
             elif p.role == "stride_b":
@@ -96,16 +170,7 @@ class Kernel:
                 args.append(outs[p.index].stride(dims3[p.axis]))
             else:  # pragma: no cover
                 raise AssertionError(p)
-        plan = self.plan
-        grid = (triton.cdiv(M, plan.block_m) * triton.cdiv(N, plan.block_n), B)
-        on_cpu = a3.device.type == "cpu" or interpreting()
-        low = a3.dtype in (torch.float16, torch.bfloat16)
-        tf32 = torch.backends.cuda.matmul.allow_tf32 and not on_cpu
-        self.fn[grid](*args, **dict(self.source.constexprs),
-                      UPCAST_OPERANDS=on_cpu and low,
-                      DOT_PRECISION="tf32" if tf32 else "ieee",
-                      WIDE_INDEX=_wide(a3, b3, *ins, *outs),
-                      num_warps=self.source.num_warps, num_stages=self.source.num_stages)
+        return args
 
 
 def _wide(*tensors: torch.Tensor) -> bool:
@@ -121,10 +186,17 @@ _kernels: dict[str, Kernel] = {}
 
 
 def build(plan: Plan) -> Kernel:
-    """Generate (or reuse) the kernel for ``plan``."""
+    """Generate (or reuse) the kernel for ``plan``; under the interpreter a cooperative plan
+    also gets its phase kernels (see codegen.triton.emit)."""
     name = kernel_name(plan)
     if name not in _kernels:
         source = emit(plan, name)
         module = cache.load_source(name, source.text)
-        _kernels[name] = Kernel(plan, source, getattr(module, name))
+        phases = []
+        if plan.schedule == "cooperative" and interpreting():
+            for phase in range(plan.exchanges + 1):
+                phase_name = f"{name}_phase{phase}"
+                text = emit(plan, phase_name, phase=phase).text
+                phases.append(getattr(cache.load_source(phase_name, text), phase_name))
+        _kernels[name] = Kernel(plan, source, getattr(module, name), tuple(phases))
     return _kernels[name]

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from ...ir import Op, Region, format_region
+from ...ir import REDUCE, Op, Region, format_region
 from ...planner import Plan
 
 TL_DTYPE = {
@@ -64,6 +64,10 @@ def _literal(value) -> str:
     return repr(int(value))
 
 
+def _pow2(n: int) -> int:
+    return 1 << max(0, (max(n, 1) - 1).bit_length())
+
+
 def _shape_of(axes) -> str:
     if "M" in axes and "N" in axes:
         return "(BLOCK_M, BLOCK_N)"
@@ -81,9 +85,12 @@ class _Emitter:
         self.name = name
         self.lines: list[str] = []
         self.params: list[Param] = []
+        self.base = 0  # extra indentation: the cooperative schedule's loop over strips
+        self.phase: int | None = None
+        self.cooperative = plan.schedule == "cooperative"
 
     def line(self, text: str = "", indent: int = 1) -> None:
-        self.lines.append("    " * indent + text if text else "")
+        self.lines.append("    " * (indent + self.base) + text if text else "")
 
     # ---- addressing --------------------------------------------------------------------
     def offsets(self, prefix: str, axes) -> str:
@@ -150,16 +157,21 @@ class _Emitter:
             return self.power(x[0], node.arg)
         if op is Op.CAST:
             return self.cast(node.src[0], node.arg)
-        if op is Op.SUM:
-            if node.dtype.is_floating_point:
-                return f"tl.sum(tl.where(mask_n[None, :], {x[0]}, 0.0), axis=1, keep_dims=True)"
-            return (f"tl.sum(tl.where(mask_n[None, :], {x[0]}.to(tl.int64), 0), axis=1, "
-                    "keep_dims=True)")
-        if op in (Op.RMAX, Op.RMIN):
-            fill, combine = ('float("-inf")', "max_propagate_nan") if op is Op.RMAX else \
-                ('float("inf")', "min_propagate_nan")
-            return f"tl.reduce(tl.where(mask_n[None, :], {x[0]}, {fill}), 1, {combine}, keep_dims=True)"
+        if op in (Op.SUM, Op.RMAX, Op.RMIN):
+            return self.reduction(node, x[0], axis=1, keep=not self.cooperative, mask="mask_n[None, :]")
         raise NotImplementedError(f"no Triton rule for {op}")  # pragma: no cover
+
+    @staticmethod
+    def reduction(node, x: str, axis: int, keep: bool, mask: str) -> str:
+        """Reduce ``x`` along ``axis`` with the masked-out lanes set to the identity."""
+        kd = ", keep_dims=True" if keep else ""
+        if node.op is Op.SUM:
+            if node.dtype.is_floating_point:
+                return f"tl.sum(tl.where({mask}, {x}, 0.0), axis={axis}{kd})"
+            return f"tl.sum(tl.where({mask}, {x}.to(tl.int64), 0), axis={axis}{kd})"
+        fill, combine = ('float("-inf")', "max_propagate_nan") if node.op is Op.RMAX else \
+            ('float("inf")', "min_propagate_nan")
+        return f"tl.reduce(tl.where({mask}, {x}, {fill}), {axis}, {combine}{kd})"
 
     def power(self, x: str, c: float) -> str:
         if c == 1:
@@ -217,8 +229,17 @@ class _Emitter:
             args.append((f"in{j}_ptr", Param(f"in{j}_ptr", "in", j), f"{inp.name}"))
         for k, out in enumerate(r.outputs):
             args.append((f"out{k}_ptr", Param(f"out{k}_ptr", "out", k), f"{out.name}"))
+        if self.cooperative:
+            args.append(("ws_ptr", Param("ws_ptr", "workspace"),
+                         "fp32 [slots, 2, reductions, TILES_POW2, BLOCK_M]: per-tile partials"))
+            args.append(("counter_ptr", Param("counter_ptr", "counters"),
+                         "int32 [slots]: arrivals at each strip's exchanges"))
         for axis in ("M", "N", "K"):
             args.append((axis, Param(axis, "size", None, axis), None))
+        if self.cooperative:
+            args.append(("NUM_B", Param("NUM_B", "size", None, "B"), "batches"))
+            args.append(("TILES_N", Param("TILES_N", "tiles_n"), "tiles per row strip"))
+            args.append(("GROUPS", Param("GROUPS", "groups"), "strips in flight at once"))
         for prefix, role, axes in [("a", "a", ("B", "M", "K") if batched else ("M", "K")),
                                    ("b", "b", ("B", "K", "N") if batched else ("K", "N"))]:
             for axis in axes:
@@ -240,21 +261,21 @@ class _Emitter:
             lines.append(f"    {name},{'  # ' + comment if comment else ''}")
         return lines
 
-    def emit(self) -> KernelSource:
-        p, r = self.plan, self.region
-        batched = r.gemm.batched
-        sig = self.signature()
-        consts = ["BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "UPCAST_OPERANDS", "DOT_PRECISION",
-                  "WIDE_INDEX"]
-        self.lines = []
-        self.line("@triton.jit", 0)
-        self.line(f"def {self.name}(", 0)
-        self.lines += sig
-        self.line(", ".join(f"{c}: tl.constexpr" for c in consts) + ",")
-        self.line("):", 0)
-        self.line(f'"""{p.describe()}"""')
+    def program_ids(self) -> None:
+        p, batched = self.plan, self.region.gemm.batched
         self.line("# ---- which tile this program owns ----")
         self.line("pid = tl.program_id(0)")
+        if self.cooperative:
+            self.line("pid_n = pid % TILES_N  # this program's tile in every strip it works on")
+            self.line("slot = pid // TILES_N  # the programs of one slot share strips and exchanges")
+            self.line("strips_per_batch = tl.cdiv(M, BLOCK_M)")
+            self.line("exchange = 0  # exchanges done so far: picks the workspace buffer")
+            self.line("for strip in range(slot, strips_per_batch * NUM_B, GROUPS):")
+            self.base += 1
+            if batched:
+                self.line("pid_b = (strip // strips_per_batch).to(tl.int64)")
+            self.line("pid_m = strip % strips_per_batch")
+            return
         if batched:
             self.line("pid_b = tl.program_id(1).to(tl.int64)")
         if p.schedule == "row_in_cta":
@@ -268,6 +289,9 @@ class _Emitter:
             self.line("group_m = min(num_pid_m - first_m, GROUP_M)")
             self.line("pid_m = first_m + (pid % group) % group_m")
             self.line("pid_n = (pid % group) // group_m")
+
+    def mainloop(self) -> None:
+        batched = self.region.gemm.batched
         self.line("offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
         self.line("offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)")
         self.line("if WIDE_INDEX:  # some tensor spans more than 2**31 elements")
@@ -295,17 +319,74 @@ class _Emitter:
         self.line("a = a.to(tl.float32)", 3)
         self.line("b = b.to(tl.float32)", 3)
         self.line("acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)", 2)
+
+    def exchange(self, stage, index: int) -> bool:
+        """The cooperative strip's exchange at the end of ``stage``: publish this tile's
+        partials, wait for the strip, combine. Returns False where an interpreter-form
+        kernel ends (its phase is this exchange)."""
+        r = self.region
+        reds = stage.reductions
+        self.line(f"# exchange {index}: publish this tile's partials, wait for the strip's "
+                  f"{len(reds)} x TILES_N, combine")
+        # GPU: a slot's two buffers alternate between consecutive exchanges, so a fast tile
+        # can publish exchange e+1 while a slow one still reads e. Interpreter form: each
+        # phase re-publishes the exchanges before it, so every (strip, exchange) has its own.
+        where = "(slot * 2 + exchange % 2)" if self.phase is None else \
+            f"(strip * {max(self.plan.exchanges, 2)} + {index})"
+        self.line(f"ws_base = ws_ptr + {where} * ({self.plan.exchange_width} * TILES_POW2 * BLOCK_M)")
+        self.line("ws_rows = tl.arange(0, BLOCK_M)")
+        for k, i in enumerate(reds):
+            node = r.nodes[i]
+            part = self.reduction(node, self.ref(node.src[0]), axis=1, keep=False, mask="mask_n[None, :]")
+            self.line(f"tl.store(ws_base + ({k} * TILES_POW2 + pid_n) * BLOCK_M + ws_rows, {part})")
+        if self.phase is not None and self.phase == index:
+            self.line(f"# interpreter form, phase {index}: the strip's other tiles publish in this "
+                      "launch; the next launch combines")
+            return False
+        if self.phase is None:
+            self.line("strip_barrier(counter_ptr + slot, TILES_N)")
+            self.line("exchange += 1")
+        self.line("tiles = tl.arange(0, TILES_POW2)")
+        for k, i in enumerate(reds):
+            node = r.nodes[i]
+            parts = (f"tl.load(ws_base + ({k} * TILES_POW2 + tiles[:, None]) * BLOCK_M + ws_rows[None, :], "
+                     f"mask=(tiles < TILES_N)[:, None], other=0.0, cache_modifier=\".cg\")")
+            total = self.reduction(node, parts, axis=0, keep=False, mask="(tiles < TILES_N)[:, None]")
+            self.line(f"v{i} = {total}[:, None]  # {self.comment(i)}, whole strip")
+        return True
+
+    def emit(self) -> KernelSource:
+        p, r = self.plan, self.region
+        sig = self.signature()
+        consts = ["BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "UPCAST_OPERANDS", "DOT_PRECISION",
+                  "WIDE_INDEX"] + (["TILES_POW2"] if self.cooperative else [])
+        self.lines = []
+        self.line("@triton.jit", -1)
+        self.line(f"def {self.name}(", -1)
+        self.lines += sig
+        self.line(", ".join(f"{c}: tl.constexpr" for c in consts) + ",")
+        self.line("):", -1)
+        self.line(f'"""{p.describe()}"""')
+        self.program_ids()
+        self.mainloop()
+        exchanges = 0
         for stage in p.stages:
             self.line()
             self.line(self.stage_title(stage))
             for i in stage.nodes:
                 node = r.nodes[i]
-                if node.op is Op.CONST:
+                if node.op is Op.CONST or (self.cooperative and node.op in REDUCE):
                     continue
                 self.line(f"v{i} = {self.expr(i)}  # {self.comment(i)}")
+            if self.cooperative and stage.reductions:
+                if not self.exchange(stage, exchanges):
+                    break
+                exchanges += 1
             for k in stage.stores:
                 out = r.outputs[k]
                 mask = self.mask(out.axes)
+                if self.cooperative and "N" not in out.axes:
+                    mask = f"{mask} & (pid_n == 0)" if mask else "pid_n == 0"  # one tile writes row values
                 mask_arg = f", mask={mask}" if mask else ""
                 self.line(f"tl.store({self.offsets(f'out{k}', out.axes)}, "
                           f"{self.store_value(out)}{mask_arg})  # {out.name}")
@@ -322,12 +403,14 @@ class _Emitter:
             "",
             "from comfuse.codegen.triton.helpers import (expm1, log1p, max_propagate_nan, "
             "min_propagate_nan, pow_int,",
-            "                                             pow_real, tanh)",
+            "                                             pow_real, strip_barrier, tanh)",
             "",
             "",
         ])
         constexprs = (("BLOCK_M", p.block_m), ("BLOCK_N", p.block_n), ("BLOCK_K", p.block_k),
                       ("GROUP_M", p.group_m))
+        if self.cooperative:
+            constexprs += (("TILES_POW2", _pow2(p.tiles_n)),)
         return KernelSource(self.name, header + body + "\n", tuple(self.params), constexprs,
                             p.num_warps, p.num_stages)
 
@@ -347,6 +430,13 @@ class _Emitter:
         return node.op.value + (f" {node.arg}" if node.arg is not None else "")
 
 
-def emit(plan: Plan, name: str) -> KernelSource:
-    """The source text of ``plan``'s kernel, named ``name``, and its parameter list."""
-    return _Emitter(plan, name).emit()
+def emit(plan: Plan, name: str, phase: int | None = None) -> KernelSource:
+    """The source text of ``plan``'s kernel, named ``name``, and its parameter list.
+
+    ``phase`` (cooperative plans only) emits the interpreter form: the kernel runs up to
+    exchange ``phase`` and publishes its partials there, with no waiting; launching phases
+    0..E in order computes what the single GPU launch computes, without a spin-wait that
+    Triton's interpreter (one program after another) could never leave."""
+    e = _Emitter(plan, name)
+    e.phase = phase
+    return e.emit()

@@ -58,3 +58,23 @@ def pow_int(x, n, ODD: tl.constexpr):
     if ODD:
         r = tl.where(x < 0, -r, r)
     return r
+
+
+@triton.jit
+def strip_barrier(counter_ptr, members):
+    """Wait until all ``members`` programs of a strip have arrived at this exchange.
+
+    The counter only grows: arrival number ``old`` belongs to generation
+    ``old // members``, which is complete once the counter reaches the next multiple of
+    ``members``; no reset between exchanges or launches is needed. The release/acquire
+    atomics order each program's published partials before its arrival, and the other
+    programs' partials before the reads that follow. Co-residency of the members is the
+    launcher's job (a persistent grid no larger than what the GPU holds at once).
+    """
+    tl.debug_barrier()  # every warp has published its partials
+    old = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    target = (old // members + 1) * members
+    seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    while seen < target:
+        seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
