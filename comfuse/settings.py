@@ -49,6 +49,10 @@ class Settings:
     # COMFUSE_SCHEDULE: force one schedule ("tile", "row_in_cta"); a region it cannot run
     # is not fused, with the reason. Empty: the planner chooses.
     schedule: str
+    # COMFUSE_AUTOTUNE: "auto" (time the candidate plans and the unfused ops on the first
+    # call on a GPU, keep the fastest, remember it on disk), "1" (also under the
+    # interpreter, for tests), "0" (use the planner's choice).
+    autotune: str
     # COMFUSE_FUEL: cap on the number of regions fused per compiled graph (-1: no cap);
     # lowering it bisects a bad fusion.
     fuel: int
@@ -69,6 +73,7 @@ def get() -> Settings:
         max_specializations=_int("COMFUSE_MAX_SPECIALIZATIONS", 64),
         check=_flag("COMFUSE_CHECK", False),
         schedule=os.environ.get("COMFUSE_SCHEDULE", ""),
+        autotune=os.environ.get("COMFUSE_AUTOTUNE", "auto"),
         fuel=_int("COMFUSE_FUEL", -1),
     )
     values.update(_overrides)

@@ -5,8 +5,8 @@ Invariants: every function here is pure (region in, new region or plan out); a
 plan's region is in row form, so reductions run along N only.
 """
 from .passes import cse, dce, transpose
-from .plan import NotFused, Plan, SCHEDULES, plan, reduction_axis
+from .plan import NotFused, Plan, SCHEDULES, candidates, plan, reduction_axis
 from .stages import Stage, levels, partition
 
-__all__ = ["NotFused", "Plan", "SCHEDULES", "Stage", "cse", "dce", "levels", "partition", "plan",
+__all__ = ["NotFused", "Plan", "SCHEDULES", "Stage", "candidates", "cse", "dce", "levels", "partition", "plan",
            "reduction_axis", "transpose"]

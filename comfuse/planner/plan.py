@@ -170,3 +170,42 @@ def plan(region: Region, target: str = "cuda", settings=None, sm_count: int = 13
                 tiles_n=_cdiv(region.sizes.N, bn) if schedule == "cooperative" else 1,
                 exchanges=len(ends) if schedule == "cooperative" else 0,
                 exchange_width=max(ends, default=0) if schedule == "cooperative" else 0)
+
+
+def candidates(region: Region, target: str = "cuda", settings=None, sm_count: int = 132) -> list:
+    """The plans worth timing for ``region``: the planner's choice first, then every other
+    feasible schedule and a few tile shapes. Empty when nothing fits (``plan`` says why)."""
+    settings = settings or settings_mod.get()
+    first = plan(region, target, settings, sm_count)
+    if isinstance(first, NotFused):
+        return []
+    out = [first]
+    schedules = [settings.schedule] if settings.schedule else list(SCHEDULES)
+    for schedule in schedules:
+        if _feasible(schedule, first.region, target, settings, sm_count):
+            continue
+        base = first if schedule == first.schedule else None
+        if base is None:
+            with settings_mod.override(schedule=schedule):
+                base = plan(region, target, settings_mod.get(), sm_count)
+            if isinstance(base, NotFused):
+                continue
+            out.append(base)
+        if target == "interpreter":
+            continue
+        variants = {"tile": [(128, 256, 64, 8), (64, 128, 64, 4), (128, 64, 64, 4)],
+                    "cooperative": [(64, 128, 64, 4), (128, 256, 64, 8)],
+                    "row_in_cta": []}[schedule]
+        for bm, bn, bk, warps in variants:
+            if schedule == "cooperative":
+                tiles = _cdiv(base.region.sizes.N, bn)
+                if tiles > sm_count:
+                    continue
+                extra = dict(tiles_n=tiles)
+            else:
+                extra = {}
+            variant = dataclasses.replace(base, block_m=bm, block_n=bn, block_k=bk, num_warps=warps,
+                                          num_stages=3, **extra)
+            if variant not in out:
+                out.append(variant)
+    return out

@@ -26,9 +26,10 @@ from .. import settings as settings_mod
 from ..frontend.capture import CaptureError, capture
 from ..frontend.regions import Candidate, find_regions
 from ..ir import canonical_shape, evaluate_with_scale, format_region
-from ..planner import NotFused, plan as make_plan
+from ..planner import NotFused, candidates, plan as make_plan
 from ..report import RegionReport, Report
 from . import kernel as kernel_mod
+from . import tuning
 from .check import KernelMismatch, compare, region_tolerance
 from .kernel import ComfuseWarning, notice_once
 
@@ -36,17 +37,21 @@ from .kernel import ComfuseWarning, notice_once
 class FusedRegion(torch.nn.Module):
     """One fused region inside a captured graph: runs its kernel, or its original ops."""
 
-    def __init__(self, cand: Candidate, plan, unfused: fx.GraphModule, report: RegionReport):
+    def __init__(self, cand: Candidate, plan, unfused: fx.GraphModule, report: RegionReport,
+                 alternatives=()):
         super().__init__()
         self.cand_inputs = cand.inputs
         self.operands = cand.operands
         self.out_shapes = [ob.shape for ob in cand.outputs]
         self.plan = plan
+        self.alternatives = list(alternatives) or [plan]  # candidate plans for autotuning
         self.region = cand.region  # as found (original orientation)
         self.unfused = unfused
         self.report = report
         self.kernel = None
         self.failed = ""
+        self.tuned: set = set()  # devices whose choice is made
+        self.prefer_unfused = False
 
     def forward(self, *ext):
         if self.failed or settings_mod.get().disable:
@@ -60,6 +65,10 @@ class FusedRegion(torch.nn.Module):
             notice_once("interpreter", "comfuse: fused kernels on CPU tensors run through Triton's "
                         "interpreter (exact but slow); use CUDA tensors for speed")
         try:
+            if a.device not in self.tuned and tuning.enabled(a.device):
+                self.tune(ext, a, b)
+            if self.prefer_unfused:
+                return self.unfused(*ext)
             return self.run_kernel(ext, a, b)
         except KernelMismatch:
             raise
@@ -76,10 +85,40 @@ class FusedRegion(torch.nn.Module):
         warnings.warn(f"comfuse: region at {self.report.anchor} runs unfused: {reason}",
                       ComfuseWarning, stacklevel=4)
 
-    def run_kernel(self, ext, a: torch.Tensor, b: torch.Tensor):
-        if self.kernel is None:
-            self.kernel = kernel_mod.build(self.plan)
-            self.report.kernel_path = self.kernel.path
+    def tune(self, ext, a, b) -> None:
+        """Pick the fastest of the candidate plans and the unfused ops (see runtime.tuning)."""
+        k = tuning.key(self.region, a.device)
+        decision = tuning.load(k)
+        names = [kernel_mod.kernel_name(p) for p in self.alternatives]
+        if decision is None or (decision["choice"] != tuning.UNFUSED and decision["choice"] not in names):
+            def run_fused(i):
+                return self.run_kernel(ext, a, b, kernel_mod.build(self.alternatives[i]), check=False)
+            decision = tuning.decide(names, run_fused, lambda: tuple(self.unfused(*ext)), a.device)
+            tuning.store(k, decision)
+        self.tuned.add(a.device)
+        times = decision["times_ms"]
+        best_fused = min((t for n, t in times.items() if n != tuning.UNFUSED), default=float("inf"))
+        if decision["choice"] == tuning.UNFUSED:
+            self.prefer_unfused = True
+            self.report.fused = False
+            self.report.reason = (f"autotune: the unfused ops ({times[tuning.UNFUSED]:.4f} ms) beat every "
+                                  f"fused plan (best {best_fused:.4f} ms)")
+            return
+        self.prefer_unfused = False
+        self.plan = self.alternatives[names.index(decision["choice"])]
+        self.kernel = kernel_mod.build(self.plan)
+        self.report.fused, self.report.reason = True, ""
+        self.report.schedule, self.report.stages = self.plan.schedule, len(self.plan.stages)
+        self.report.plan = (f"{self.plan.describe()} (autotuned: {best_fused:.4f} ms vs "
+                            f"{times[tuning.UNFUSED]:.4f} ms unfused)")
+        self.report.kernel_path = self.kernel.path
+
+    def run_kernel(self, ext, a: torch.Tensor, b: torch.Tensor, kernel=None, check: bool = True):
+        if kernel is None:
+            if self.kernel is None:
+                self.kernel = kernel_mod.build(self.plan)
+                self.report.kernel_path = self.kernel.path
+            kernel = self.kernel
         region = self.region
         device = a.device
         a3 = a if region.gemm.batched else a.unsqueeze(0)
@@ -87,22 +126,22 @@ class FusedRegion(torch.nn.Module):
         ins = [self.prepare(ext[bind.ext], bind, device) for bind in self.cand_inputs]
         outs = [torch.empty(canonical_shape(region, o.axes), dtype=o.dtype, device=device)
                 for o in region.outputs]
-        if self.plan.transposed:
-            self.kernel.launch(b3.transpose(1, 2), a3.transpose(1, 2),
-                               [t.transpose(1, 2) for t in ins], [t.transpose(1, 2) for t in outs])
+        if kernel.plan.transposed:
+            kernel.launch(b3.transpose(1, 2), a3.transpose(1, 2),
+                          [t.transpose(1, 2) for t in ins], [t.transpose(1, 2) for t in outs])
         else:
-            self.kernel.launch(a3, b3, ins, outs)
-        if settings_mod.get().check:
-            self.check(a3, b3, ins, outs)
+            kernel.launch(a3, b3, ins, outs)
+        if check and settings_mod.get().check:
+            self.check(a3, b3, ins, outs, kernel)
         return tuple(o.view(shape) for o, shape in zip(outs, self.out_shapes))
 
-    def check(self, a3, b3, ins, outs) -> None:
+    def check(self, a3, b3, ins, outs, kernel) -> None:
         refs, scales = evaluate_with_scale(self.region, a3, b3, ins)
         tol = region_tolerance(self.region)
         for out, ref, scale, spec in zip(outs, refs, scales, self.region.outputs):
             result = compare(out, ref, tol, scale)
             if not result.ok:
-                raise KernelMismatch(f"kernel {self.kernel.source.name} output {spec.name}: {result}")
+                raise KernelMismatch(f"kernel {kernel.source.name} output {spec.name}: {result}")
 
     @staticmethod
     def prepare(t: torch.Tensor, bind, device: torch.device) -> torch.Tensor:
@@ -116,6 +155,12 @@ class FusedRegion(torch.nn.Module):
             if axis not in bind.axes and v.shape[d] != 1:
                 v = v.narrow(d, 0, 1)
         return v
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
 
 
 def _extract(gm: fx.GraphModule, cand: Candidate) -> fx.GraphModule:
@@ -229,7 +274,7 @@ class Specialization:
         device = cand.anchor.meta["val"].device
         target = "cuda" if device.type == "cuda" and not kernel_mod.interpreting() else "interpreter"
         try:
-            plan = make_plan(cand.region, target=target, settings=settings)
+            plan = make_plan(cand.region, target=target, settings=settings, sm_count=_sm_count(device))
             rep.forms = [(name, format_region(r)) for name, r in plan.forms]
             if isinstance(plan, NotFused):
                 rep.reason = plan.reason
@@ -240,6 +285,8 @@ class Specialization:
                 return None
             unfused = _extract(gm, cand)
             kernel = kernel_mod.build(plan)  # generate and load the source now: errors surface here
+            alternatives = candidates(cand.region, target=target, settings=settings,
+                                      sm_count=_sm_count(device)) if tuning.enabled(device) else [plan]
         except Exception as e:
             if settings.strict:
                 raise
@@ -250,7 +297,7 @@ class Specialization:
         rep.fused, rep.reason = True, ""
         rep.stages, rep.schedule, rep.plan = len(plan.stages), plan.schedule, plan.describe()
         rep.kernel_path = kernel.path
-        module = FusedRegion(cand, plan, unfused, rep)
+        module = FusedRegion(cand, plan, unfused, rep, alternatives)
         module.kernel = kernel
         return module
 

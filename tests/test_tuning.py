@@ -1,0 +1,95 @@
+"""Autotuning: the fastest of the candidate plans and the unfused ops wins, and the choice
+is remembered on disk. Timings are faked here (the interpreter's are meaningless); the
+GPU run measures for real."""
+import pytest
+import torch
+
+pytestmark = pytest.mark.filterwarnings("ignore::comfuse.ComfuseWarning")
+
+import comfuse
+from comfuse import settings
+from comfuse.bench.timing import Timing
+from comfuse.bench.workloads import SUITE
+from comfuse.runtime import tuning
+
+from helpers import DEVICE, assert_matches_reference
+
+
+def fake_timer(monkeypatch, times):
+    """Replace the timer: the n-th measurement (unfused first, then the candidates) reports
+    times[n] ms; every timed function still runs once."""
+    calls = []
+
+    def measure(fn, device, warmup_ms=0, rep_ms=0):
+        fn()
+        t = times[len(calls)]
+        calls.append(t)
+        return Timing(t, t, t, 20)
+    monkeypatch.setattr(tuning, "measure", measure)
+    return calls
+
+
+def fused_module(compiled):
+    spec = next(iter(compiled._specs.values()))
+    return next(m for m in spec.gm.modules() if m.__class__.__name__ == "FusedRegion")
+
+
+@pytest.fixture
+def fresh_cache(tmp_path):
+    with settings.override(cache_dir=tmp_path, autotune="1"):
+        yield tmp_path
+
+
+def test_unfused_wins_when_it_is_faster(monkeypatch, fresh_cache):
+    wl = SUITE["softmax"]
+    args = wl.inputs(16, 16, 100, device=DEVICE)
+    calls = fake_timer(monkeypatch, [0.01] + [1.0] * 20)
+    compiled = comfuse.compile(wl.fn, args)
+    out = compiled(*args)
+    (r,) = compiled.report.regions
+    assert not r.fused and r.reason.startswith("autotune: the unfused ops")
+    assert_matches_reference(wl.fn, args, out)
+    assert len(calls) >= 2 and list((fresh_cache / "tuning").glob("*.json"))
+    # the decision is remembered: a new compilation measures nothing
+    monkeypatch.setattr(tuning, "measure", lambda *a, **k: pytest.fail("measured again"))
+    again = comfuse.compile(wl.fn, args)
+    again(*args)
+    assert not again.report.regions[0].fused
+
+
+def test_fastest_candidate_plan_is_kept(monkeypatch, fresh_cache):
+    wl = SUITE["ln_postnorm"]
+    args = wl.inputs(16, 16, 100, device=DEVICE)
+    compiled = comfuse.compile(wl.fn, args)
+    module = fused_module(compiled)
+    n = len(module.alternatives)
+    assert n >= 2  # cooperative and row_in_cta both fit this row
+    times = [1.0] + [0.5] * n
+    times[n] = 0.1  # the last candidate is the fastest
+    fake_timer(monkeypatch, times)
+    out = compiled(*args)
+    assert module.plan is module.alternatives[-1]
+    assert compiled.report.regions[0].fused and "autotuned" in compiled.report.regions[0].plan
+    assert_matches_reference(wl.fn, args, out)
+
+
+def test_a_failing_candidate_scores_inf(monkeypatch, fresh_cache):
+    wl = SUITE["rmsnorm"]
+    args = wl.inputs(16, 16, 100, device=DEVICE)
+    compiled = comfuse.compile(wl.fn, args)
+    module = fused_module(compiled)
+    broken = module.alternatives[0]
+    from comfuse.runtime import kernel as kernel_mod
+    real_build = kernel_mod.build
+
+    def build(plan):
+        if plan is broken:
+            raise RuntimeError("synthetic failure")
+        return real_build(plan)
+    monkeypatch.setattr(kernel_mod, "build", build)
+    fake_timer(monkeypatch, [1.0] + [0.2] * 10)
+    out = compiled(*args)
+    decision = tuning.load(tuning.key(module.region, torch.device(DEVICE)))
+    assert decision["times_ms"][kernel_mod.kernel_name(broken)] == float("inf")
+    assert decision["choice"] != kernel_mod.kernel_name(broken)
+    assert_matches_reference(wl.fn, args, out)
