@@ -5,12 +5,14 @@
 - COMFUSE_CHECK=1: every kernel launch is compared with the IR's float64 reference
   interpreter and raises KernelMismatch beyond tolerance.
 - Kernel sources go to a fresh temporary cache directory.
+- COMFUSE_AUTOTUNE=0: the planner's choice is tested (autotuning has its own tests).
 - Tests marked ``gpu`` are skipped (with the reason) where CUDA is unavailable.
 """
 import os
 import tempfile
 
 os.environ.setdefault("COMFUSE_CHECK", "1")
+os.environ.setdefault("COMFUSE_AUTOTUNE", "0")  # the planner's choice; tests/test_tuning.py turns it on
 os.environ.setdefault("COMFUSE_CACHE_DIR", tempfile.mkdtemp(prefix="comfuse-test-cache-"))
 
 import comfuse  # noqa: E402,F401  (must precede triton)

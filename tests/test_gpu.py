@@ -43,3 +43,32 @@ def test_repeated_launches_are_deterministic():
     for _ in range(5):
         for a, b in zip(first, as_tuple(compiled(*args))):
             assert torch.equal(a, b)
+
+
+@pytest.mark.timeout(300)
+def test_cooperative_strip_stress_many_launches_near_the_resident_limit():
+    """Strips of 64 tiles (N = 16384 in tiles of 256): as many slots as fit the GPU, 50
+    launches in a row; no hang, and every launch gives the same, correct result."""
+    wl = SUITE["ln_postnorm"]
+    args = wl.inputs(8192, 512, 16384, dtype=torch.bfloat16, device="cuda")
+    with comfuse.settings.override(schedule="cooperative"):
+        compiled = comfuse.compile(wl.fn, args)
+    assert "cooperative" in compiled.report.regions[0].plan
+    first = compiled(*args)
+    assert_matches_reference(wl.fn, args, first)
+    with comfuse.settings.override(check=False):
+        for _ in range(50):
+            again = compiled(*args)
+        torch.cuda.synchronize()
+    assert torch.equal(first, again)
+
+
+def test_autotune_on_the_gpu_keeps_a_correct_and_timed_choice(tmp_path):
+    wl = SUITE["softmax"]
+    args = wl.inputs(8192, 1024, 1024, dtype=torch.bfloat16, device="cuda")
+    with comfuse.settings.override(autotune="1", cache_dir=tmp_path):
+        compiled = comfuse.compile(wl.fn, args)
+        out = compiled(*args)
+    assert_matches_reference(wl.fn, args, out)
+    (r,) = compiled.report.regions
+    assert ("autotuned" in r.plan) if r.fused else r.reason.startswith("autotune:")
