@@ -49,6 +49,9 @@ class Settings:
     # COMFUSE_SCHEDULE: force one schedule ("tile", "row_in_cta"); a region it cannot run
     # is not fused, with the reason. Empty: the planner chooses.
     schedule: str
+    # COMFUSE_MAINLOOP: force the mainloop's loads: "tma" (tensor descriptors, where the
+    # operands allow) or "pointer". Empty: pointer loads unless autotuning picks TMA.
+    mainloop: str
     # COMFUSE_AUTOTUNE: "auto" (time the candidate plans and the unfused ops on the first
     # call on a GPU, keep the fastest, remember it on disk), "1" (also under the
     # interpreter, for tests), "0" (use the planner's choice).
@@ -58,7 +61,7 @@ class Settings:
     fuel: int
 
 
-CODEGEN_SETTINGS = ("row_budget", "schedule")
+CODEGEN_SETTINGS = ("row_budget", "schedule", "mainloop")
 
 _overrides: dict[str, object] = {}
 
@@ -74,6 +77,7 @@ def get() -> Settings:
         check=_flag("COMFUSE_CHECK", False),
         schedule=os.environ.get("COMFUSE_SCHEDULE", ""),
         autotune=os.environ.get("COMFUSE_AUTOTUNE", "auto"),
+        mainloop=os.environ.get("COMFUSE_MAINLOOP", ""),
         fuel=_int("COMFUSE_FUEL", -1),
     )
     values.update(_overrides)

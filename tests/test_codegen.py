@@ -1,4 +1,5 @@
 """Triton code generation: readable source, the disk cache, and compiling for the H200."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -42,8 +43,11 @@ def test_cache_key_changes_with_what_changes_the_source():
     b = kernel_mod.kernel_name(plan_of(lambda x, w: torch.softmax(x @ w, -1), torch.randn(9, 16), w))
     c = kernel_mod.kernel_name(plan_of(lambda x, w: torch.log_softmax(x @ w, -1), x, w))
     d = kernel_mod.kernel_name(plan_of(lambda x, w: torch.softmax(x @ w, -1), x, w, target="cuda"))
+    p = plan_of(lambda x, w: torch.softmax(x @ w, -1), x, w, target="cuda")
+    e = kernel_mod.kernel_name(dataclasses.replace(p, mainloop="tma"))
+    f = kernel_mod.kernel_name(dataclasses.replace(p, num_stages=p.num_stages + 1))
     assert a == b  # sizes are runtime arguments (tile sizes equal here)
-    assert len({a, c, d}) == 3
+    assert len({a, c, d, e, f}) == 5
 
 
 def test_generated_kernels_compile_for_sm90_with_tensor_cores():
@@ -73,8 +77,15 @@ def test_generated_kernels_compile_for_sm90_with_tensor_cores():
         for name, (fn, args) in cases.items():
             (cand,) = find_regions(capture(fn, args))
             info = compile_for_gpu(plan(cand.region, target="cuda"))
-            out[name] = {k: info[k] for k in ("wgmma", "atomics", "schedule")}
+            out[name] = {k: info[k] for k in ("wgmma", "atomics", "schedule", "tma")}
             out[name]["shared"] = info["shared_bytes"]
+        with comfuse.settings.override(mainloop="tma"):
+            for name in ("ln_bf16", "wide_row_bf16", "gelu_tile_fp16", "col_softmax_bf16"):
+                fn, args = cases[name]
+                (cand,) = find_regions(capture(fn, args))
+                info = compile_for_gpu(plan(cand.region, target="cuda"))
+                out[name + "_tma"] = {k: info[k] for k in ("wgmma", "atomics", "schedule", "tma")}
+                out[name + "_tma"]["shared"] = info["shared_bytes"]
         print(json.dumps(out))
     """)
     env = {**os.environ, "TRITON_INTERPRET": "0"}
@@ -88,3 +99,5 @@ def test_generated_kernels_compile_for_sm90_with_tensor_cores():
             assert info["atomics"] > 0, f"{name}: a cooperative strip without its arrival atomics"
         assert info["shared"] <= 227 * 1024, f"{name}: needs {info['shared']} bytes of shared memory"
     assert result["wide_row_bf16"]["schedule"] == "cooperative"
+    for name in ("ln_bf16_tma", "wide_row_bf16_tma", "gelu_tile_fp16_tma", "col_softmax_bf16_tma"):
+        assert result[name]["tma"] > 0, f"{name}: no cp.async.bulk.tensor in the sm_90 PTX"

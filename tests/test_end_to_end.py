@@ -225,6 +225,34 @@ def test_fuel_caps_the_number_of_fused_regions():
     assert "fuel" in report.regions[1].reason
 
 
+@pytest.mark.parametrize("name", ["ln_postnorm", "softmax", "linear_ce", "multi_stage"])
+def test_tma_mainloop_matches_reference(name):
+    wl = SUITE[name]
+    args = wl.inputs(40, 24, 96, dtype=torch.bfloat16, device=DEVICE)
+    with settings.override(mainloop="tma"):
+        compiled, out = compile_and_run(wl.fn, args)
+    (r,) = compiled.report.regions
+    assert r.fused and "tma mainloop" in r.plan, str(compiled.report)
+    assert_matches_reference(wl.fn, args, out)
+
+
+def test_tma_mainloop_with_transposed_weight_and_column_strip():
+    lin = lambda x, W, b: F.gelu(F.linear(x, W, b))  # noqa: E731  (W is read K-major)
+    col = lambda x, w: torch.softmax(x @ w, 0)  # noqa: E731  (run transposed)
+    for fn, args in [(lin, (randn(37, 24), randn(40, 24), randn(40))), (col, (randn(48, 24), weight(24, 40)))]:
+        with settings.override(mainloop="tma"):
+            compiled, out = compile_and_run(fn, args)
+        assert "tma mainloop" in compiled.report.regions[0].plan
+        assert_matches_reference(fn, args, out)
+
+
+def test_tma_needs_aligned_rows():
+    args = (randn(8, 16, dtype=torch.bfloat16), weight(16, 50, dtype=torch.bfloat16))  # 100-byte rows
+    with settings.override(mainloop="tma"):
+        report = comfuse.explain(SUITE["softmax"].fn, args)
+    assert not report.regions[0].fused and "16-byte aligned" in report.regions[0].reason
+
+
 def test_chained_gemms_each_fuse_their_epilogue():
     """A DLRM-style MLP: every GEMM's ReLU fuses; each region feeds the next GEMM."""
     def mlp(x, w1, w2, w3):

@@ -618,6 +618,19 @@ def _unfusible_anchor(anchor: fx.Node) -> str:
     return ""
 
 
+def _major(node: fx.Node, last: str, second: str) -> str:
+    """Which of an operand's two matrix dims has unit stride ("" if neither)."""
+    val = _meta(node)
+    if val.dim() < 2:
+        return ""
+    st, sh = val.stride(), val.shape
+    if st[-1] == 1 or sh[-1] == 1:
+        return last
+    if st[-2] == 1 or sh[-2] == 1:
+        return second
+    return ""
+
+
 def grow(anchor: fx.Node, order: dict) -> Candidate:
     cand = Candidate(anchor=anchor)
     cand.reason = _unfusible_anchor(anchor)
@@ -666,7 +679,8 @@ def grow(anchor: fx.Node, order: dict) -> Candidate:
             outputs.append(Output(value.idx, _dtype(m), frozenset(axes), m.name))
             cand.outputs.append(OutputBinding(m, _shape(m)))
     a_node, b_node = anchor.args[0], anchor.args[1]
-    gemm = Gemm(Operand(a_node.name, _dtype(a_node)), Operand(b_node.name, _dtype(b_node)),
+    gemm = Gemm(Operand(a_node.name, _dtype(a_node), _major(a_node, "K", "M")),
+                Operand(b_node.name, _dtype(b_node), _major(b_node, "N", "K")),
                 ANCHORS[anchor.target], _dtype(anchor))
     cand.region = Region("gemm_epilogue", gemm, tuple(b.inputs), tuple(b.nodes), tuple(outputs),
                          b.sizes)

@@ -111,9 +111,14 @@ class Node:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Operand:
-    """A GEMM operand: A is [B?, M, K], B is [B?, K, N], any strides."""
+    """A GEMM operand: A is [B?, M, K], B is [B?, K, N], any strides.
+
+    ``major`` names the dimension with unit stride, when there is one: for A "K" (row
+    major) or "M"; for B "N" (row major) or "K" (a transposed weight, as ``linear``
+    passes it). Tensor-memory-accelerator loads need it; "" means neither."""
     name: str
     dtype: torch.dtype
+    major: str = ""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

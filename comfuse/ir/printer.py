@@ -47,8 +47,9 @@ def format_region(region: Region) -> str:
     lines = [f"region {region.kind}  B={s.B} M={s.M} N={s.N} K={s.K}"]
     a_axes = "[B,M,K]" if g.batched else "[M,K]"
     b_axes = "[B,K,N]" if g.batched else "[K,N]"
+    major = f" ({g.a.major or '?'}-major @ {g.b.major or '?'}-major)" if (g.a.major or g.b.major) else ""
     lines.append(f"  gemm   {g.a.name}: {dtype_name(g.a.dtype)} {a_axes} @ {g.b.name}: "
-                 f"{dtype_name(g.b.dtype)} {b_axes} -> fp32 accumulator")
+                 f"{dtype_name(g.b.dtype)} {b_axes} -> fp32 accumulator{major}")
     for j, inp in enumerate(region.inputs):
         lines.append(f"  in{j}    {inp.name}: {dtype_name(inp.dtype)} {axes_text(inp.axes)}")
     for i in range(len(region.nodes)):

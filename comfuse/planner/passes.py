@@ -74,7 +74,11 @@ def transpose(region: Region) -> Region:
         arg = _SWAP[n.arg] if (n.op in REDUCE or n.op is Op.IOTA) else n.arg
         nodes.append(Node(n.op, n.src, n.dtype, _swap_axes(n.axes), arg))
     g = region.gemm
-    gemm = dataclasses.replace(g, a=g.b, b=g.a)
+    # the new A is B^T ([N, K]) and the new B is A^T ([K, M]); their unit-stride dims follow
+    a_major = {"N": "M", "K": "K"}.get(g.b.major, "")
+    b_major = {"K": "K", "M": "N"}.get(g.a.major, "")
+    gemm = dataclasses.replace(g, a=dataclasses.replace(g.b, major=a_major),
+                               b=dataclasses.replace(g.a, major=b_major))
     s = region.sizes
     return region.replace(
         gemm=gemm,

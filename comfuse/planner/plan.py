@@ -28,6 +28,7 @@ class Plan:
     tiles_n: int = 1  # cooperative: tiles per row strip (programs that exchange)
     exchanges: int = 0  # cooperative: exchanges per strip (stages that end in reductions)
     exchange_width: int = 0  # cooperative: most reductions published at one exchange
+    mainloop: str = "pointer"  # "pointer": masked loads; "tma": tensor descriptors (Hopper)
 
     def describe(self) -> str:
         strip = "column strip (reductions along M, run transposed)" if self.transposed else \
@@ -35,7 +36,7 @@ class Plan:
         coop = (f", {self.tiles_n} tiles per strip exchange {self.exchanges} time(s)"
                 if self.schedule == "cooperative" else "")
         return (f"{self.schedule}: {strip}; {len(self.stages)} stage(s){coop}; "
-                f"tile {self.block_m}x{self.block_n}x{self.block_k}, "
+                f"{self.mainloop} mainloop, tile {self.block_m}x{self.block_n}x{self.block_k}, "
                 f"{self.num_warps} warps, {self.num_stages} pipeline stages")
 
 
@@ -90,6 +91,22 @@ def _blocks(region: Region, schedule: str, target: str, row_budget: int):
     num_stages = max(1, min(4, (200 * 1024) // per_stage))
     num_warps = 8 if bm * bn >= 128 * 128 else 4
     return bm, bn, bk, num_warps, num_stages
+
+
+def tma_blocker(region: Region) -> str:
+    """'' when tensor descriptors can load both operands, else why not: each needs a unit-
+    stride dim and 16-byte aligned rows (the launcher also checks the base addresses)."""
+    g, s = region.gemm, region.sizes
+    if g.batched:
+        return "batched GEMMs use pointer loads"
+    size = g.a.dtype.itemsize
+    extent = {("a", "K"): s.K, ("a", "M"): s.M, ("b", "N"): s.N, ("b", "K"): s.K}
+    for name, op in (("a", g.a), ("b", g.b)):
+        if not op.major:
+            return f"operand {op.name} has no unit-stride dimension"
+        if extent[(name, op.major)] * size % 16:
+            return f"rows of operand {op.name} are not 16-byte aligned"
+    return ""
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -164,12 +181,18 @@ def plan(region: Region, target: str = "cuda", settings=None, sm_count: int = 13
         schedule, why = _choose(region, target, settings, sm_count)
         if why:
             return NotFused(f"no schedule fits: {why}", tuple(forms))
+    mainloop = settings.mainloop or "pointer"
+    if mainloop not in ("pointer", "tma"):
+        return NotFused(f"COMFUSE_MAINLOOP={mainloop!r}: choose tma or pointer", tuple(forms))
+    if mainloop == "tma" and tma_blocker(region):
+        return NotFused(f"forced TMA mainloop: {tma_blocker(region)}", tuple(forms))
     bm, bn, bk, warps, pipe = _blocks(region, schedule, target, settings.row_budget)
     ends = [len(st.reductions) for st in stages if st.reductions]
     return Plan(region, transposed, schedule, stages, bm, bn, bk, 8, warps, pipe, tuple(forms),
                 tiles_n=_cdiv(region.sizes.N, bn) if schedule == "cooperative" else 1,
                 exchanges=len(ends) if schedule == "cooperative" else 0,
-                exchange_width=max(ends, default=0) if schedule == "cooperative" else 0)
+                exchange_width=max(ends, default=0) if schedule == "cooperative" else 0,
+                mainloop=mainloop)
 
 
 def candidates(region: Region, target: str = "cuda", settings=None, sm_count: int = 132) -> list:
@@ -208,4 +231,7 @@ def candidates(region: Region, target: str = "cuda", settings=None, sm_count: in
                                           num_stages=3, **extra)
             if variant not in out:
                 out.append(variant)
+    if target != "interpreter" and not settings.mainloop and not tma_blocker(first.region):
+        out += [dataclasses.replace(p, mainloop="tma", num_stages=max(p.num_stages, 3))
+                for p in list(out) if p.schedule != "row_in_cta"]
     return out

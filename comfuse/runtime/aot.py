@@ -36,6 +36,13 @@ def compile_for_gpu(plan: Plan, arch: int = 90, tf32: bool = False) -> dict:
             sig[p.name] = _PTR[r.inputs[p.index].dtype]
         elif p.role == "out":
             sig[p.name] = _PTR[r.outputs[p.index].dtype]
+        elif p.role in ("a_desc", "b_desc"):
+            op = r.gemm.a if p.role == "a_desc" else r.gemm.b
+            if p.role == "a_desc":
+                block = [plan.block_m, plan.block_k] if op.major == "K" else [plan.block_k, plan.block_m]
+            else:
+                block = [plan.block_k, plan.block_n] if op.major == "N" else [plan.block_n, plan.block_k]
+            sig[p.name] = f"tensordesc<{_PTR[op.dtype][1:]}[{block[0]}, {block[1]}]>"
         elif p.role == "workspace":
             sig[p.name] = "*fp32"
         elif p.role == "counters":
@@ -56,4 +63,5 @@ def compile_for_gpu(plan: Plan, arch: int = 90, tf32: bool = False) -> dict:
     return {"asm": asm, "shared_bytes": compiled.metadata.shared, "name": kernel.source.name,
             "wgmma": ptx.count("wgmma.mma_async"), "mma": ptx.count("mma.sync"),
             "atomics": ptx.count("atom."), "schedule": plan.schedule,
+            "tma": ptx.count("cp.async.bulk.tensor"),
             "registers": getattr(compiled, "n_regs", None)}

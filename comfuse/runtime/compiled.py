@@ -311,7 +311,9 @@ def _signature(args) -> tuple:
     key = []
     for a in args:
         if isinstance(a, torch.Tensor):
-            key.append(("T", tuple(a.shape), a.dtype, a.device))
+            # which of the last two dims has unit stride: plans with TMA loads depend on it
+            unit = tuple(a.stride(d) == 1 for d in (-2, -1)) if a.dim() >= 2 else ()
+            key.append(("T", tuple(a.shape), a.dtype, a.device, unit))
         else:
             try:
                 hash(a)

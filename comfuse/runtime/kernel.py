@@ -52,8 +52,9 @@ def can_run_on(device: torch.device) -> str:
 
 
 def kernel_name(plan: Plan) -> str:
-    params = (plan.transposed, plan.schedule, plan.block_m, plan.block_n, plan.block_k,
-              plan.group_m, plan.num_warps, plan.num_stages)
+    # every field of the plan that the source depends on (the region is hashed separately)
+    params = tuple((f.name, getattr(plan, f.name)) for f in dataclasses.fields(plan)
+                   if f.name not in ("region", "stages", "forms"))
     key = cache.digest(structural_text(plan.region), repr(params), CODEGEN_VERSION)
     return f"comfuse_{plan.schedule}_{key}"
 
@@ -136,6 +137,19 @@ class Kernel:
             self._scratch[key] = (ws, counters)
         return ws, counters
 
+    @staticmethod
+    def descriptor(t2: torch.Tensor, major: str, row_major: str, block: tuple):
+        """A TMA descriptor over a 2-D operand: as stored when its last dim is the unit-stride
+        one (``row_major``), else over its transpose, with the block transposed to match."""
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        view = t2 if major == row_major else t2.t()
+        if view.stride(-1) != 1:
+            raise RuntimeError(f"TMA plan expects a {major}-major operand; got strides {t2.stride()}")
+        if view.data_ptr() % 16:
+            raise RuntimeError("TMA needs 16-byte aligned operands; this one is not")
+        shape = list(block) if major == row_major else list(reversed(block))
+        return TensorDescriptor.from_tensor(view, shape)
+
     def arguments(self, a3, b3, ins, outs, ws, counters, groups) -> list:
         B, M, K = a3.shape
         N = b3.shape[2]
@@ -146,6 +160,12 @@ class Kernel:
                 args.append(a3)
             elif p.role == "b":
                 args.append(b3)
+            elif p.role == "a_desc":
+                args.append(self.descriptor(a3[0], self.plan.region.gemm.a.major, "K",
+                                            (self.plan.block_m, self.plan.block_k)))
+            elif p.role == "b_desc":
+                args.append(self.descriptor(b3[0], self.plan.region.gemm.b.major, "N",
+                                            (self.plan.block_k, self.plan.block_n)))
             elif p.role == "in":
                 args.append(ins[p.index])
             elif p.role == "out":

@@ -223,8 +223,13 @@ class _Emitter:
     def signature(self) -> list[str]:
         r = self.region
         batched = r.gemm.batched
-        args = [("a_ptr", Param("a_ptr", "a"), f"{r.gemm.a.name}: the A operand"),
-                ("b_ptr", Param("b_ptr", "b"), f"{r.gemm.b.name}: the B operand")]
+        tma = self.plan.mainloop == "tma"
+        if tma:
+            args = [("a_desc", Param("a_desc", "a_desc"), f"{r.gemm.a.name}: A, {r.gemm.a.major}-major tensor descriptor"),
+                    ("b_desc", Param("b_desc", "b_desc"), f"{r.gemm.b.name}: B, {r.gemm.b.major}-major tensor descriptor")]
+        else:
+            args = [("a_ptr", Param("a_ptr", "a"), f"{r.gemm.a.name}: the A operand"),
+                    ("b_ptr", Param("b_ptr", "b"), f"{r.gemm.b.name}: the B operand")]
         for j, inp in enumerate(r.inputs):
             args.append((f"in{j}_ptr", Param(f"in{j}_ptr", "in", j), f"{inp.name}"))
         for k, out in enumerate(r.outputs):
@@ -240,8 +245,9 @@ class _Emitter:
             args.append(("NUM_B", Param("NUM_B", "size", None, "B"), "batches"))
             args.append(("TILES_N", Param("TILES_N", "tiles_n"), "tiles per row strip"))
             args.append(("GROUPS", Param("GROUPS", "groups"), "strips in flight at once"))
-        for prefix, role, axes in [("a", "a", ("B", "M", "K") if batched else ("M", "K")),
-                                   ("b", "b", ("B", "K", "N") if batched else ("K", "N"))]:
+        for prefix, role, axes in ([] if tma else
+                                   [("a", "a", ("B", "M", "K") if batched else ("M", "K")),
+                                    ("b", "b", ("B", "K", "N") if batched else ("K", "N"))]):
             for axis in axes:
                 name = f"stride_{prefix}_{axis.lower()}"
                 args.append((name, Param(name, f"stride_{role}", None, axis), None))
@@ -300,6 +306,9 @@ class _Emitter:
         self.line("mask_m = offs_m < M")
         self.line("mask_n = offs_n < N")
         self.line()
+        if self.plan.mainloop == "tma":
+            self.tma_mainloop()
+            return
         self.line("# ---- mainloop: acc = A[rows, :] @ B[:, cols] with fp32 accumulation ----")
         a_base = "a_ptr + pid_b * stride_a_b" if batched else "a_ptr"
         b_base = "b_ptr + pid_b * stride_b_b" if batched else "b_ptr"
@@ -315,6 +324,25 @@ class _Emitter:
                   "mask=mask_m[:, None] & mask_k[None, :], other=0.0)", 2)
         self.line("b = tl.load(b_cols + offs_k[:, None] * stride_b_k, "
                   "mask=mask_k[:, None] & mask_n[None, :], other=0.0)", 2)
+        self.line("if UPCAST_OPERANDS:  # Triton 3.6's interpreter multiplies bf16 bit patterns", 2)
+        self.line("a = a.to(tl.float32)", 3)
+        self.line("b = b.to(tl.float32)", 3)
+        self.line("acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)", 2)
+
+    def tma_mainloop(self) -> None:
+        g = self.region.gemm
+        self.line("# ---- mainloop: tensor-descriptor (TMA) tile loads, zero past the edges; "
+                  "fp32 accumulation ----")
+        self.line("acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
+        self.line("for k0 in range(0, K, BLOCK_K):")
+        if g.a.major == "K":
+            self.line("a = a_desc.load([pid_m * BLOCK_M, k0])", 2)
+        else:
+            self.line("a = a_desc.load([k0, pid_m * BLOCK_M]).T  # A is stored M-major", 2)
+        if g.b.major == "N":
+            self.line("b = b_desc.load([k0, pid_n * BLOCK_N])", 2)
+        else:
+            self.line("b = b_desc.load([pid_n * BLOCK_N, k0]).T  # B is stored K-major", 2)
         self.line("if UPCAST_OPERANDS:  # Triton 3.6's interpreter multiplies bf16 bit patterns", 2)
         self.line("a = a.to(tl.float32)", 3)
         self.line("b = b.to(tl.float32)", 3)
