@@ -29,15 +29,22 @@ def reference(fn, args):
 
 
 def assert_matches_reference(fn, args, outs, tol=None):
-    """Fused outputs against fn in float64 on the same inputs, norm-wise, with values below 1
-    in magnitude judged absolutely (a sum of a normalised row cancels to ~0; the kernels
-    themselves are judged more finely by COMFUSE_CHECK's error scale)."""
+    """Fused outputs against fn in float64 on the same inputs, norm-wise. Two allowances,
+    both for ill-conditioned results (the kernels themselves are judged more finely by
+    COMFUSE_CHECK's error scale): values below 1 in magnitude are judged absolutely (a sum
+    of a normalised row cancels to ~0), and the result may be off by 10x the error that
+    eager fp32 makes on the same program (LayerNorm of a nearly constant row)."""
     refs = reference(fn, args)
+    refs32 = as_tuple(fn(*tuple(a.float() if isinstance(a, torch.Tensor) and a.is_floating_point()
+                                 else a for a in args)))
     outs = as_tuple(outs)
     assert len(outs) == len(refs)
-    for o, r in zip(outs, refs):
+    for o, r, r32 in zip(outs, refs, refs32):
         t = tol if tol is not None else tolerance(o.dtype)
-        c = compare(o, r, t, floor=1.0)
+        scale = None
+        if r.is_floating_point() and t > 0:
+            scale = (r32.double() - r).abs().nan_to_num(0.0, 0.0, 0.0) * (10.0 / t)
+        c = compare(o, r, t, scale=scale, floor=1.0)
         assert c.ok, f"fused result differs from the float64 reference: {c}"
 
 

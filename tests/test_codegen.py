@@ -79,6 +79,12 @@ def test_generated_kernels_compile_for_sm90_with_tensor_cores():
             info = compile_for_gpu(plan(cand.region, target="cuda"))
             out[name] = {k: info[k] for k in ("wgmma", "atomics", "schedule", "tma")}
             out[name]["shared"] = info["shared_bytes"]
+        with comfuse.settings.override(schedule="split"):
+            fn, args = cases["ce_bf16"]
+            (cand,) = find_regions(capture(fn, args))
+            info = compile_for_gpu(plan(cand.region, target="cuda"))
+            out["ce_split"] = {k: info[k] for k in ("wgmma", "atomics", "schedule", "tma")}
+            out["ce_split"]["shared"] = info["shared_bytes"]
         with comfuse.settings.override(mainloop="tma"):
             for name in ("ln_bf16", "wide_row_bf16", "gelu_tile_fp16", "col_softmax_bf16"):
                 fn, args = cases[name]
@@ -99,5 +105,6 @@ def test_generated_kernels_compile_for_sm90_with_tensor_cores():
             assert info["atomics"] > 0, f"{name}: a cooperative strip without its arrival atomics"
         assert info["shared"] <= 227 * 1024, f"{name}: needs {info['shared']} bytes of shared memory"
     assert result["wide_row_bf16"]["schedule"] == "cooperative"
+    assert result["ce_split"]["schedule"] == "split"
     for name in ("ln_bf16_tma", "wide_row_bf16_tma", "gelu_tile_fp16_tma", "col_softmax_bf16_tma"):
         assert result[name]["tma"] > 0, f"{name}: no cp.async.bulk.tensor in the sm_90 PTX"

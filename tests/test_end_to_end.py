@@ -253,6 +253,36 @@ def test_tma_needs_aligned_rows():
     assert not report.regions[0].fused and "16-byte aligned" in report.regions[0].reason
 
 
+SPLIT_CASES = {
+    "ce_mean": lambda x, w, t: F.cross_entropy(x @ w, t),
+    "ce_none_ignore": lambda x, w, t: F.cross_entropy((x @ w).float(), t, ignore_index=3, reduction="none"),
+    "ce_sum_smoothing_free": lambda x, w, t: F.cross_entropy(x @ w, t, reduction="sum"),
+    "logsumexp": lambda x, w, t: torch.logsumexp(x @ w, -1),
+    "row_stats": lambda x, w, t: ((x @ w).relu().sum(-1), (x @ w).amax(-1), (x @ w).amin(-1), (x @ w).mean(-1)),
+    "nll_of_log_softmax": lambda x, w, t: -torch.log_softmax(x @ w, -1).gather(1, t[:, None]).squeeze(1),
+}
+
+
+@pytest.mark.parametrize("name", list(SPLIT_CASES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
+def test_split_schedule_for_per_row_outputs(name, dtype):
+    fn = SPLIT_CASES[name]
+    M, K, N = 37, 24, 100
+    args = (randn(M, K, dtype=dtype), weight(K, N, dtype=dtype),
+            torch.randint(0, 5 if "ignore" in name else N, (M,), device=DEVICE))
+    with settings.override(schedule="split"):
+        compiled, out = compile_and_run(fn, args)
+    (r,) = compiled.report.regions
+    assert r.fused and r.schedule == "split", str(compiled.report)
+    assert_matches_reference(fn, args, out)
+
+
+def test_split_is_refused_for_full_tile_outputs():
+    with settings.override(schedule="split"):
+        report = comfuse.explain(SUITE["softmax"].fn, SUITE["softmax"].inputs(8, 16, 40, device=DEVICE))
+    assert not report.regions[0].fused and "not one pass" in report.regions[0].reason
+
+
 def test_chained_gemms_each_fuse_their_epilogue():
     """A DLRM-style MLP: every GEMM's ReLU fuses; each region feeds the next GEMM."""
     def mlp(x, w1, w2, w3):

@@ -6,9 +6,10 @@ import dataclasses
 from .. import settings as settings_mod
 from ..ir import Op, Region, verify
 from . import passes
+from .onepass import NotOnePass, one_pass
 from .stages import Stage, partition
 
-SCHEDULES = ("tile", "row_in_cta", "cooperative")
+SCHEDULES = ("tile", "row_in_cta", "cooperative", "split")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -16,7 +17,8 @@ class Plan:
     region: Region  # the region in row form (reductions along N only)
     transposed: bool  # the source region reduced along M; operands and views are swapped
     schedule: str  # "tile": independent output tiles; "row_in_cta": a program owns whole rows;
-    # "cooperative": the TILES_N programs of a row strip exchange per-tile partials
+    # "cooperative": the TILES_N programs of a row strip exchange per-tile partials;
+    # "split": per-row outputs only; programs reduce slices of N to mergeable statistics
     stages: tuple[Stage, ...]
     block_m: int
     block_n: int
@@ -29,12 +31,19 @@ class Plan:
     exchanges: int = 0  # cooperative: exchanges per strip (stages that end in reductions)
     exchange_width: int = 0  # cooperative: most reductions published at one exchange
     mainloop: str = "pointer"  # "pointer": masked loads; "tma": tensor descriptors (Hopper)
+    chunks: int = 0  # split: programs per row block, each reducing a slice of N
+    tiles_per_chunk: int = 0  # split: N tiles one program walks
+    onepass: object = None  # split: the region's one-pass form (derived from ``region``)
 
     def describe(self) -> str:
         strip = "column strip (reductions along M, run transposed)" if self.transposed else \
             ("row strip (reductions along N)" if self.region.reductions() else "no reductions")
         coop = (f", {self.tiles_n} tiles per strip exchange {self.exchanges} time(s)"
                 if self.schedule == "cooperative" else "")
+        if self.schedule == "split":
+            stats = ", ".join(s.kind for s in self.onepass.stats)
+            coop = (f", statistics ({stats}) over {self.chunks} slices of {self.tiles_per_chunk} "
+                    f"tiles per row block, then a combine")
         return (f"{self.schedule}: {strip}; {len(self.stages)} stage(s){coop}; "
                 f"{self.mainloop} mainloop, tile {self.block_m}x{self.block_n}x{self.block_k}, "
                 f"{self.num_warps} warps, {self.num_stages} pipeline stages")
@@ -69,7 +78,7 @@ def _blocks(region: Region, schedule: str, target: str, row_budget: int):
         bm = min(64, max(16, _pow2(s.M)))
         if schedule == "row_in_cta":
             bn = max(16, _pow2(s.N))
-        elif schedule == "cooperative":
+        elif schedule in ("cooperative", "split"):
             bn = 16 if s.N <= 64 else 32  # several tiles per strip even at test sizes
         else:
             bn = min(64, max(16, _pow2(s.N)))
@@ -78,6 +87,9 @@ def _blocks(region: Region, schedule: str, target: str, row_budget: int):
     if schedule == "row_in_cta":
         bn = max(16, _pow2(s.N))
         bm = max(16, min(128, row_budget // bn, _pow2(s.M)))
+    elif schedule == "split":
+        bn = 128 if s.N <= 4096 else 256
+        bm = 128 if s.M > 64 else 64
     elif schedule == "cooperative":
         bn = 128 if s.N <= 128 * 64 else 256
         bm = 128 if s.M > 64 else 64
@@ -109,6 +121,19 @@ def tma_blocker(region: Region) -> str:
     return ""
 
 
+def _split_shape(region: Region, target: str, settings, sm_count: int) -> dict:
+    """Slices of N for the split schedule: enough programs to fill the GPU several times,
+    few enough that the statistics stay tiny next to the row they replace."""
+    bm, bn = _blocks(region, "split", target, settings.row_budget)[:2]
+    tiles = _cdiv(region.sizes.N, bn)
+    row_blocks = _cdiv(region.sizes.M, bm) * region.sizes.B
+    chunks = min(tiles, max(1, _cdiv(4 * sm_count, row_blocks)))
+    if target == "interpreter":
+        chunks = min(tiles, 2)
+    per = _cdiv(tiles, chunks)
+    return dict(tiles_n=tiles, chunks=_cdiv(tiles, per), tiles_per_chunk=per, onepass=one_pass(region))
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -123,6 +148,12 @@ def _feasible(schedule: str, region: Region, target: str, settings, sm_count: in
         if width * 16 > settings.row_budget:
             return (f"a row of N={n} (padded to {width}) is wider than one program holds "
                     f"(row-in-CTA budget {settings.row_budget} accumulator elements, >= 16 rows)")
+        return ""
+    if schedule == "split":
+        try:
+            one_pass(region)
+        except NotOnePass as e:
+            return f"not one pass: {e}"
         return ""
     if schedule == "cooperative":
         if not region.reductions():
@@ -144,6 +175,8 @@ def _choose(region: Region, target: str, settings, sm_count: int) -> tuple[str, 
         return "tile", ""
     limit = 64 if target == "interpreter" else 256
     order = ("row_in_cta", "cooperative") if region.sizes.N <= limit else ("cooperative", "row_in_cta")
+    if target != "interpreter" and region.sizes.N > limit:
+        order = ("split",) + order  # per-row outputs (losses): no strip needs to wait
     reasons = []
     for schedule in order:
         why = _feasible(schedule, region, target, settings, sm_count)
@@ -181,6 +214,9 @@ def plan(region: Region, target: str = "cuda", settings=None, sm_count: int = 13
         schedule, why = _choose(region, target, settings, sm_count)
         if why:
             return NotFused(f"no schedule fits: {why}", tuple(forms))
+    split = {}
+    if schedule == "split":
+        split = _split_shape(region, target, settings, sm_count)
     mainloop = settings.mainloop or "pointer"
     if mainloop not in ("pointer", "tma"):
         return NotFused(f"COMFUSE_MAINLOOP={mainloop!r}: choose tma or pointer", tuple(forms))
@@ -188,11 +224,12 @@ def plan(region: Region, target: str = "cuda", settings=None, sm_count: int = 13
         return NotFused(f"forced TMA mainloop: {tma_blocker(region)}", tuple(forms))
     bm, bn, bk, warps, pipe = _blocks(region, schedule, target, settings.row_budget)
     ends = [len(st.reductions) for st in stages if st.reductions]
+    extra = dict(split)
+    if schedule == "cooperative":
+        extra = dict(tiles_n=_cdiv(region.sizes.N, bn), exchanges=len(ends),
+                     exchange_width=max(ends, default=0))
     return Plan(region, transposed, schedule, stages, bm, bn, bk, 8, warps, pipe, tuple(forms),
-                tiles_n=_cdiv(region.sizes.N, bn) if schedule == "cooperative" else 1,
-                exchanges=len(ends) if schedule == "cooperative" else 0,
-                exchange_width=max(ends, default=0) if schedule == "cooperative" else 0,
-                mainloop=mainloop)
+                mainloop=mainloop, **extra)
 
 
 def candidates(region: Region, target: str = "cuda", settings=None, sm_count: int = 132) -> list:
@@ -218,7 +255,7 @@ def candidates(region: Region, target: str = "cuda", settings=None, sm_count: in
             continue
         variants = {"tile": [(128, 256, 64, 8), (64, 128, 64, 4), (128, 64, 64, 4)],
                     "cooperative": [(64, 128, 64, 4), (128, 256, 64, 8)],
-                    "row_in_cta": []}[schedule]
+                    "row_in_cta": [], "split": []}[schedule]
         for bm, bn, bk, warps in variants:
             if schedule == "cooperative":
                 tiles = _cdiv(base.region.sizes.N, bn)

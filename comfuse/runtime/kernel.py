@@ -54,7 +54,7 @@ def can_run_on(device: torch.device) -> str:
 def kernel_name(plan: Plan) -> str:
     # every field of the plan that the source depends on (the region is hashed separately)
     params = tuple((f.name, getattr(plan, f.name)) for f in dataclasses.fields(plan)
-                   if f.name not in ("region", "stages", "forms"))
+                   if f.name not in ("region", "stages", "forms", "onepass"))
     key = cache.digest(structural_text(plan.region), repr(params), CODEGEN_VERSION)
     return f"comfuse_{plan.schedule}_{key}"
 
@@ -65,6 +65,7 @@ class Kernel:
     source: KernelSource
     fn: object
     phases: tuple = ()  # interpreter form of a cooperative plan: one kernel per phase
+    combine: object = None  # split plans: the kernel that merges the slices' statistics
     _scratch: dict = dataclasses.field(default_factory=dict)  # device -> (workspace, counters)
     _resident: dict = dataclasses.field(default_factory=dict)  # device -> programs per SM
 
@@ -84,6 +85,14 @@ class Kernel:
         options = dict(self.source.constexprs, UPCAST_OPERANDS=on_cpu and low,
                        DOT_PRECISION="tf32" if tf32 else "ieee", WIDE_INDEX=_wide(a3, b3, *ins, *outs),
                        num_warps=self.source.num_warps, num_stages=self.source.num_stages)
+        if plan.schedule == "split":
+            row_blocks = triton.cdiv(M, plan.block_m)
+            slots = sum(2 if st.kind == "lse" else 1 for st in plan.onepass.stats)
+            ws, _ = self.scratch(a3.device, slots * plan.chunks * M)
+            args = self.arguments(a3, b3, ins, outs, ws, None, 0)
+            self.fn[(row_blocks * plan.chunks,)](*args, **options)
+            self.combine[(row_blocks,)](*args, **options)
+            return
         if plan.schedule != "cooperative":
             grid = (triton.cdiv(M, plan.block_m) * triton.cdiv(N, plan.block_n), B)
             self.fn[grid](*self.arguments(a3, b3, ins, outs, None, None, 0), **options)
@@ -91,13 +100,13 @@ class Kernel:
         strips = triton.cdiv(M, plan.block_m) * B
         if on_cpu:
             # interpreter form: one slot per strip, phases as consecutive launches
-            ws, counters = self.scratch(a3.device, strips)
+            ws, counters = self.scratch(a3.device, self.workspace_size(strips), strips)
             args = self.arguments(a3, b3, ins, outs, ws, counters, strips)
             for fn in self.phases:
                 fn[(strips * plan.tiles_n,)](*args, **options)
             return
         groups = min(strips, self.resident_slots(a3.device, a3, b3, ins, outs, options))
-        ws, counters = self.scratch(a3.device, groups)
+        ws, counters = self.scratch(a3.device, self.workspace_size(groups), groups)
         self.fn[(groups * plan.tiles_n,)](*self.arguments(a3, b3, ins, outs, ws, counters, groups),
                                           **options)
 
@@ -108,7 +117,7 @@ class Kernel:
         and shared memory."""
         key = str(device)
         if key not in self._resident:
-            args = self.arguments(a3, b3, ins, outs, *self.scratch(device, 1), 1)
+            args = self.arguments(a3, b3, ins, outs, *self.scratch(device, self.workspace_size(1), 1), 1)
             compiled = self.fn.warmup(*args, grid=(1,), **options)
             props = torch.cuda.get_device_properties(device)
             warps = self.source.num_warps
@@ -123,19 +132,22 @@ class Kernel:
                                f"at once ({self._resident[key]} programs fit the GPU)")
         return slots
 
-    def scratch(self, device, slots: int):
-        """Workspace for the exchanged partials and the arrival counters, kept per device and
-        grown as needed; counters start at zero once and only ever grow."""
-        key = str(device)
+    def workspace_size(self, slots: int) -> int:
+        """fp32 elements of a cooperative plan's partials for ``slots`` strips in flight."""
         p = self.plan
         pow2 = dict(self.source.constexprs)["TILES_POW2"]
-        need = slots * max(p.exchanges, 2) * max(p.exchange_width, 1) * pow2 * p.block_m
-        ws, counters = self._scratch.get(key, (None, None))
-        if ws is None or ws.numel() < need or counters.numel() < slots:
-            ws = torch.empty(need, dtype=torch.float32, device=device)
-            counters = torch.zeros(slots, dtype=torch.int32, device=device)
-            self._scratch[key] = (ws, counters)
-        return ws, counters
+        return slots * max(p.exchanges, 2) * max(p.exchange_width, 1) * pow2 * p.block_m
+
+    def scratch(self, device, numel: int, counters: int = 1):
+        """Workspace (fp32) and arrival counters (int32), kept per device and grown as needed;
+        counters start at zero once and only ever grow."""
+        key = str(device)
+        ws, cnt = self._scratch.get(key, (None, None))
+        if ws is None or ws.numel() < numel or cnt.numel() < counters:
+            ws = torch.empty(max(numel, 1), dtype=torch.float32, device=device)
+            cnt = torch.zeros(max(counters, 1), dtype=torch.int32, device=device)
+            self._scratch[key] = (ws, cnt)
+        return ws, cnt
 
     @staticmethod
     def descriptor(t2: torch.Tensor, major: str, row_major: str, block: tuple):
@@ -180,6 +192,10 @@ class Kernel:
                 args.append(self.plan.tiles_n)
             elif p.role == "groups":
                 args.append(groups)
+            elif p.role == "chunks":
+                args.append(self.plan.chunks)
+            elif p.role == "tiles_per_chunk":
+                args.append(self.plan.tiles_per_chunk)
             elif p.role == "stride_a":
                 args.append(a3.stride({"B": 0, "M": 1, "K": 2}[p.axis]))
             elif p.role == "stride_b":
@@ -218,5 +234,6 @@ def build(plan: Plan) -> Kernel:
                 phase_name = f"{name}_phase{phase}"
                 text = emit(plan, phase_name, phase=phase).text
                 phases.append(getattr(cache.load_source(phase_name, text), phase_name))
-        _kernels[name] = Kernel(plan, source, getattr(module, name), tuple(phases))
+        combine = getattr(module, f"{name}_combine", None)
+        _kernels[name] = Kernel(plan, source, getattr(module, name), tuple(phases), combine)
     return _kernels[name]

@@ -136,6 +136,8 @@ class _Emitter:
             return load + (".to(tl.float32)" if inp.dtype.is_floating_point else "")
         if op is Op.IOTA:
             return "offs_m[:, None]" if node.arg == "M" else "offs_n[None, :]"
+        if op is Op.STAT:
+            return f"stat{node.arg}[:, None]"
         if op in _INFIX:
             return f"{x[0]} {_INFIX[op]} {x[1]}"
         if op in _CALL:
@@ -234,6 +236,9 @@ class _Emitter:
             args.append((f"in{j}_ptr", Param(f"in{j}_ptr", "in", j), f"{inp.name}"))
         for k, out in enumerate(r.outputs):
             args.append((f"out{k}_ptr", Param(f"out{k}_ptr", "out", k), f"{out.name}"))
+        if self.plan.schedule == "split":
+            args.append(("ws_ptr", Param("ws_ptr", "workspace"),
+                         "fp32 [statistic arrays, CHUNKS, M]: each slice's statistics"))
         if self.cooperative:
             args.append(("ws_ptr", Param("ws_ptr", "workspace"),
                          "fp32 [slots, 2, reductions, TILES_POW2, BLOCK_M]: per-tile partials"))
@@ -241,6 +246,10 @@ class _Emitter:
                          "int32 [slots]: arrivals at each strip's exchanges"))
         for axis in ("M", "N", "K"):
             args.append((axis, Param(axis, "size", None, axis), None))
+        if self.plan.schedule == "split":
+            args.append(("CHUNKS", Param("CHUNKS", "chunks"), "slices of N per row block"))
+            args.append(("TILES_PER_CHUNK", Param("TILES_PER_CHUNK", "tiles_per_chunk"),
+                         "N tiles per slice"))
         if self.cooperative:
             args.append(("NUM_B", Param("NUM_B", "size", None, "B"), "batches"))
             args.append(("TILES_N", Param("TILES_N", "tiles_n"), "tiles per row strip"))
@@ -384,6 +393,8 @@ class _Emitter:
         return True
 
     def emit(self) -> KernelSource:
+        if self.plan.schedule == "split":
+            return self.emit_split()
         p, r = self.plan, self.region
         sig = self.signature()
         consts = ["BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "UPCAST_OPERANDS", "DOT_PRECISION",
@@ -442,6 +453,149 @@ class _Emitter:
         return KernelSource(self.name, header + body + "\n", tuple(self.params), constexprs,
                             p.num_warps, p.num_stages)
 
+    # ---- the split schedule: statistics over slices of N, then a combine kernel -------------
+    def stat_slots(self) -> list:
+        """(statistic, part) per workspace array: lse keeps a running max and a sum."""
+        slots = []
+        for i, st in enumerate(self.plan.onepass.stats):
+            slots += [(i, "m"), (i, "s")] if st.kind == "lse" else [(i, "")]
+        return slots
+
+    def emit_split(self) -> KernelSource:
+        p = self.plan
+        op = p.onepass
+        original = self.region
+        self.region = op.tile  # tile values: the region plus what the statistics reduce
+        sig = self.signature()
+        consts = ["BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "UPCAST_OPERANDS", "DOT_PRECISION",
+                  "WIDE_INDEX", "CHUNKS_POW2"]
+        slots = self.stat_slots()
+        slot_of = {key: j for j, key in enumerate(slots)}
+
+        def head(name: str, doc: str) -> None:
+            self.line("@triton.jit", -1)
+            self.line(f"def {name}(", -1)
+            self.lines += sig
+            self.line(", ".join(f"{c}: tl.constexpr" for c in consts) + ",")
+            self.line("):", -1)
+            self.line(f'"""{doc}"""')
+
+        # kernel 1: each program reduces a slice of N for a block of rows to statistics
+        self.lines = []
+        head(self.name, f"{p.describe()}: statistics of one slice of N")
+        self.line("pid = tl.program_id(0)")
+        self.line("row_blocks = tl.cdiv(M, BLOCK_M)")
+        self.line("pid_m = pid % row_blocks  # row blocks vary fastest: programs in flight share B's tiles")
+        self.line("chunk = pid // row_blocks")
+        for i, st in enumerate(op.stats):
+            init = {"sum": "tl.zeros((BLOCK_M,), dtype=tl.float32)",
+                    "max": 'tl.full((BLOCK_M,), float("-inf"), tl.float32)',
+                    "min": 'tl.full((BLOCK_M,), float("inf"), tl.float32)'}
+            if st.kind == "lse":
+                self.line(f'stat{i}_m = tl.full((BLOCK_M,), float("-inf"), tl.float32)  # running max')
+                self.line(f"stat{i}_s = tl.zeros((BLOCK_M,), dtype=tl.float32)  # sum of exp(x - max)")
+            else:
+                self.line(f"stat{i} = {init[st.kind]}  # {st.kind} of %{st.node}")
+        self.line("for t in range(0, TILES_PER_CHUNK):")
+        self.base += 1
+        self.line("pid_n = chunk * TILES_PER_CHUNK + t")
+        self.mainloop()
+        needed = set()
+        todo = [st.node for st in op.stats]
+        while todo:
+            i = todo.pop()
+            if i not in needed:
+                needed.add(i)
+                todo += list(self.region.nodes[i].src)
+        self.line()
+        self.line("# ---- tile values the statistics reduce ----")
+        for i in sorted(needed):
+            node = self.region.nodes[i]
+            if node.op is not Op.CONST:
+                self.line(f"v{i} = {self.expr(i)}  # {self.comment(i)}")
+        self.line("# ---- this tile's partials, merged into the slice's statistics ----")
+        for i, st in enumerate(op.stats):
+            v = f"{self.ref(st.node)}.to(tl.float32)"
+            if st.kind == "sum":
+                self.line(f"stat{i} += tl.sum(tl.where(mask_n[None, :], {v}, 0.0), axis=1)")
+            elif st.kind in ("max", "min"):
+                fill, combine, fn = (('float("-inf")', "max_propagate_nan", "tl.maximum") if st.kind == "max"
+                                     else ('float("inf")', "min_propagate_nan", "tl.minimum"))
+                self.line(f"stat{i} = {fn}(stat{i}, tl.reduce(tl.where(mask_n[None, :], {v}, {fill}), 1, "
+                          f"{combine}), propagate_nan=tl.PropagateNan.ALL)")
+            else:
+                self.line(f'tile_m = tl.reduce(tl.where(mask_n[None, :], {v}, float("-inf")), 1, max_propagate_nan)')
+                self.line(f"tile_s = tl.sum(tl.where(mask_n[None, :], tl.exp({v} - tile_m[:, None]), 0.0), axis=1)")
+                self.line(f"stat{i}_m, stat{i}_s = lse_merge(stat{i}_m, stat{i}_s, tile_m, tile_s)")
+        self.base -= 1
+        self.line("# ---- publish the slice's statistics ----")
+        self.line("offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
+        self.line("mask_m = offs_m < M")
+        for j, (i, part) in enumerate(slots):
+            name = f"stat{i}_{part}" if part else f"stat{i}"
+            self.line(f"tl.store(ws_ptr + ({j} * CHUNKS + chunk) * M + offs_m, {name}, mask=mask_m)")
+        first = "\n".join(self.lines)
+
+        # kernel 2: merge the slices' statistics per row, then the per-row combine step
+        self.lines = []
+        head(f"{self.name}_combine", "merge each row's statistics over the slices of N; compute the outputs")
+        self.line("pid_m = tl.program_id(0)")
+        self.line("offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
+        self.line("mask_m = offs_m < M")
+        self.line("chunks = tl.arange(0, CHUNKS_POW2)")
+        self.line("both = (chunks < CHUNKS)[:, None] & mask_m[None, :]")
+
+        def parts(j: int, other: str) -> str:
+            return (f"tl.load(ws_ptr + ({j} * CHUNKS + chunks[:, None]) * M + offs_m[None, :], "
+                    f"mask=both, other={other})")
+        for i, st in enumerate(op.stats):
+            if st.kind == "sum":
+                self.line(f"stat{i} = tl.sum({parts(slot_of[(i, '')], '0.0')}, axis=0)  # sum of %{st.node}")
+            elif st.kind in ("max", "min"):
+                fill, combine = ('float("-inf")', "max_propagate_nan") if st.kind == "max" else \
+                    ('float("inf")', "min_propagate_nan")
+                self.line(f"stat{i} = tl.reduce({parts(slot_of[(i, '')], fill)}, 0, {combine})  "
+                          f"# {st.kind} of %{st.node}")
+            else:
+                neg_inf = 'float("-inf")'
+                self.line(f"slice_m = {parts(slot_of[(i, 'm')], neg_inf)}")
+                self.line(f"slice_s = {parts(slot_of[(i, 's')], '0.0')}")
+                self.line("row_m = tl.reduce(slice_m, 0, max_propagate_nan)")
+                self.line("scaled = tl.where(slice_m > float(\"-inf\"), slice_s * tl.exp(slice_m - row_m[None, :]), 0.0)")
+                self.line(f"stat{i} = row_m + tl.log(tl.sum(scaled, axis=0))  # log-sum-exp of %{st.node}")
+        self.region = original.replace(nodes=op.combine, outputs=op.outputs)
+        self.line("# ---- per-row combine step ----")
+        for i, node in enumerate(op.combine):
+            if node.op is not Op.CONST:
+                self.line(f"v{i} = {self.expr(i)}  # {self.comment(i)}")
+        for k, out in enumerate(op.outputs):
+            mask = self.mask(out.axes)
+            mask_arg = f", mask={mask}" if mask else ""
+            self.line(f"tl.store({self.offsets(f'out{k}', out.axes)}, {self.store_value(out)}{mask_arg})"
+                      f"  # {out.name}")
+        second = "\n".join(self.lines)
+        self.region = original
+        header = "\n".join([
+            f'"""comfuse kernels {self.name} and {self.name}_combine: {p.describe()}',
+            "",
+            "Generated from this region (do not edit; regenerated when anything below changes):",
+            "",
+            format_region(original),
+            '"""',
+            "import triton",
+            "import triton.language as tl",
+            "",
+            "from comfuse.codegen.triton.helpers import (expm1, log1p, lse_merge, max_propagate_nan, "
+            "min_propagate_nan,",
+            "                                             pow_int, pow_real, tanh)",
+            "",
+            "",
+        ])
+        constexprs = (("BLOCK_M", p.block_m), ("BLOCK_N", p.block_n), ("BLOCK_K", p.block_k),
+                      ("GROUP_M", p.group_m), ("CHUNKS_POW2", _pow2(p.chunks)))
+        return KernelSource(self.name, header + first + "\n\n\n" + second + "\n", tuple(self.params),
+                            constexprs, p.num_warps, p.num_stages)
+
     def stage_title(self, stage) -> str:
         reds = [self.region.nodes[i] for i in stage.reductions]
         what = ", ".join(f"{n.op.value} over {n.arg}" for n in reds)
@@ -455,6 +609,8 @@ class _Emitter:
             return f"load {self.region.inputs[node.arg].name}"
         if node.op is Op.ACC:
             return "GEMM result"
+        if node.op is Op.STAT:
+            return f"statistic {node.arg}"
         return node.op.value + (f" {node.arg}" if node.arg is not None else "")
 
 

@@ -78,3 +78,13 @@ def strip_barrier(counter_ptr, members):
     while seen < target:
         seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
+
+
+@triton.jit
+def lse_merge(m1, s1, m2, s2):
+    """Merge two log-sum-exp partials (running max, sum of exp(x - max)); a side whose max
+    is -inf (nothing seen yet) contributes nothing instead of exp(-inf - -inf) = NaN."""
+    m = tl.maximum(m1, m2, propagate_nan=tl.PropagateNan.ALL)
+    f1 = tl.where(m1 == float("-inf"), 0.0, tl.exp(m1 - m))
+    f2 = tl.where(m2 == float("-inf"), 0.0, tl.exp(m2 - m))
+    return m, s1 * f1 + s2 * f2

@@ -1,0 +1,323 @@
+"""One-pass form: a region whose outputs are all per-row values, rewritten so that every
+reduction along N becomes a mergeable statistic of values that need no earlier reduction.
+
+This is what lets a loss over a vocabulary-wide row (cross-entropy at N = 128k) run
+without the row ever being resident at once: each program reduces its slice of N to a
+few numbers per row (sum, max, min, or an online log-sum-exp pair), and a small combine
+step merges the slices and computes the outputs. The rewrite is algebra over "row
+constants" (values that depend on reductions but not on N):
+
+- a full-tile value is kept as an affine form ``sum_k c_k * t_k + c_0``: ``t_k`` need no
+  reduction ("tile values"), the coefficients ``c`` are row constants;
+- ``sum_N(affine) = sum_k c_k * sum_N(t_k) + N * c_0``;
+  ``where(mask, affine, affine)`` distributes over the terms when the mask is a tile value;
+  ``max_N(t + c) = max_N(t) + c``;
+- ``sum_N(exp(t + c)) = exp(lse_N(t) + c)`` with ``lse`` merged online (running max and a
+  rescaled sum), so nothing overflows.
+
+Variance is never expanded into E[x^2] - E[x]^2: a reduction of a non-affine function of
+a row constant (such as (x - mean)^2) makes the region ineligible, and it runs another way.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..ir import ELEMENTWISE, LEAF, REDUCE, Node, Op, Output, Region
+
+F32 = torch.float32
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Statistic:
+    kind: str  # "sum" | "max" | "min" | "lse"
+    node: int  # the tile value reduced along N (index into OnePass.tile.nodes)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OnePass:
+    tile: Region  # the row-form region, extended with the tile values the statistics reduce
+    stats: tuple[Statistic, ...]
+    combine: tuple[Node, ...]  # per-row SSA: leaves are STAT (arg: statistic), INPUT, CONST
+    outputs: tuple[Output, ...]  # nodes of ``combine``
+
+
+class NotOnePass(Exception):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class _Affine:
+    terms: tuple  # ((tile node, combine coefficient node), ...)
+    const: int | None  # combine node, or None for 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _ExpShift:
+    base: int  # tile node t
+    shift: int | None  # combine node c: the value is exp(t + c)
+
+
+class _Rewriter:
+    def __init__(self, region: Region):
+        self.region = region
+        self.tile = list(region.nodes)
+        self.combine: list[Node] = []
+        self.stats: list[Statistic] = []
+        self._memo: dict = {}
+        self.depends: list[bool] = []  # does node i depend on a reduction?
+        for n in region.nodes:
+            self.depends.append(n.op in REDUCE or any(self.depends[s] for s in n.src))
+
+    # ---- building blocks -------------------------------------------------------------
+    def c(self, op: Op, src=(), arg=None, dtype=F32) -> int:
+        key = (op, tuple(src), arg if not isinstance(arg, float) else float.hex(arg), dtype)
+        if key not in self._memo:
+            axes = frozenset().union(*(self.combine[s].axes for s in src)) if src else frozenset()
+            if op is Op.STAT or op is Op.INPUT:
+                axes = frozenset({"M"}) if op is Op.STAT else self.region.inputs[arg].axes
+            self.combine.append(Node(op, tuple(src), dtype, axes, arg))
+            self._memo[key] = len(self.combine) - 1
+        return self._memo[key]
+
+    def const(self, value: float) -> int:
+        return self.c(Op.CONST, (), float(value))
+
+    def stat(self, kind: str, node: int) -> int:
+        s = Statistic(kind, node)
+        if s not in self.stats:
+            self.stats.append(s)
+        return self.c(Op.STAT, (), self.stats.index(s))
+
+    def add_tile(self, op: Op, src, dtype=F32, arg=None) -> int:
+        axes = frozenset().union(*(self.tile[s].axes for s in src))
+        self.tile.append(Node(op, tuple(src), dtype, axes, arg))
+        return len(self.tile) - 1
+
+    def mul(self, a: int | None, b: int | None) -> int | None:
+        if a is None or b is None:
+            return None
+        return self.c(Op.MUL, (a, b))
+
+    def add(self, a: int | None, b: int | None) -> int | None:
+        if a is None:
+            return b
+        if b is None:
+            return a
+        return self.c(Op.ADD, (a, b))
+
+    # ---- forms -------------------------------------------------------------------------
+    def affine(self, form) -> _Affine:
+        if isinstance(form, _Affine):
+            return form
+        if isinstance(form, tuple) and form[0] == "tile":
+            if "N" not in self.tile[form[1]].axes:  # a constant or an [M] input: a row constant
+                return _Affine((), self.row_of_tile(form[1]))
+            return _Affine(((form[1], self.const(1.0)),), None)
+        if isinstance(form, tuple) and form[0] == "row":
+            return _Affine((), form[1])
+        raise NotOnePass("exp(t + c) is used other than in a sum over N")
+
+    def scale(self, form: _Affine, k: int) -> _Affine:
+        return _Affine(tuple((t, self.mul(c, k)) for t, c in form.terms), self.mul(form.const, k))
+
+    def plus(self, x: _Affine, y: _Affine) -> _Affine:
+        terms = dict()
+        for t, c in x.terms + y.terms:
+            terms[t] = self.add(terms.get(t), c)
+        return _Affine(tuple(terms.items()), self.add(x.const, y.const))
+
+    def row_of_tile(self, i: int) -> int:
+        """A tile value without an N axis (an [M] input, a constant) used in the combine."""
+        node = self.tile[i]
+        if node.op is Op.CONST:
+            return self.c(Op.CONST, (), node.arg, node.dtype)
+        if node.op is Op.INPUT:
+            return self.c(Op.INPUT, (), node.arg, node.dtype)
+        if node.op in ELEMENTWISE:
+            return self.c(node.op, [self.row_of_tile(s) for s in node.src], node.arg, node.dtype)
+        raise NotOnePass(f"%{i} ({node.op.value}) is needed per row but varies along N")
+
+    # ---- the walk ----------------------------------------------------------------------
+    def run(self) -> OnePass:
+        r = self.region
+        forms: list = []
+        for i, node in enumerate(r.nodes):
+            if not self.depends[i]:
+                forms.append(("tile", i))
+                continue
+            forms.append(self.rewrite(i, node, [forms[s] for s in node.src]))
+        outputs = []
+        for out in r.outputs:
+            form = forms[out.node]
+            if "N" in out.axes or (isinstance(form, tuple) and form[0] == "tile" and "N" in r.nodes[out.node].axes):
+                raise NotOnePass(f"output {out.name or out.node} is a full tile, not a per-row value")
+            if isinstance(form, tuple) and form[0] == "row":
+                node = form[1]
+            elif isinstance(form, tuple) and form[0] == "tile":
+                node = self.row_of_tile(form[1])
+            else:
+                raise NotOnePass(f"output {out.name or out.node} is a full tile, not a per-row value")
+            outputs.append(dataclasses.replace(out, node=node))
+        tile = r.replace(nodes=tuple(self.tile))
+        return OnePass(tile, tuple(self.stats), tuple(self.combine), tuple(outputs))
+
+    def rewrite(self, i: int, node: Node, src: list):
+        op = node.op
+        has_n = "N" in node.axes
+        if op in REDUCE:
+            return ("row", self.reduce(node, src[0]))
+        if op in LEAF:  # pragma: no cover - leaves never depend on reductions
+            raise NotOnePass("leaf depends on a reduction")
+        if not has_n:  # a per-row value: computed in the combine step
+            rows = []
+            for s, f in zip(node.src, src):
+                if isinstance(f, tuple) and f[0] == "row":
+                    rows.append(f[1])
+                elif isinstance(f, tuple) and f[0] == "tile" and "N" not in self.tile[s].axes:
+                    rows.append(self.row_of_tile(s))
+                else:
+                    raise NotOnePass(f"%{i} ({op.value}) mixes a full tile into a per-row value")
+            return ("row", self.c(op, rows, node.arg, node.dtype))
+        if op in (Op.ADD, Op.SUB):
+            x, y = self.affine(src[0]), self.affine(src[1])
+            if op is Op.SUB:
+                y = self.scale(y, self.const(-1.0))
+            return self.plus(x, y)
+        if op is Op.NEG:
+            return self.scale(self.affine(src[0]), self.const(-1.0))
+        if op is Op.CAST and node.dtype.is_floating_point:
+            return src[0]  # casts between floats do not round in kernels
+        if op in (Op.MUL, Op.DIV):
+            rows = [self.rowish(f) for f in src]
+            if op is Op.MUL and rows[0] is not None:
+                return self.scale(self.affine(src[1]), rows[0])
+            if rows[1] is not None:
+                k = rows[1] if op is Op.MUL else self.c(Op.DIV, (self.const(1.0), rows[1]))
+                return self.scale(self.affine(src[0]), k)
+            raise NotOnePass(f"%{i}: {op.value} of two values that vary along N, one after a reduction")
+        if op is Op.WHERE:
+            cond = src[0]
+            if not (isinstance(cond, tuple) and cond[0] == "tile"):
+                raise NotOnePass(f"%{i}: where() with a condition that needs a reduction")
+            x, y = self.affine(src[1]), self.affine(src[2])
+            zero = self.tile_const(0.0)
+            terms = []
+            for t, c in x.terms:
+                terms.append((self.add_tile(Op.WHERE, (cond[1], t, zero), self.tile[t].dtype), c))
+            for t, c in y.terms:
+                terms.append((self.add_tile(Op.WHERE, (cond[1], zero, t), self.tile[t].dtype), c))
+            form = _Affine(tuple(terms), y.const)
+            diff = self.add(x.const, self.mul(y.const, self.const(-1.0)) if y.const is not None else None)
+            if diff is not None:  # where(m, cx, cy) = cy + (cx - cy) * where(m, 1, 0)
+                ones = self.add_tile(Op.WHERE, (cond[1], self.tile_const(1.0), zero))
+                form = self.plus(form, _Affine(((ones, diff),), None))
+            return form
+        if op is Op.EXP:
+            a = self.affine(src[0])
+            if len(a.terms) == 1 and self.is_one(a.terms[0][1]):
+                return _ExpShift(a.terms[0][0], a.const)
+            raise NotOnePass(f"%{i}: exp of a combination that is not t + c")
+        raise NotOnePass(f"%{i}: {op.value} of a value that varies along N after a reduction")
+
+    def rowish(self, form) -> int | None:
+        """The combine node of a per-row value (a row constant, or a tile value without N)."""
+        if isinstance(form, tuple) and form[0] == "row":
+            return form[1]
+        if isinstance(form, tuple) and form[0] == "tile" and "N" not in self.tile[form[1]].axes:
+            return self.row_of_tile(form[1])
+        return None
+
+    def tile_const(self, value: float) -> int:
+        for j, n in enumerate(self.tile):
+            if n.op is Op.CONST and n.arg == value and n.dtype == F32:
+                return j
+        self.tile.append(Node(Op.CONST, (), F32, frozenset(), float(value)))
+        return len(self.tile) - 1
+
+    def is_one(self, c: int) -> bool:
+        n = self.combine[c]
+        return n.op is Op.CONST and n.arg == 1.0
+
+    def reduce(self, node: Node, form) -> int:
+        n_cols = self.region.sizes.N
+        if node.op is Op.SUM:
+            if isinstance(form, _ExpShift):
+                lse = self.stat("lse", form.base)
+                arg = lse if form.shift is None else self.c(Op.ADD, (lse, form.shift))
+                return self.c(Op.EXP, (arg,))
+            if isinstance(form, tuple) and form[0] == "tile":
+                return self.stat("sum", form[1])
+            a = self.affine(form)
+            total = self.mul(a.const, self.const(float(n_cols)))
+            for t, c in a.terms:
+                total = self.add(total, self.mul(c, self.stat("sum", t)))
+            return total if total is not None else self.const(0.0)
+        kind = "max" if node.op is Op.RMAX else "min"
+        if isinstance(form, tuple) and form[0] == "tile":
+            return self.stat(kind, form[1])
+        a = self.affine(form)
+        if len(a.terms) == 1 and self.is_one(a.terms[0][1]):
+            return self.add(self.stat(kind, a.terms[0][0]), a.const)
+        raise NotOnePass(f"{kind} over N of a combination that is not t + c")
+
+
+def one_pass(region: Region) -> OnePass:
+    """The one-pass form of a row-form region, or NotOnePass with the reason."""
+    if region.gemm.batched:
+        raise NotOnePass("batched GEMMs are not split")
+    if not region.reductions():
+        raise NotOnePass("no reduction")
+    if any(n.op in REDUCE and n.arg != "N" for n in region.nodes):
+        raise NotOnePass("reductions must run along N (row form)")
+    return _Rewriter(region).run()
+
+
+def evaluate_one_pass(op: OnePass, a, b, inputs) -> list:
+    """Reference semantics of the one-pass form, in float64: the statistics as whole-row
+    reductions, then the combine step. Equal to evaluating the original region."""
+    from ..ir.interpret import _run
+    import math
+    tile = op.tile.replace(outputs=tuple(Output(st.node, torch.float64, op.tile.nodes[st.node].axes)
+                                         for st in op.stats) or op.tile.outputs)
+    values = _run(tile, a, b, inputs, torch.float64)[0] if op.stats else []
+    merged = []
+    for st, v in zip(op.stats, values):
+        v = v.double()
+        if st.kind == "sum":
+            merged.append(v.sum(2, keepdim=True))
+        elif st.kind == "max":
+            merged.append(v.amax(2, keepdim=True))
+        elif st.kind == "min":
+            merged.append(v.amin(2, keepdim=True))
+        else:
+            merged.append(torch.logsumexp(v, 2, keepdim=True))
+    vals = []
+    from ..ir.interpret import _BINARY, _UNARY
+    for node in op.combine:
+        x = [vals[s] for s in node.src]
+        if node.op is Op.STAT:
+            v = merged[node.arg]
+        elif node.op is Op.CONST:
+            v = torch.tensor(node.arg, dtype=torch.float64 if isinstance(node.arg, float) else None)
+        elif node.op is Op.INPUT:
+            v = inputs[node.arg]
+            v = v.double() if v.dtype.is_floating_point else v
+        elif node.op in _UNARY:
+            v = _UNARY[node.op](x[0])
+        elif node.op in _BINARY:
+            v = _BINARY[node.op](x[0], x[1])
+        elif node.op is Op.WHERE:
+            v = torch.where(x[0], x[1], x[2])
+        elif node.op is Op.POW:
+            v = torch.pow(x[0], node.arg)
+        elif node.op is Op.CAST:
+            v = x[0] if node.arg.is_floating_point else x[0].to(node.arg)
+        else:  # pragma: no cover
+            raise NotImplementedError(node.op)
+        if isinstance(v, torch.Tensor) and v.dtype.is_floating_point:
+            v = v.double()
+        vals.append(v.to(a.device) if isinstance(v, torch.Tensor) else v)
+    del math
+    return [vals[o.node] for o in op.outputs]
