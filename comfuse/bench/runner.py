@@ -81,15 +81,11 @@ def _candidate(name: str, prog: workloads.Program) -> tuple[Callable | None, dic
             warnings.simplefilter("ignore")
             compiled = comfuse.compile(fn, args)
         regions = compiled.report.regions
-        fused = [r for r in regions if r.fused]
-        info["fused"] = f"{len(fused)}/{len(regions)}"
-        info["schedules"] = ",".join(sorted({r.schedule for r in fused}))
-        if schedule and not fused:
+        if schedule and not any(r.fused for r in regions):
             info["status"] = "infeasible"
             info["reason"] = "; ".join(r.reason for r in regions if r.reason)[:300]
             return None, info
-        if not fused:
-            info["reason"] = "; ".join(r.reason for r in regions if r.reason)[:300]
+        info["report"] = compiled.report  # summarised after the first call (autotuning runs then)
         return (lambda: compiled(*args)), info
     if name == "gemm":
         return prog.gemm, info
@@ -133,6 +129,14 @@ def run_case(prog: workloads.Program, candidates, device: str, progress) -> dict
             if device == "cuda":
                 torch.cuda.synchronize()
             info["compile_s"] = round(time.perf_counter() - t0, 2)
+            if "report" in info:  # what comfuse finally runs, after autotuning
+                regions = info.pop("report").regions
+                fused = [r for r in regions if r.fused]
+                info["fused"] = f"{len(fused)}/{len(regions)}"
+                info["schedules"] = ",".join(sorted({r.schedule for r in fused}))
+                info["plans"] = [r.plan for r in fused]
+                if len(fused) < len(regions):
+                    info["reason"] = "; ".join(r.reason for r in regions if r.reason)[:300]
             if name not in _UNCHECKED:
                 ok, err, detail = _check(out, ref)
                 info["err"] = err
