@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One device call for the GPU schedules: the GPU-only tests (cooperative-strip stress,
+# cross-entropy memory at vocabulary 32k and 128k, autotuning), then the paper suite
+# (one shape per workload) against cuBLAS, eager and torch.compile, autotuned and with each
+# schedule forced. Logs and results go to $OUT; a short table is printed last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/comfuse-out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export COMFUSE_CACHE_DIR=${COMFUSE_CACHE_DIR:-$OUT/cache}
+
+start=$(date +%s)
+timeout "${GPU_TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu --timeout=200 \
+  > "$OUT/gpu-tests.txt" 2>&1
+echo "gpu tests rc=$? in $(( $(date +%s) - start )) s"; tail -n 8 "$OUT/gpu-tests.txt"
+
+start=$(date +%s)
+timeout "${BENCH_S:-300}" python3 -m comfuse.cli bench --suite "${SUITE:-paper}" --quick --out "$OUT/bench" \
+  --candidates "${CANDIDATES:-comfuse,comfuse[cooperative],comfuse[split],comfuse[row_in_cta],eager,inductor,gemm}" \
+  > "$OUT/bench.log" 2>&1
+echo "bench rc=$? in $(( $(date +%s) - start )) s"
+python3 -m comfuse.cli bench --report-only --out "$OUT/bench" > /dev/null 2>&1
+grep -E "^\| (ln_postnorm|rmsnorm|softmax|mblr|multi_stage|linear_ce) " "$OUT/bench/results.md" | cut -c1-220
