@@ -108,3 +108,41 @@ def test_generated_kernels_compile_for_sm90_with_tensor_cores():
     assert result["ce_split"]["schedule"] == "split"
     for name in ("ln_bf16_tma", "wide_row_bf16_tma", "gelu_tile_fp16_tma", "col_softmax_bf16_tma"):
         assert result[name]["tma"] > 0, f"{name}: no cp.async.bulk.tensor in the sm_90 PTX"
+
+
+def test_b2b_chains_compile_for_sm90():
+    script = textwrap.dedent("""
+        import json, torch
+        import comfuse
+        from comfuse.frontend.capture import capture
+        from comfuse.frontend.regions import find_chains, find_regions
+        from comfuse.planner.chain import plan_chain
+        from comfuse.runtime.aot import compile_chain_for_gpu
+        bf = torch.bfloat16
+        cases = {
+            "dlrm": (lambda x, w1, w2, w3: torch.relu(torch.relu(torch.relu(x @ w1) @ w2) @ w3),
+                     (torch.randn(1024, 512, dtype=bf), torch.randn(512, 512, dtype=bf),
+                      torch.randn(512, 256, dtype=bf), torch.randn(256, 128, dtype=bf))),
+            "target_attention": (lambda q, k, v: torch.softmax(q @ k.transpose(1, 2), -1) @ v,
+                                 (torch.randn(64, 16, 64, dtype=bf), torch.randn(64, 256, 64, dtype=bf),
+                                  torch.randn(64, 256, 64, dtype=bf))),
+        }
+        out = {}
+        for name, (fn, args) in cases.items():
+            cands = find_regions(capture(fn, args))
+            ((chain, links),) = find_chains(cands)
+            regions = [cands[i].region for i in chain]
+            writes = [[] for _ in regions]
+            writes[-1] = [0]
+            info = compile_chain_for_gpu(plan_chain(regions, links, writes, "cuda"))
+            out[name] = {"wgmma": info["wgmma"], "mma": info["mma"], "shared": info["shared_bytes"]}
+        print(json.dumps(out))
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name, info in result.items():
+        assert info["wgmma"] + info["mma"] > 0, f"{name}: no tensor-core instructions"
+        assert info["shared"] <= 227 * 1024, f"{name}: {info['shared']} bytes of shared memory"

@@ -694,4 +694,36 @@ def find_regions(gm: fx.GraphModule) -> list:
             if n.op == "call_function" and n.target in ANCHORS]
 
 
-__all__ = ["Candidate", "InputBinding", "OutputBinding", "RULES", "Unfusible", "find_regions"]
+def find_chains(cands: list) -> list:
+    """Back-to-back GEMMs: lists of candidate indices where an output of candidate i is the
+    A operand of candidate i+1's GEMM and nothing else reads it."""
+    by_output = {}
+    for i, c in enumerate(cands):
+        if c.region is not None and not c.reason:
+            for k, ob in enumerate(c.outputs):
+                by_output[ob.node] = (i, k)
+    nxt = {}
+    for j, c in enumerate(cands):
+        if c.region is None or c.reason:
+            continue
+        a = c.anchor.args[0]
+        if a in by_output and set(a.users) == {c.anchor}:
+            i, k = by_output[a]
+            nxt[i] = (j, k)
+    targets = {j for j, _ in nxt.values()}
+    chains = []
+    for head in sorted(nxt):
+        if head in targets:
+            continue
+        chain, links, i = [head], [], head
+        while i in nxt:
+            j, k = nxt[i]
+            links.append(k)
+            chain.append(j)
+            i = j
+        chains.append((chain, links))
+    return chains
+
+
+__all__ = ["Candidate", "InputBinding", "OutputBinding", "RULES", "Unfusible", "find_chains",
+           "find_regions"]

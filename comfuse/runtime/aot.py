@@ -65,3 +65,33 @@ def compile_for_gpu(plan: Plan, arch: int = 90, tf32: bool = False) -> dict:
             "atomics": ptx.count("atom."), "schedule": plan.schedule,
             "tma": ptx.count("cp.async.bulk.tensor"),
             "registers": getattr(compiled, "n_regs", None)}
+
+
+def compile_chain_for_gpu(plan, arch: int = 90) -> dict:
+    """As ``compile_for_gpu``, for a back-to-back chain's kernel."""
+    if interpreting():
+        raise RuntimeError("Triton is in interpreter mode in this process; set TRITON_INTERPRET=0")
+    from .chain import build_chain
+    kernel = build_chain(plan)
+    sig = {}
+    for p in kernel.source.params:
+        if p.role == "a":
+            sig[p.name] = _PTR[plan.regions[0].gemm.a.dtype]
+        elif p.role == "b":
+            sig[p.name] = _PTR[plan.regions[p.index].gemm.b.dtype]
+        elif p.role == "in":
+            sig[p.name] = _PTR[plan.regions[p.index[0]].inputs[p.index[1]].dtype]
+        elif p.role == "out":
+            sig[p.name] = _PTR[plan.regions[p.index[0]].outputs[p.index[1]].dtype]
+        else:
+            sig[p.name] = "i32"
+    constexprs = dict(kernel.source.constexprs, UPCAST_OPERANDS=False, DOT_PRECISION="ieee")
+    for name in constexprs:
+        sig[name] = "constexpr"
+    compiled = triton.compile(ASTSource(fn=kernel.fn, signature=sig, constexprs=constexprs),
+                              target=GPUTarget("cuda", arch, 32),
+                              options={"num_warps": kernel.source.num_warps,
+                                       "num_stages": kernel.source.num_stages})
+    ptx = compiled.asm.get("ptx", "")
+    return {"asm": dict(compiled.asm), "shared_bytes": compiled.metadata.shared,
+            "wgmma": ptx.count("wgmma.mma_async"), "mma": ptx.count("mma.sync")}

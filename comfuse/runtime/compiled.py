@@ -24,11 +24,13 @@ import torch.fx as fx
 
 from .. import settings as settings_mod
 from ..frontend.capture import CaptureError, capture
-from ..frontend.regions import Candidate, find_regions
+from ..frontend.regions import Candidate, find_chains, find_regions
 from ..ir import canonical_shape, evaluate_with_scale, format_region
 from ..planner import NotFused, candidates, plan as make_plan
+from ..planner.chain import plan_chain
 from ..report import RegionReport, Report
 from . import kernel as kernel_mod
+from . import chain as chain_mod
 from . import tuning
 from .check import KernelMismatch, compare, region_tolerance
 from .kernel import ComfuseWarning, notice_once
@@ -250,7 +252,19 @@ class Specialization:
             return
         fused = []
         fuel = settings.fuel
-        for index, cand in enumerate(find_regions(gm)):
+        cands = find_regions(gm)
+        in_chain = set()
+        for chain, links in find_chains(cands):
+            if fuel == 0:
+                break
+            module = self._plan_chain(gm, [cands[i] for i in chain], links, settings)
+            if module is not None:
+                fused.append(module)
+                in_chain.update(chain)
+                fuel -= 1
+        for index, cand in enumerate(cands):
+            if index in in_chain:
+                continue
             rep = _region_report(index, cand)
             self.report.regions.append(rep)
             if cand.reason:
@@ -268,6 +282,46 @@ class Specialization:
         _rewrite(gm, fused)
         self.gm = gm
         self.report.graph = gm.code
+
+    def _plan_chain(self, gm, cands: list, links: list, settings):
+        """A back-to-back chain as one kernel, or None (then its regions fuse one by one);
+        either way the report has an entry of kind "b2b" saying which and why."""
+        merged = chain_mod.merge(cands)
+        rep = RegionReport(index=len(self.report.regions), anchor=cands[0].anchor.name, kind="b2b",
+                           fused=False, reason="", stages=0, schedule="",
+                           ir="\n".join(format_region(c.region) for c in cands),
+                           ops=[m.name for m in merged.members],
+                           outputs=[ob.node.name for ob in merged.outputs],
+                           notes=[n for c in cands for n in c.notes])
+        self.report.regions.append(rep)
+        device = cands[0].anchor.meta["val"].device
+        target = "cuda" if device.type == "cuda" and not kernel_mod.interpreting() else "interpreter"
+        link_nodes = {cands[i + 1].anchor.args[0] for i in range(len(cands) - 1)}
+        writes = [[j for j, ob in enumerate(c.outputs) if ob.node not in link_nodes] for c in cands]
+        try:
+            plan = plan_chain([c.region for c in cands], links, writes, target, settings)
+            if isinstance(plan, NotFused):
+                rep.reason = f"{plan.reason}; the GEMMs fuse their own epilogues instead"
+                return None
+            why = kernel_mod.can_run_on(device)
+            if why:
+                rep.reason = why
+                return None
+            unfused = _extract(gm, merged)
+            kernel = chain_mod.build_chain(plan)
+        except Exception as e:
+            if settings.strict:
+                raise
+            rep.reason = f"compilation failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            warnings.warn(f"comfuse: chain at {rep.anchor} runs unfused: {rep.reason}",
+                          ComfuseWarning, stacklevel=5)
+            return None
+        rep.fused, rep.schedule, rep.plan = True, "b2b_stream", plan.describe()
+        rep.stages = sum(len(st) for st in plan.stages)
+        rep.kernel_path = kernel.path
+        module = chain_mod.FusedChain(cands, merged, plan, unfused, rep)
+        module.kernel = kernel
+        return merged, module
 
     @staticmethod
     def _plan_region(gm, cand: Candidate, rep: RegionReport, settings):

@@ -87,6 +87,8 @@ class _Emitter:
         self.params: list[Param] = []
         self.base = 0  # extra indentation: the cooperative schedule's loop over strips
         self.phase: int | None = None
+        # names, so that several regions can share one kernel (back-to-back GEMM chains)
+        self.vp, self.pp, self.acc = "v", "", "acc"
         self.cooperative = plan.schedule == "cooperative"
 
     def line(self, text: str = "", indent: int = 1) -> None:
@@ -116,17 +118,17 @@ class _Emitter:
     # ---- expressions -------------------------------------------------------------------
     def ref(self, i: int) -> str:
         node = self.region.nodes[i]
-        return _literal(node.arg) if node.op is Op.CONST else f"v{i}"
+        return _literal(node.arg) if node.op is Op.CONST else f"{self.vp}{i}"
 
     def expr(self, i: int) -> str:
         node = self.region.nodes[i]
         op = node.op
         x = [self.ref(s) for s in node.src]
         if op is Op.ACC:
-            return "acc"
+            return self.acc
         if op is Op.INPUT:
             inp = self.region.inputs[node.arg]
-            prefix = f"in{node.arg}"
+            prefix = f"{self.pp}in{node.arg}"
             mask = self.mask(inp.axes)
             if mask is None:
                 load = f"tl.load({self.offsets(prefix, inp.axes)})"
@@ -216,7 +218,7 @@ class _Emitter:
         shape = _shape_of(out.axes)
         if node.op is Op.CONST:
             return f"tl.full({shape}, {_literal(node.arg)}, {dtype})"
-        value = f"v{out.node}"
+        value = f"{self.vp}{out.node}"
         if {a for a in node.axes if a != "B"} != {a for a in out.axes if a != "B"}:
             value = f"tl.broadcast_to({value}, {shape})"
         return f"{value}.to({dtype})"

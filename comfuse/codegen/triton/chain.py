@@ -1,0 +1,173 @@
+"""Emit one Triton kernel for a back-to-back GEMM chain (see planner/chain.py).
+
+Layout of the kernel: the program's rows; GEMM1's mainloop and F1 run per chunk of N1,
+and each chunk is multiplied into GEMM2's accumulator straight away; then F2 runs on
+GEMM2's resident output, which (after its epilogue) is the A operand of GEMM3, and so
+on. Each region's values and parameters carry a prefix (``r0_``, ``r1_``, ...).
+"""
+from __future__ import annotations
+
+from ...ir import Op, format_region
+from .emit import TL_DTYPE, KernelSource, Param, _Emitter
+
+
+class _ChainEmitter:
+    def __init__(self, plan, name: str):
+        self.plan = plan
+        self.name = name
+        self.lines: list[str] = []
+        self.params: list[Param] = []
+        self.ems = []
+        for k, r in enumerate(plan.regions):
+            em = _Emitter.__new__(_Emitter)
+            em.region, em.lines, em.base, em.phase, em.cooperative = r, self.lines, 0, None, False
+            em.vp, em.pp, em.acc = f"r{k}v", f"r{k}_", f"acc{k}"
+            em.plan = None
+            self.ems.append(em)
+
+    def line(self, text: str = "", indent: int = 1) -> None:
+        self.lines.append("    " * indent + text if text else "")
+
+    def param(self, name: str, role: str, index=None, axis=None, comment=None) -> None:
+        self.params.append(Param(name, role, index, axis))
+        self.sig.append(f"    {name},{'  # ' + comment if comment else ''}")
+
+    def signature(self) -> None:
+        p = self.plan
+        self.sig = []
+        batched = p.regions[0].gemm.batched
+        self.param("a_ptr", "a", 0, None, f"{p.regions[0].gemm.a.name}: GEMM1's A")
+        for k, r in enumerate(p.regions):
+            self.param(f"r{k}_b_ptr", "b", k, None, f"{r.gemm.b.name}: GEMM{k + 1}'s B")
+            for j, inp in enumerate(r.inputs):
+                self.param(f"r{k}_in{j}_ptr", "in", (k, j), None, inp.name)
+            for j in p.writes[k]:
+                self.param(f"r{k}_out{j}_ptr", "out", (k, j), None, r.outputs[j].name)
+        self.param("M", "size", None, "M")
+        self.param("K", "size", None, "K")
+        for k in range(len(p.regions)):
+            self.param(f"N{k}", "size", k, "N", f"GEMM{k + 1}'s N")
+        for axis in (("B", "M", "K") if batched else ("M", "K")):
+            self.param(f"stride_a_{axis.lower()}", "stride_a", 0, axis)
+        for k, r in enumerate(p.regions):
+            for axis in (("B", "K", "N") if batched else ("K", "N")):
+                self.param(f"stride_r{k}_b_{axis.lower()}", "stride_b", k, axis)
+            for j, inp in enumerate(r.inputs):
+                for axis in ("B", "M", "N"):
+                    if axis in inp.axes:
+                        self.param(f"stride_r{k}_in{j}_{axis.lower()}", "stride_in", (k, j), axis)
+            for j in p.writes[k]:
+                for axis in ("B", "M", "N"):
+                    if axis in r.outputs[j].axes:
+                        self.param(f"stride_r{k}_out{j}_{axis.lower()}", "stride_out", (k, j), axis)
+
+    def epilogue(self, k: int, indent: int) -> None:
+        """Region k's stages over its tile (acc{k}, offs_n/mask_n set for its columns)."""
+        em, r = self.ems[k], self.plan.regions[k]
+        for stage in self.plan.stages[k]:
+            for i in stage.nodes:
+                if r.nodes[i].op is not Op.CONST:
+                    self.line(f"{em.vp}{i} = {em.expr(i)}  # {em.comment(i)}", indent)
+            for j in stage.stores:
+                if j not in self.plan.writes[k]:
+                    continue
+                out = r.outputs[j]
+                mask = em.mask(out.axes)
+                self.line(f"tl.store({em.offsets(f'r{k}_out{j}', out.axes)}, {em.store_value(out)}"
+                          f"{', mask=' + mask if mask else ''})  # {out.name}", indent)
+
+    def operand(self, k: int, value: str) -> str:
+        """Region k-1's link value as GEMM k's A operand: zero past its columns, in the
+        GEMM's operand dtype (eager rounds the intermediate the same way)."""
+        dt = TL_DTYPE[self.plan.regions[k].gemm.a.dtype]
+        return f"tl.where(mask_n[None, :], {value}, 0.0).to({dt})"
+
+    def emit(self) -> KernelSource:
+        p = self.plan
+        batched = p.regions[0].gemm.batched
+        self.signature()
+        consts = ["BLOCK_M", "BLOCK_K", "STREAM_N"] + [f"WIDTH{k}" for k in range(1, len(p.regions))] + [
+            "UPCAST_OPERANDS", "DOT_PRECISION"]
+        self.line("@triton.jit", 0)
+        self.line(f"def {self.name}(", 0)
+        self.lines += self.sig
+        self.line(", ".join(f"{c}: tl.constexpr" for c in consts) + ",")
+        self.line("):", 0)
+        self.line(f'"""{p.describe()}"""')
+        self.line("pid_m = tl.program_id(0)")
+        if batched:
+            self.line("pid_b = tl.program_id(1).to(tl.int64)")
+        self.line("offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
+        self.line("mask_m = offs_m < M")
+        a_base = "a_ptr + pid_b * stride_a_b" if batched else "a_ptr"
+        b1_base = "r1_b_ptr + pid_b * stride_r1_b_b" if batched else "r1_b_ptr"
+        self.line()
+        self.line("# ---- GEMM1 -> F1, chunk by chunk along N1, each chunk straight into GEMM2 ----")
+        self.line("offs_w1 = tl.arange(0, WIDTH1)  # GEMM2's output columns, all held")
+        self.line("acc1 = tl.zeros((BLOCK_M, WIDTH1), dtype=tl.float32)")
+        self.line("for n0 in range(0, N0, STREAM_N):")
+        self.line("offs_n = n0 + tl.arange(0, STREAM_N)", 2)
+        self.line("mask_n = offs_n < N0", 2)
+        self.line("acc0 = tl.zeros((BLOCK_M, STREAM_N), dtype=tl.float32)", 2)
+        self.line("for k0 in range(0, K, BLOCK_K):", 2)
+        self.line("offs_k = k0 + tl.arange(0, BLOCK_K)", 3)
+        self.line(f"a = tl.load({a_base} + offs_m[:, None] * stride_a_m + offs_k[None, :] * stride_a_k, "
+                  "mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)", 3)
+        b0_base = "r0_b_ptr + pid_b * stride_r0_b_b" if batched else "r0_b_ptr"
+        self.line(f"b = tl.load({b0_base} + offs_k[:, None] * stride_r0_b_k + offs_n[None, :] * stride_r0_b_n, "
+                  "mask=(offs_k < K)[:, None] & mask_n[None, :], other=0.0)", 3)
+        self.dot("acc0", "a", "b", 3)
+        self.line("# F1 on this chunk", 2)
+        self.epilogue(0, 2)
+        self.line("# the chunk is GEMM2's A for rows offs_n of its B: into acc1, never to memory", 2)
+        self.line(f"p = {self.operand(1, self.ems[0].ref(p.regions[0].outputs[p.links[0]].node))}", 2)
+        self.line(f"w = tl.load({b1_base} + offs_n[:, None] * stride_r1_b_k + offs_w1[None, :] * stride_r1_b_n, "
+                  "mask=mask_n[:, None] & (offs_w1 < N1)[None, :], other=0.0)", 2)
+        self.dot("acc1", "p", "w", 2)
+        for k in range(1, len(p.regions)):
+            self.line()
+            self.line(f"# ---- F{k + 1} over GEMM{k + 1}'s resident output ----")
+            self.line(f"offs_n = tl.arange(0, WIDTH{k})")
+            self.line(f"mask_n = offs_n < N{k}")
+            self.epilogue(k, 1)
+            if k + 1 < len(p.regions):
+                nb = f"r{k + 1}_b_ptr + pid_b * stride_r{k + 1}_b_b" if batched else f"r{k + 1}_b_ptr"
+                self.line()
+                self.line(f"# ---- GEMM{k + 2}: its A is F{k + 1}'s tile, read from registers ----")
+                self.line(f"offs_w{k + 1} = tl.arange(0, WIDTH{k + 1})")
+                self.line(f"p = {self.operand(k + 1, self.ems[k].ref(p.regions[k].outputs[p.links[k]].node))}")
+                self.line(f"w = tl.load({nb} + offs_n[:, None] * stride_r{k + 1}_b_k + offs_w{k + 1}[None, :] * "
+                          f"stride_r{k + 1}_b_n, mask=mask_n[:, None] & (offs_w{k + 1} < N{k + 1})[None, :], other=0.0)")
+                self.line(f"acc{k + 1} = tl.zeros((BLOCK_M, WIDTH{k + 1}), dtype=tl.float32)")
+                self.dot(f"acc{k + 1}", "p", "w", 1)
+        header = "\n".join([
+            f'"""comfuse kernel {self.name}: {p.describe()}',
+            "",
+            "Generated from these regions (do not edit):",
+            "",
+            *[format_region(r) + (f"\n  (out{p.links[k]} feeds GEMM{k + 2})" if k < len(p.links) else "")
+              for k, r in enumerate(p.regions)],
+            '"""',
+            "import triton",
+            "import triton.language as tl",
+            "",
+            "from comfuse.codegen.triton.helpers import (expm1, log1p, max_propagate_nan, "
+            "min_propagate_nan, pow_int,",
+            "                                             pow_real, tanh)",
+            "",
+            "",
+        ])
+        constexprs = (("BLOCK_M", p.block_m), ("BLOCK_K", p.block_k), ("STREAM_N", p.stream_n)) + tuple(
+            (f"WIDTH{k}", w) for k, w in enumerate(p.widths, start=1))
+        return KernelSource(self.name, header + "\n".join(self.lines) + "\n", tuple(self.params),
+                            constexprs, p.num_warps, p.num_stages)
+
+    def dot(self, acc: str, a: str, b: str, indent: int) -> None:
+        self.line("if UPCAST_OPERANDS:  # Triton 3.6's interpreter multiplies bf16 bit patterns", indent)
+        self.line(f"{a} = {a}.to(tl.float32)", indent + 1)
+        self.line(f"{b} = {b}.to(tl.float32)", indent + 1)
+        self.line(f"{acc} = tl.dot({a}, {b}, {acc}, input_precision=DOT_PRECISION)", indent)
+
+
+def emit_chain(plan, name: str) -> KernelSource:
+    return _ChainEmitter(plan, name).emit()

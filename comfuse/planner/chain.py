@@ -1,0 +1,93 @@
+"""Back-to-back GEMMs: GEMM1 -> F1 -> GEMM2 -> F2 (-> GEMM3 -> F3 ...) in one kernel.
+
+A chain is a list of GEMM + epilogue regions where an output of region i is the A
+operand of region i + 1 and nothing else reads it (``links``). One program owns a block
+of rows. GEMM1's output is produced chunk by chunk along N1 and each chunk, after F1, is
+multiplied into GEMM2's accumulator at once, so the intermediate never reaches memory.
+Later GEMMs read their predecessor's whole (post-epilogue) tile from registers.
+
+What the first link can stream:
+- elementwise F1 (bias, ReLU, GELU, SiLU, scaling): any N1, in chunks;
+- F1 with a reduction along N1 (softmax, as in target attention): when N1 fits one
+  chunk, the row is resident and the reduction finishes before GEMM2 reads it;
+- softmax over a longer N1 (self-attention) would need online rescaling of GEMM2's
+  accumulator: not built; such chains run unfused, and long self-attention belongs to
+  scaled_dot_product_attention anyway.
+Every GEMM after the first must be narrow enough for one program to hold its whole
+output row block (``width_limit``); otherwise fusing would recompute the previous GEMM
+once per output tile, which loses (a transformer MLP, 4096 -> 16384 -> 4096).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from .. import settings as settings_mod
+from ..ir import Region, verify
+from . import passes
+from .plan import NotFused, _pow2
+from .stages import Stage, partition
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChainPlan:
+    regions: tuple[Region, ...]
+    links: tuple[int, ...]  # links[i]: the output of region i that is region i+1's A operand
+    writes: tuple[tuple[int, ...], ...]  # per region, the outputs the kernel stores
+    stages: tuple[tuple[Stage, ...], ...]
+    block_m: int
+    block_k: int  # GEMM1's K step
+    stream_n: int  # GEMM1's N chunk, streamed into GEMM2
+    widths: tuple[int, ...]  # padded output width of each later GEMM (held whole)
+    num_warps: int
+    num_stages: int
+
+    def describe(self) -> str:
+        dims = " -> ".join(str(r.sizes.N) for r in self.regions)
+        return (f"b2b: {len(self.regions)} GEMMs (K={self.regions[0].sizes.K} -> {dims}); GEMM1 "
+                f"streamed in chunks of {self.stream_n} into GEMM2; rows per program {self.block_m}")
+
+
+def plan_chain(regions, links, writes, target: str = "cuda", settings=None) -> ChainPlan | NotFused:
+    """Plan a chain; ``writes`` lists per region the outputs read outside the chain."""
+    settings = settings or settings_mod.get()
+    regions = [verify(passes.cse(passes.dce(r))) for r in regions]
+    first = regions[0]
+    width_limit = 256
+    for i, r in enumerate(regions):
+        if any(r.nodes[j].arg == "M" for j in r.reductions()):
+            return NotFused(f"GEMM{i + 1}'s epilogue reduces along M: a chain streams rows")
+        if r.gemm.batched != first.gemm.batched or r.sizes.B != first.sizes.B or r.sizes.M != first.sizes.M:
+            return NotFused("the GEMMs of the chain do not share their rows and batches")
+    for i, link in enumerate(links):
+        out = regions[i].outputs[link]
+        if out.axes != regions[i].tile_axes:
+            return NotFused(f"GEMM{i + 2} reads a reduced value of GEMM{i + 1}'s epilogue")
+    for i, r in enumerate(regions[1:], start=2):
+        if _pow2(r.sizes.N) > width_limit:
+            return NotFused(f"GEMM{i}'s output row (N={r.sizes.N}) is wider than one program holds "
+                            f"({width_limit}); fusing would recompute GEMM{i - 1} for every output "
+                            "tile, which costs more than the intermediate's round trip")
+    n1 = first.sizes.N
+    if first.reductions():
+        if _pow2(n1) > width_limit:
+            return NotFused(f"GEMM1's epilogue reduces over N1={n1}, more than one chunk holds "
+                            f"({width_limit}); online rescaling of GEMM2 is not built (for "
+                            "attention, scaled_dot_product_attention is faster)")
+        stream = max(16, _pow2(n1))
+    else:
+        stream = 64 if target != "interpreter" else min(32, max(16, _pow2(n1)))
+    widths = tuple(max(16, _pow2(r.sizes.N)) for r in regions[1:])
+    if target == "interpreter":
+        bm = min(64, max(16, _pow2(first.sizes.M)))
+        bk = min(64, max(16, _pow2(first.sizes.K)))
+        return ChainPlan(tuple(regions), tuple(links), tuple(tuple(w) for w in writes),
+                         tuple(partition(r) for r in regions), bm, bk, stream, widths, 4, 1)
+    held = max(widths + (stream,))
+    bm = 128 if held <= 128 else 64
+    bm = min(bm, max(16, _pow2(first.sizes.M)))  # short rows per batch (attention over few queries)
+    return ChainPlan(tuple(regions), tuple(links), tuple(tuple(w) for w in writes),
+                     tuple(partition(r) for r in regions), bm, 64, stream, widths,
+                     8 if bm * held >= 128 * 128 else 4, 3)
+
+
+__all__ = ["ChainPlan", "plan_chain"]

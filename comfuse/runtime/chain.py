@@ -1,0 +1,197 @@
+"""Back-to-back GEMM chains at run time: the merged candidate, the kernel, the module.
+
+A chain's regions are contracted into one ``FusedChain`` module in the captured graph;
+the links between them (GEMM1's post-epilogue tile feeding GEMM2) never become tensors.
+Failures fall back to the chain's original ops, as for single regions.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import torch
+import triton
+
+from .. import settings as settings_mod
+from ..codegen.triton.chain import emit_chain
+from ..frontend.regions import Candidate
+from ..ir import canonical_shape, evaluate, structural_text
+from . import cache, tuning
+from .check import KernelMismatch, compare, region_tolerance
+from .kernel import CODEGEN_VERSION, ComfuseWarning, can_run_on, interpreting, notice_once
+
+
+def merge(cands: list) -> Candidate:
+    """One candidate for the whole chain: its members, the values it reads from outside,
+    and the values read after it (the links are neither)."""
+    members = [m for c in cands for m in c.members]
+    inside = set(members)
+    externals = []
+    for c in cands:
+        for e in c.externals:
+            if e not in inside and e not in externals:
+                externals.append(e)
+    links = {cands[i + 1].anchor.args[0] for i in range(len(cands) - 1)}
+    outputs = [ob for c in cands for ob in c.outputs if ob.node not in links]
+    return Candidate(anchor=cands[0].anchor, members=members, externals=externals,
+                     outputs=outputs, region=cands[0].region)
+
+
+def chain_name(plan) -> str:
+    params = tuple((f.name, getattr(plan, f.name)) for f in dataclasses.fields(plan)
+                   if f.name not in ("regions", "stages"))
+    text = "\n".join(structural_text(r) for r in plan.regions)
+    return f"comfuse_b2b_{cache.digest(text, repr(params), CODEGEN_VERSION)}"
+
+
+@dataclasses.dataclass
+class ChainKernel:
+    plan: object
+    source: object
+    fn: object
+
+    @property
+    def path(self) -> str:
+        return str(cache.kernel_dir() / f"{self.source.name}.py")
+
+    def launch(self, a3, b3s, ins, outs) -> None:
+        """a3 [B, M, K]; b3s[k] [B, K_k, N_k]; ins[k][j] and outs[(k, j)] canonical 3-D."""
+        B, M, K = a3.shape
+        args = []
+        for p in self.source.params:
+            if p.role == "a":
+                args.append(a3)
+            elif p.role == "b":
+                args.append(b3s[p.index])
+            elif p.role == "in":
+                args.append(ins[p.index[0]][p.index[1]])
+            elif p.role == "out":
+                args.append(outs[p.index])
+            elif p.role == "size":
+                args.append({"M": M, "K": K}[p.axis] if p.index is None else b3s[p.index].shape[2])
+            elif p.role == "stride_a":
+                args.append(a3.stride({"B": 0, "M": 1, "K": 2}[p.axis]))
+            elif p.role == "stride_b":
+                args.append(b3s[p.index].stride({"B": 0, "K": 1, "N": 2}[p.axis]))
+            elif p.role == "stride_in":
+                args.append(ins[p.index[0]][p.index[1]].stride({"B": 0, "M": 1, "N": 2}[p.axis]))
+            elif p.role == "stride_out":
+                args.append(outs[p.index].stride({"B": 0, "M": 1, "N": 2}[p.axis]))
+            else:  # pragma: no cover
+                raise AssertionError(p)
+        on_cpu = a3.device.type == "cpu" or interpreting()
+        low = a3.dtype in (torch.float16, torch.bfloat16)
+        tf32 = torch.backends.cuda.matmul.allow_tf32 and not on_cpu
+        grid = (triton.cdiv(M, self.plan.block_m), B)
+        self.fn[grid](*args, **dict(self.source.constexprs), UPCAST_OPERANDS=on_cpu and low,
+                      DOT_PRECISION="tf32" if tf32 else "ieee",
+                      num_warps=self.source.num_warps, num_stages=self.source.num_stages)
+
+
+_kernels: dict = {}
+
+
+def build_chain(plan) -> ChainKernel:
+    name = chain_name(plan)
+    if name not in _kernels:
+        source = emit_chain(plan, name)
+        module = cache.load_source(name, source.text)
+        _kernels[name] = ChainKernel(plan, source, getattr(module, name))
+    return _kernels[name]
+
+
+class FusedChain(torch.nn.Module):
+    """A back-to-back GEMM chain inside a captured graph: one kernel, or its original ops."""
+
+    def __init__(self, cands: list, merged: Candidate, plan, unfused, report):
+        super().__init__()
+        index = {e: i for i, e in enumerate(merged.externals)}
+        self.plan = plan
+        self.unfused = unfused
+        self.report = report
+        self.a_ext = index[cands[0].externals[cands[0].operands[0]]]
+        self.b_ext = [index[c.externals[c.operands[1]]] for c in cands]
+        self.inputs = [[(index[c.externals[b.ext]], b) for b in c.inputs] for c in cands]
+        written = {ob.node for ob in merged.outputs}
+        self.outputs = [(k, j, ob.shape) for k, c in enumerate(cands)
+                        for j, ob in enumerate(c.outputs) if ob.node in written]
+        self.regions = [c.region for c in cands]  # as found, for checks
+        self.kernel = None
+        self.failed = ""
+        self.tuned: set = set()
+        self.prefer_unfused = False
+
+    def forward(self, *ext):
+        if self.failed or settings_mod.get().disable:
+            return self.unfused(*ext)
+        a = ext[self.a_ext]
+        why = can_run_on(a.device)
+        if why:
+            notice_once(f"device:{why}", f"comfuse: running unfused: {why}")
+            return self.unfused(*ext)
+        try:
+            if a.device not in self.tuned and tuning.enabled(a.device):
+                self.tune(ext, a)
+            if self.prefer_unfused:
+                return self.unfused(*ext)
+            return self.run(ext, a)
+        except KernelMismatch:
+            raise
+        except Exception as e:
+            if settings_mod.get().strict:
+                raise
+            self.failed = f"kernel failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            self.report.fused, self.report.reason = False, self.failed
+            warnings.warn(f"comfuse: chain at {self.report.anchor} runs unfused: {self.failed}",
+                          ComfuseWarning, stacklevel=3)
+            return self.unfused(*ext)
+
+    def tune(self, ext, a) -> None:
+        k = tuning.key(self.plan.regions[0], a.device) + "-" + chain_name(self.plan)[-8:]
+        decision = tuning.load(k)
+        if decision is None:
+            decision = tuning.decide([chain_name(self.plan)], lambda i: self.run(ext, a, check=False),
+                                     lambda: tuple(self.unfused(*ext)), a.device)
+            tuning.store(k, decision)
+        self.tuned.add(a.device)
+        times = decision["times_ms"]
+        if decision["choice"] == tuning.UNFUSED:
+            self.prefer_unfused = True
+            self.report.fused = False
+            fused_ms = min((t for n, t in times.items() if n != tuning.UNFUSED), default=float("inf"))
+            self.report.reason = (f"autotune: the unfused ops ({times[tuning.UNFUSED]:.4f} ms) beat the "
+                                  f"fused chain ({fused_ms:.4f} ms)")
+
+    def run(self, ext, a, check: bool = True):
+        from .compiled import FusedRegion  # (compiled imports this module)
+        if self.kernel is None:
+            self.kernel = build_chain(self.plan)
+            self.report.kernel_path = self.kernel.path
+        device = a.device
+        first = self.regions[0]
+        a3 = a if first.gemm.batched else a.unsqueeze(0)
+        b3s = [ext[i] if first.gemm.batched else ext[i].unsqueeze(0) for i in self.b_ext]
+        ins = [[FusedRegion.prepare(ext[e], bind, device) for e, bind in region_inputs]
+               for region_inputs in self.inputs]
+        outs = {(k, j): torch.empty(canonical_shape(self.regions[k], self.regions[k].outputs[j].axes),
+                                    dtype=self.regions[k].outputs[j].dtype, device=device)
+                for k, j, _ in self.outputs}
+        self.kernel.launch(a3, b3s, ins, outs)
+        if check and settings_mod.get().check:
+            self.check(a3, b3s, ins, outs)
+        return tuple(outs[(k, j)].view(shape) for k, j, shape in self.outputs)
+
+    def check(self, a3, b3s, ins, outs) -> None:
+        """The chain against the IR's interpreter, region after region, in float64."""
+        lhs = a3
+        for k, region in enumerate(self.regions):
+            refs = evaluate(region, lhs, b3s[k], ins[k], torch.float64)
+            tol = region_tolerance(region)
+            for (kk, j), out in outs.items():
+                if kk == k:
+                    result = compare(out, refs[j], tol, floor=1.0)
+                    if not result.ok:
+                        raise KernelMismatch(f"chain {self.kernel.source.name} GEMM{k + 1} output "
+                                             f"{region.outputs[j].name}: {result}")
+            if k < len(self.plan.links):
+                lhs = refs[self.plan.links[k]]

@@ -1,0 +1,130 @@
+"""Back-to-back GEMM chains: GEMM1 -> F -> GEMM2 (-> F2 -> GEMM3) in one kernel."""
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings as hsettings, strategies as st
+
+import comfuse
+from comfuse.frontend.capture import capture
+from comfuse.frontend.regions import find_chains, find_regions
+
+from helpers import DEVICE, PROPERTY_COUNTS, assert_matches_reference, randn, weight
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def run(fn, args):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", comfuse.ComfuseWarning)
+        compiled = comfuse.compile(fn, args)
+        return compiled, compiled(*args)
+
+
+def dlrm(x, w1, w2, w3):
+    return torch.relu(torch.relu(torch.relu(x @ w1) @ w2) @ w3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("M", [1, 33, 70])
+def test_three_gemm_mlp_is_one_kernel(dtype, M):
+    args = (randn(M, 24, dtype=dtype), weight(24, 40, dtype=dtype), weight(40, 20, dtype=dtype),
+            weight(20, 16, dtype=dtype))
+    compiled, out = run(dlrm, args)
+    (r,) = compiled.report.regions
+    assert r.kind == "b2b" and r.fused and "3 GEMMs" in r.plan, str(compiled.report)
+    assert "comfuse_region0" in compiled.report.graph and "mm" not in compiled.report.graph.replace("comfuse", "")
+    assert_matches_reference(dlrm, args, out)
+
+
+@pytest.mark.parametrize("act", ["gelu", "silu", "relu_bias_scale"])
+def test_linear_mlp_with_3d_activations(act):
+    f1 = {"gelu": F.gelu, "silu": F.silu, "relu_bias_scale": lambda h: torch.relu(h) * 0.5}[act]
+
+    def mlp(x, W1, b1, W2, b2):
+        return F.linear(f1(F.linear(x, W1, b1)), W2, b2)
+    bf = torch.bfloat16
+    args = (randn(2, 9, 24, dtype=bf), randn(40, 24, dtype=bf, scale=0.2), randn(40, dtype=bf),
+            randn(16, 40, dtype=bf, scale=0.15), randn(16, dtype=bf))
+    compiled, out = run(mlp, args)
+    assert compiled.report.regions[0].kind == "b2b" and compiled.report.regions[0].fused
+    assert out.shape == (2, 9, 16)
+    assert_matches_reference(mlp, args, out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
+def test_target_attention_softmax_stays_resident(dtype):
+    def attn(q, k, v):
+        return torch.softmax(q @ k.transpose(-1, -2) / 4.0, dim=-1) @ v
+    args = (randn(2, 3, 5, 16, dtype=dtype), randn(2, 3, 20, 16, dtype=dtype), randn(2, 3, 20, 16, dtype=dtype))
+    compiled, out = run(attn, args)
+    (r,) = compiled.report.regions
+    assert r.kind == "b2b" and r.fused, str(compiled.report)
+    assert_matches_reference(attn, args, out)
+
+
+def test_an_intermediate_read_elsewhere_is_not_a_link():
+    def f(x, w1, w2):
+        h = torch.relu(x @ w1)
+        return h @ w2, h.sum()
+    gm = capture(f, (randn(8, 16), weight(16, 24), weight(24, 8)))
+    assert find_chains(find_regions(gm)) == []
+    args = (randn(8, 16), weight(16, 24), weight(24, 8))
+    _, out = run(f, args)
+    assert_matches_reference(f, args, out)
+
+
+def test_wide_second_gemm_is_not_chained_and_says_why():
+    def mlp(x, w1, w2):
+        return F.gelu(x @ w1) @ w2
+    args = (randn(16, 32), weight(32, 64), weight(64, 300))
+    report = comfuse.explain(mlp, args)
+    chain = next(r for r in report.regions if r.kind == "b2b")
+    assert not chain.fused and "wider than one program holds" in chain.reason
+    assert any(r.kind == "gemm_epilogue" and r.fused for r in report.regions)  # GELU still fuses
+    _, out = run(mlp, args)
+    assert_matches_reference(mlp, args, out)
+
+
+def test_long_softmax_is_left_to_attention_kernels():
+    def attn(q, k, v):
+        return torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
+    args = (randn(1, 4, 16), randn(1, 300, 16), randn(1, 300, 16))
+    report = comfuse.explain(attn, args)
+    chain = next(r for r in report.regions if r.kind == "b2b")
+    assert not chain.fused and "scaled_dot_product_attention" in chain.reason
+
+
+UNARY = {"relu": torch.relu, "gelu": F.gelu, "silu": F.silu, "tanh": torch.tanh,
+         "sigmoid": torch.sigmoid, "identity": lambda v: v}
+
+
+@st.composite
+def chains(draw):
+    sizes = st.integers(1, 40)
+    return dict(dtype=draw(st.sampled_from(DTYPES)), M=draw(sizes), K=draw(sizes), N1=draw(sizes),
+                N2=draw(st.integers(1, 64)), f1=draw(st.sampled_from(sorted(UNARY))),
+                f2=draw(st.sampled_from(sorted(UNARY))), bias=draw(st.booleans()),
+                seed=draw(st.integers(0, 2**16)))
+
+
+@hsettings(max_examples=40, deadline=None)
+@given(chains())
+def test_random_two_gemm_chains(c):
+    PROPERTY_COUNTS["random GEMM -> F -> GEMM chains"] += 1
+    g = torch.Generator().manual_seed(c["seed"])
+    dt = c["dtype"]
+
+    def mk(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype=dt, device=DEVICE)
+    args = (mk(c["M"], c["K"]), mk(c["K"], c["N1"], scale=c["K"] ** -0.5),
+            mk(c["N1"], c["N2"], scale=c["N1"] ** -0.5), mk(c["N1"]))
+    f1, f2, bias = UNARY[c["f1"]], UNARY[c["f2"]], c["bias"]
+
+    def fn(x, w1, w2, b):
+        h = x @ w1
+        return f2(f1(h + b if bias else h) @ w2)
+    compiled, out = run(fn, args)
+    assert any(r.kind == "b2b" and r.fused for r in compiled.report.regions), str(compiled.report)
+    assert_matches_reference(fn, args, out)
