@@ -87,13 +87,26 @@ def test_wide_second_gemm_is_not_chained_and_says_why():
     assert_matches_reference(mlp, args, out)
 
 
-def test_long_softmax_is_left_to_attention_kernels():
+def test_long_self_attention_is_routed_to_sdpa():
     def attn(q, k, v):
-        return torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
-    args = (randn(1, 4, 16), randn(1, 300, 16), randn(1, 300, 16))
-    report = comfuse.explain(attn, args)
+        return torch.softmax(q @ k.transpose(-1, -2) / 4.0, dim=-1) @ v
+    args = (randn(2, 2, 300, 16), randn(2, 2, 300, 16), randn(2, 2, 300, 16))
+    compiled, out = run(attn, args)
+    (chain,) = compiled.report.regions
+    assert chain.kind == "b2b" and chain.fused and chain.schedule == "sdpa"
+    assert "scaled_dot_product_attention" in chain.plan
+    assert_matches_reference(attn, args, out)
+
+
+def test_long_softmax_that_is_not_attention_says_why():
+    def f(x, w1, b, w2):
+        return torch.softmax(x @ w1 + b, dim=-1) @ w2
+    args = (randn(8, 16), weight(16, 300), randn(300), weight(300, 8))
+    report = comfuse.explain(f, args)
     chain = next(r for r in report.regions if r.kind == "b2b")
-    assert not chain.fused and "scaled_dot_product_attention" in chain.reason
+    assert not chain.fused and "online rescaling" in chain.reason
+    _, out = run(f, args)
+    assert_matches_reference(f, args, out)
 
 
 UNARY = {"relu": torch.relu, "gelu": F.gelu, "silu": F.silu, "tanh": torch.tanh,

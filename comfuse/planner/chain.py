@@ -91,3 +91,38 @@ def plan_chain(regions, links, writes, target: str = "cuda", settings=None) -> C
 
 
 __all__ = ["ChainPlan", "plan_chain"]
+
+
+def attention_scale(first: Region, second: Region, link: int) -> float | None:
+    """The scale s when the chain is exactly ``softmax(s * (q @ k^T)) @ v`` (GEMM2 with no
+    epilogue of its own), else None. Casts between floats are looked through."""
+    from ..ir import Op
+    r = passes.cse(passes.dce(first))
+    if not r.gemm.batched or len(second.nodes) != 1 or len(r.outputs) != 1:
+        return None
+    nodes = r.nodes
+
+    def skip(i):
+        while nodes[i].op is Op.CAST and nodes[i].arg.is_floating_point:
+            i = nodes[i].src[0]
+        return i
+    out = skip(r.outputs[link].node)
+    div = nodes[out]
+    if div.op is not Op.DIV:
+        return None
+    e, total = skip(div.src[0]), skip(div.src[1])
+    if nodes[e].op is not Op.EXP or nodes[total].op is not Op.SUM or skip(nodes[total].src[0]) != e:
+        return None
+    sub = nodes[skip(nodes[e].src[0])]
+    if sub.op is not Op.SUB or nodes[skip(sub.src[1])].op is not Op.RMAX:
+        return None
+    logits = skip(sub.src[0])
+    if skip(nodes[skip(sub.src[1])].src[0]) != logits:
+        return None
+    node = nodes[logits]
+    if node.op is Op.ACC:
+        return 1.0
+    if node.op in (Op.MUL, Op.DIV) and nodes[skip(node.src[0])].op is Op.ACC and nodes[node.src[1]].op is Op.CONST:
+        c = float(nodes[node.src[1]].arg)
+        return c if node.op is Op.MUL else 1.0 / c
+    return None

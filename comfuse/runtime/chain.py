@@ -195,3 +195,26 @@ class FusedChain(torch.nn.Module):
                                              f"{region.outputs[j].name}: {result}")
             if k < len(self.plan.links):
                 lhs = refs[self.plan.links[k]]
+
+
+class FusedAttention(torch.nn.Module):
+    """softmax(s * q @ k^T) @ v routed to scaled_dot_product_attention (flash attention on
+    a GPU): for long rows it is faster than anything comfuse would generate."""
+
+    def __init__(self, cands: list, merged: Candidate, scale: float, unfused, report):
+        super().__init__()
+        index = {e: i for i, e in enumerate(merged.externals)}
+        self.q = index[cands[0].externals[cands[0].operands[0]]]
+        self.kt = index[cands[0].externals[cands[0].operands[1]]]
+        self.v = index[cands[1].externals[cands[1].operands[1]]]
+        self.shape = merged.outputs[0].shape
+        self.scale = scale
+        self.unfused = unfused
+        self.report = report
+
+    def forward(self, *ext):
+        q, kt, v = ext[self.q], ext[self.kt], ext[self.v]
+        if settings_mod.get().disable or q.dtype != v.dtype:
+            return self.unfused(*ext)
+        out = torch.nn.functional.scaled_dot_product_attention(q, kt.transpose(-1, -2), v, scale=self.scale)
+        return (out.reshape(self.shape),)

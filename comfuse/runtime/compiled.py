@@ -27,7 +27,7 @@ from ..frontend.capture import CaptureError, capture
 from ..frontend.regions import Candidate, find_chains, find_regions
 from ..ir import canonical_shape, evaluate_with_scale, format_region
 from ..planner import NotFused, candidates, plan as make_plan
-from ..planner.chain import plan_chain
+from ..planner.chain import attention_scale, plan_chain
 from ..report import RegionReport, Report
 from . import kernel as kernel_mod
 from . import chain as chain_mod
@@ -300,6 +300,14 @@ class Specialization:
         writes = [[j for j, ob in enumerate(c.outputs) if ob.node not in link_nodes] for c in cands]
         try:
             plan = plan_chain([c.region for c in cands], links, writes, target, settings)
+            scale = attention_scale(cands[0].region, cands[1].region, links[0]) if len(cands) == 2 else None
+            if isinstance(plan, NotFused) and scale is not None:
+                unfused = _extract(gm, merged)
+                rep.fused, rep.schedule = True, "sdpa"
+                rep.plan = (f"attention softmax({scale:g} * q @ k^T) @ v over {cands[0].region.sizes.N} keys: "
+                            "routed to scaled_dot_product_attention (flash attention beats a "
+                            f"generated kernel here; comfuse's chain would not: {plan.reason})")
+                return merged, chain_mod.FusedAttention(cands, merged, scale, unfused, rep)
             if isinstance(plan, NotFused):
                 rep.reason = f"{plan.reason}; the GEMMs fuse their own epilogues instead"
                 return None
