@@ -260,6 +260,9 @@ SPLIT_CASES = {
     "logsumexp": lambda x, w, t: torch.logsumexp(x @ w, -1),
     "row_stats": lambda x, w, t: ((x @ w).relu().sum(-1), (x @ w).amax(-1), (x @ w).amin(-1), (x @ w).mean(-1)),
     "nll_of_log_softmax": lambda x, w, t: -torch.log_softmax(x @ w, -1).gather(1, t[:, None]).squeeze(1),
+    # variance far from zero mean: E[x^2] - E[x]^2 would lose the digits; moments do not
+    "var_mean_offset": lambda x, w, t: torch.var_mean(x @ w + 300.0, -1),
+    "std_keepdim": lambda x, w, t: torch.std(x @ w, -1, keepdim=True),
 }
 
 

@@ -56,6 +56,9 @@ def evaluate_with_scale(region: Region, a: torch.Tensor, b: torch.Tensor,
     return _run(region, a, b, inputs, torch.float64, with_scale=True)
 
 
+_U = 2.0 ** -24  # fp32's unit roundoff: converts a squared error back into scale units
+
+
 def _scale(op: Op, node, x: list, sx: list, v: torch.Tensor) -> torch.Tensor:
     """How the error bound grows through one op: |f'(x)| * scale(x) + |f(x)|."""
     if not v.dtype.is_floating_point:
@@ -67,8 +70,8 @@ def _scale(op: Op, node, x: list, sx: list, v: torch.Tensor) -> torch.Tensor:
         return sx[0] + av
     if op in (Op.ADD, Op.SUB):
         return sx[0] + sx[1]
-    if op is Op.MUL:
-        return sx[0] * x[1].abs() + x[0].abs() * sx[1]
+    if op is Op.MUL:  # first order, plus the product of the two errors (it rules near zero)
+        return sx[0] * x[1].abs() + x[0].abs() * sx[1] + _U * sx[0] * sx[1]
     if op is Op.DIV:
         return (sx[0] + (x[0] / x[1]).abs() * sx[1]) / x[1].abs()
     if op in (Op.MAX, Op.MIN):
@@ -80,6 +83,8 @@ def _scale(op: Op, node, x: list, sx: list, v: torch.Tensor) -> torch.Tensor:
     if op in (Op.RMAX, Op.RMIN):
         return sx[0].amax(_DIM[node.arg], keepdim=True)
     xx = x[0]
+    if op is Op.POW and node.arg == 2.0:  # (x + e)^2 - x^2 = 2 x e + e^2
+        return 2 * xx.abs() * sx[0] + av + _U * sx[0] * sx[0]
     slope = {
         Op.EXP: lambda: av, Op.EXPM1: lambda: xx.exp(), Op.LOG: lambda: 1 / xx.abs(),
         Op.LOG1P: lambda: 1 / (1 + xx).abs(), Op.SQRT: lambda: 0.5 / av,

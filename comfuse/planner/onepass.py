@@ -13,10 +13,10 @@ constants" (values that depend on reductions but not on N):
   ``where(mask, affine, affine)`` distributes over the terms when the mask is a tile value;
   ``max_N(t + c) = max_N(t) + c``;
 - ``sum_N(exp(t + c)) = exp(lse_N(t) + c)`` with ``lse`` merged online (running max and a
-  rescaled sum), so nothing overflows.
-
-Variance is never expanded into E[x^2] - E[x]^2: a reduction of a non-affine function of
-a row constant (such as (x - mean)^2) makes the region ineligible, and it runs another way.
+  rescaled sum), so nothing overflows;
+- ``sum_N((t + c)^2) = M2(t) + N * (mean(t) + c)^2``, exactly, with the moments (mean,
+  M2 = sum of squared deviations) merged by Chan's formula: variance stays two-pass in
+  effect and is never expanded into E[x^2] - E[x]^2.
 """
 from __future__ import annotations
 
@@ -31,8 +31,17 @@ F32 = torch.float32
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Statistic:
-    kind: str  # "sum" | "max" | "min" | "lse"
+    kind: str  # "sum" | "max" | "min" | "lse" | "moments" (mean and M2)
     node: int  # the tile value reduced along N (index into OnePass.tile.nodes)
+
+
+PARTS = {"lse": ("m", "s"), "moments": ("n", "mean", "m2")}
+
+
+def parts(stat: Statistic) -> tuple:
+    """The numbers a statistic keeps per row: one, except lse (max, sum) and moments
+    (count, mean, M2). Kernels lay their workspaces out by these."""
+    return PARTS.get(stat.kind, ("",))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -51,6 +60,12 @@ class NotOnePass(Exception):
 class _Affine:
     terms: tuple  # ((tile node, combine coefficient node), ...)
     const: int | None  # combine node, or None for 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Square:
+    base: int  # tile node t
+    shift: int | None  # combine node c: the value is (t + c)^2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +90,7 @@ class _Rewriter:
         key = (op, tuple(src), arg if not isinstance(arg, float) else float.hex(arg), dtype)
         if key not in self._memo:
             axes = frozenset().union(*(self.combine[s].axes for s in src)) if src else frozenset()
-            if op is Op.STAT or op is Op.INPUT:
+            if op in (Op.STAT, Op.INPUT):
                 axes = frozenset({"M"}) if op is Op.STAT else self.region.inputs[arg].axes
             self.combine.append(Node(op, tuple(src), dtype, axes, arg))
             self._memo[key] = len(self.combine) - 1
@@ -84,11 +99,11 @@ class _Rewriter:
     def const(self, value: float) -> int:
         return self.c(Op.CONST, (), float(value))
 
-    def stat(self, kind: str, node: int) -> int:
+    def stat(self, kind: str, node: int, part: str = "") -> int:
         s = Statistic(kind, node)
         if s not in self.stats:
             self.stats.append(s)
-        return self.c(Op.STAT, (), self.stats.index(s))
+        return self.c(Op.STAT, (), (self.stats.index(s), part))
 
     def add_tile(self, op: Op, src, dtype=F32, arg=None) -> int:
         axes = frozenset().union(*(self.tile[s].axes for s in src))
@@ -117,7 +132,7 @@ class _Rewriter:
             return _Affine(((form[1], self.const(1.0)),), None)
         if isinstance(form, tuple) and form[0] == "row":
             return _Affine((), form[1])
-        raise NotOnePass("exp(t + c) is used other than in a sum over N")
+        raise NotOnePass("exp(t + c) or (t + c)^2 is used other than in a sum over N")
 
     def scale(self, form: _Affine, k: int) -> _Affine:
         return _Affine(tuple((t, self.mul(c, k)) for t, c in form.terms), self.mul(form.const, k))
@@ -189,6 +204,11 @@ class _Rewriter:
             return self.scale(self.affine(src[0]), self.const(-1.0))
         if op is Op.CAST and node.dtype.is_floating_point:
             return src[0]  # casts between floats do not round in kernels
+        if op is Op.MUL and node.src[0] == node.src[1] or op is Op.POW and node.arg == 2.0:
+            a = self.affine(src[0])
+            if len(a.terms) == 1 and self.is_one(a.terms[0][1]):
+                return _Square(a.terms[0][0], a.const)
+            raise NotOnePass(f"%{i}: square of a combination that is not t + c")
         if op in (Op.MUL, Op.DIV):
             rows = [self.rowish(f) for f in src]
             if op is Op.MUL and rows[0] is not None:
@@ -243,6 +263,11 @@ class _Rewriter:
     def reduce(self, node: Node, form) -> int:
         n_cols = self.region.sizes.N
         if node.op is Op.SUM:
+            if isinstance(form, _Square):  # sum (t + c)^2 = M2 + N (mean + c)^2, exactly
+                mean = self.stat("moments", form.base, "mean")
+                m2 = self.stat("moments", form.base, "m2")
+                d = self.add(mean, form.shift)
+                return self.c(Op.ADD, (m2, self.mul(self.const(float(n_cols)), self.mul(d, d))))
             if isinstance(form, _ExpShift):
                 lse = self.stat("lse", form.base)
                 arg = lse if form.shift is None else self.c(Op.ADD, (lse, form.shift))
@@ -282,17 +307,20 @@ def evaluate_one_pass(op: OnePass, a, b, inputs) -> list:
     tile = op.tile.replace(outputs=tuple(Output(st.node, torch.float64, op.tile.nodes[st.node].axes)
                                          for st in op.stats) or op.tile.outputs)
     values = _run(tile, a, b, inputs, torch.float64)[0] if op.stats else []
-    merged = []
-    for st, v in zip(op.stats, values):
+    merged = {}
+    for i, (st, v) in enumerate(zip(op.stats, values)):
         v = v.double()
         if st.kind == "sum":
-            merged.append(v.sum(2, keepdim=True))
+            merged[(i, "")] = v.sum(2, keepdim=True)
         elif st.kind == "max":
-            merged.append(v.amax(2, keepdim=True))
+            merged[(i, "")] = v.amax(2, keepdim=True)
         elif st.kind == "min":
-            merged.append(v.amin(2, keepdim=True))
+            merged[(i, "")] = v.amin(2, keepdim=True)
+        elif st.kind == "moments":
+            mean = v.mean(2, keepdim=True)
+            merged[(i, "mean")], merged[(i, "m2")] = mean, ((v - mean) ** 2).sum(2, keepdim=True)
         else:
-            merged.append(torch.logsumexp(v, 2, keepdim=True))
+            merged[(i, "")] = torch.logsumexp(v, 2, keepdim=True)
     vals = []
     from ..ir.interpret import _BINARY, _UNARY
     for node in op.combine:

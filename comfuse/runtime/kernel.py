@@ -15,6 +15,7 @@ import triton
 from ..codegen.triton import KernelSource, emit
 from ..ir import structural_text
 from ..planner import Plan
+from ..planner.onepass import parts
 from . import cache
 
 CODEGEN_VERSION = "triton-2"
@@ -87,7 +88,7 @@ class Kernel:
                        num_warps=self.source.num_warps, num_stages=self.source.num_stages)
         if plan.schedule == "split":
             row_blocks = triton.cdiv(M, plan.block_m)
-            slots = sum(2 if st.kind == "lse" else 1 for st in plan.onepass.stats)
+            slots = sum(len(parts(st)) for st in plan.onepass.stats)
             ws, _ = self.scratch(a3.device, slots * plan.chunks * M)
             args = self.arguments(a3, b3, ins, outs, ws, None, 0)
             self.fn[(row_blocks * plan.chunks,)](*args, **options)

@@ -19,6 +19,7 @@ import torch
 
 from ...ir import REDUCE, Op, Region, format_region
 from ...planner import Plan
+from ...planner.onepass import parts
 
 TL_DTYPE = {
     torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32",
@@ -139,7 +140,8 @@ class _Emitter:
         if op is Op.IOTA:
             return "offs_m[:, None]" if node.arg == "M" else "offs_n[None, :]"
         if op is Op.STAT:
-            return f"stat{node.arg}[:, None]"
+            index, part = node.arg
+            return f"stat{index}{'_' + part if part else ''}[:, None]"
         if op in _INFIX:
             return f"{x[0]} {_INFIX[op]} {x[1]}"
         if op in _CALL:
@@ -460,7 +462,7 @@ class _Emitter:
         """(statistic, part) per workspace array: lse keeps a running max and a sum."""
         slots = []
         for i, st in enumerate(self.plan.onepass.stats):
-            slots += [(i, "m"), (i, "s")] if st.kind == "lse" else [(i, "")]
+            slots += [(i, part) for part in parts(st)]
         return slots
 
     def emit_split(self) -> KernelSource:
@@ -496,6 +498,9 @@ class _Emitter:
             if st.kind == "lse":
                 self.line(f'stat{i}_m = tl.full((BLOCK_M,), float("-inf"), tl.float32)  # running max')
                 self.line(f"stat{i}_s = tl.zeros((BLOCK_M,), dtype=tl.float32)  # sum of exp(x - max)")
+            elif st.kind == "moments":
+                for part, what in (("n", "count"), ("mean", "mean"), ("m2", "sum of squared deviations")):
+                    self.line(f"stat{i}_{part} = tl.zeros((BLOCK_M,), dtype=tl.float32)  # {what} of %{st.node}")
             else:
                 self.line(f"stat{i} = {init[st.kind]}  # {st.kind} of %{st.node}")
         self.line("for t in range(0, TILES_PER_CHUNK):")
@@ -525,6 +530,13 @@ class _Emitter:
                                      else ('float("inf")', "min_propagate_nan", "tl.minimum"))
                 self.line(f"stat{i} = {fn}(stat{i}, tl.reduce(tl.where(mask_n[None, :], {v}, {fill}), 1, "
                           f"{combine}), propagate_nan=tl.PropagateNan.ALL)")
+            elif st.kind == "moments":
+                self.line("tile_n = tl.sum(mask_n.to(tl.float32), axis=0) + tl.zeros((BLOCK_M,), dtype=tl.float32)")
+                self.line(f"tile_mean = tl.sum(tl.where(mask_n[None, :], {v}, 0.0), axis=1) / tl.maximum(tile_n, 1.0)")
+                self.line(f"tile_dev = tl.where(mask_n[None, :], {v} - tile_mean[:, None], 0.0)")
+                self.line("tile_m2 = tl.sum(tile_dev * tile_dev, axis=1)")
+                self.line(f"stat{i}_n, stat{i}_mean, stat{i}_m2 = moments_merge(stat{i}_n, stat{i}_mean, "
+                          f"stat{i}_m2, tile_n, tile_mean, tile_m2)")
             else:
                 self.line(f'tile_m = tl.reduce(tl.where(mask_n[None, :], {v}, float("-inf")), 1, max_propagate_nan)')
                 self.line(f"tile_s = tl.sum(tl.where(mask_n[None, :], tl.exp({v} - tile_m[:, None]), 0.0), axis=1)")
@@ -547,21 +559,29 @@ class _Emitter:
         self.line("chunks = tl.arange(0, CHUNKS_POW2)")
         self.line("both = (chunks < CHUNKS)[:, None] & mask_m[None, :]")
 
-        def parts(j: int, other: str) -> str:
+        def slice_load(j: int, other: str) -> str:
             return (f"tl.load(ws_ptr + ({j} * CHUNKS + chunks[:, None]) * M + offs_m[None, :], "
                     f"mask=both, other={other})")
         for i, st in enumerate(op.stats):
             if st.kind == "sum":
-                self.line(f"stat{i} = tl.sum({parts(slot_of[(i, '')], '0.0')}, axis=0)  # sum of %{st.node}")
+                self.line(f"stat{i} = tl.sum({slice_load(slot_of[(i, '')], '0.0')}, axis=0)  # sum of %{st.node}")
             elif st.kind in ("max", "min"):
                 fill, combine = ('float("-inf")', "max_propagate_nan") if st.kind == "max" else \
                     ('float("inf")', "min_propagate_nan")
-                self.line(f"stat{i} = tl.reduce({parts(slot_of[(i, '')], fill)}, 0, {combine})  "
+                self.line(f"stat{i} = tl.reduce({slice_load(slot_of[(i, '')], fill)}, 0, {combine})  "
                           f"# {st.kind} of %{st.node}")
+            elif st.kind == "moments":  # Chan: mean = sum n_c mean_c / n; M2 = sum M2_c + n_c (mean_c - mean)^2
+                self.line(f"slice_n = {slice_load(slot_of[(i, 'n')], '0.0')}")
+                self.line(f"slice_mean = {slice_load(slot_of[(i, 'mean')], '0.0')}")
+                self.line(f"slice_m2 = {slice_load(slot_of[(i, 'm2')], '0.0')}")
+                self.line("row_n = tl.sum(slice_n, axis=0)")
+                self.line(f"stat{i}_mean = tl.sum(slice_n * slice_mean, axis=0) / tl.maximum(row_n, 1.0)")
+                self.line(f"stat{i}_m2 = tl.sum(slice_m2 + slice_n * (slice_mean - stat{i}_mean[None, :]) * "
+                          f"(slice_mean - stat{i}_mean[None, :]), axis=0)")
             else:
                 neg_inf = 'float("-inf")'
-                self.line(f"slice_m = {parts(slot_of[(i, 'm')], neg_inf)}")
-                self.line(f"slice_s = {parts(slot_of[(i, 's')], '0.0')}")
+                self.line(f"slice_m = {slice_load(slot_of[(i, 'm')], neg_inf)}")
+                self.line(f"slice_s = {slice_load(slot_of[(i, 's')], '0.0')}")
                 self.line("row_m = tl.reduce(slice_m, 0, max_propagate_nan)")
                 self.line("scaled = tl.where(slice_m > float(\"-inf\"), slice_s * tl.exp(slice_m - row_m[None, :]), 0.0)")
                 self.line(f"stat{i} = row_m + tl.log(tl.sum(scaled, axis=0))  # log-sum-exp of %{st.node}")
@@ -589,7 +609,7 @@ class _Emitter:
             "",
             "from comfuse.codegen.triton.helpers import (expm1, log1p, lse_merge, max_propagate_nan, "
             "min_propagate_nan,",
-            "                                             pow_int, pow_real, tanh)",
+            "                                             moments_merge, pow_int, pow_real, tanh)",
             "",
             "",
         ])

@@ -88,3 +88,14 @@ def lse_merge(m1, s1, m2, s2):
     f1 = tl.where(m1 == float("-inf"), 0.0, tl.exp(m1 - m))
     f2 = tl.where(m2 == float("-inf"), 0.0, tl.exp(m2 - m))
     return m, s1 * f1 + s2 * f2
+
+
+@triton.jit
+def moments_merge(n1, mean1, m2_1, n2, mean2, m2_2):
+    """Chan et al.'s merge of (count, mean, sum of squared deviations): stable where
+    E[x^2] - E[x]^2 would cancel."""
+    n = n1 + n2
+    d = mean2 - mean1
+    w2 = tl.where(n > 0, n2 / tl.maximum(n, 1.0), 0.0)
+    mean = mean1 + d * w2
+    return n, mean, m2_1 + m2_2 + d * d * n1 * w2
