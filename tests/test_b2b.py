@@ -98,15 +98,30 @@ def test_long_self_attention_is_routed_to_sdpa():
     assert_matches_reference(attn, args, out)
 
 
-def test_long_softmax_that_is_not_attention_says_why():
-    def f(x, w1, b, w2):
-        return torch.softmax(x @ w1 + b, dim=-1) @ w2
-    args = (randn(8, 16), weight(16, 300), randn(300), weight(300, 8))
-    report = comfuse.explain(f, args)
-    chain = next(r for r in report.regions if r.kind == "b2b")
-    assert not chain.fused and "online rescaling" in chain.reason
-    _, out = run(f, args)
-    assert_matches_reference(f, args, out)
+DEFERRED = {
+    "softmax": lambda x, w1, g, b, w2: torch.softmax(x @ w1 + b, dim=-1) @ w2,
+    "layer_norm": lambda x, w1, g, b, w2: F.layer_norm(x @ w1, (w1.shape[1],), g, b) @ w2,
+    "layer_norm_offset": lambda x, w1, g, b, w2: F.layer_norm(x @ w1 + 20.0, (w1.shape[1],), g, b) @ w2,
+    "rms_norm": lambda x, w1, g, b, w2: ((lambda y: y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6) * g)(
+        x @ w1)) @ w2,
+    "log_softmax_relu": lambda x, w1, g, b, w2: torch.relu(torch.log_softmax(x @ w1, -1) + 6.0) @ w2,
+}
+
+
+@pytest.mark.parametrize("name", list(DEFERRED))
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "fp16", "bf16"])
+def test_long_reductions_before_the_second_gemm_are_deferred(name, dtype):
+    fn = DEFERRED[name]
+    N1 = 300  # more than one chunk: the reduction cannot finish before GEMM2 starts
+    args = (randn(21, 16, dtype=dtype), weight(16, N1, dtype=dtype), randn(N1, dtype=dtype),
+            randn(N1, dtype=dtype), weight(N1, 24, dtype=dtype))
+    compiled, out = run(fn, args)
+    chain = next(r for r in compiled.report.regions if r.kind == "b2b")
+    if name == "log_softmax_relu":  # relu of a shifted log-probability: not a deferrable form
+        assert not chain.fused and "cannot be deferred" in chain.reason
+    else:
+        assert chain.fused and "deferred" in chain.plan, str(compiled.report)
+    assert_matches_reference(fn, args, out)
 
 
 UNARY = {"relu": torch.relu, "gelu": F.gelu, "silu": F.silu, "tanh": torch.tanh,

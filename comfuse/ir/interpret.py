@@ -97,7 +97,7 @@ def _scale(op: Op, node, x: list, sx: list, v: torch.Tensor) -> torch.Tensor:
     return slope.abs() * sx[0] + av
 
 
-def _run(region: Region, a, b, inputs, compute_dtype, with_scale: bool = False):
+def _run(region: Region, a, b, inputs, compute_dtype, with_scale: bool = False, shifts=None):
     exact = compute_dtype is not None
 
     def fix(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -120,6 +120,8 @@ def _run(region: Region, a, b, inputs, compute_dtype, with_scale: bool = False):
                 raise ValueError(f"input {node.arg} must be given in canonical 3-D layout")
         elif op is Op.CONST:
             v = torch.tensor(node.arg).reshape(1, 1, 1)
+        elif op is Op.SHIFT:  # a per-row constant near the row: its mean (any value gives the same result)
+            v = vals[shifts[node.arg]].mean(2, keepdim=True)
         elif op is Op.IOTA:
             shape = canonical_shape(region, {node.arg})
             v = torch.arange(s.of(node.arg), device=a.device).reshape(shape)

@@ -37,6 +37,7 @@ class Op(enum.Enum):
     CONST = "const"  # a Python scalar; arg = value
     IOTA = "iota"  # global index along one axis; arg = "M" or "N"
     STAT = "stat"  # a merged per-row statistic (one-pass form's combine step); arg = its index
+    SHIFT = "shift"  # a per-row constant near a row's values (deferred chains); arg = statistic
     # elementwise, one source
     NEG = "neg"
     ABS = "abs"
@@ -79,7 +80,7 @@ class Op(enum.Enum):
     RMIN = "rmin"
 
 
-LEAF = frozenset({Op.ACC, Op.INPUT, Op.CONST, Op.IOTA, Op.STAT})
+LEAF = frozenset({Op.ACC, Op.INPUT, Op.CONST, Op.IOTA, Op.STAT, Op.SHIFT})
 UNARY = frozenset({Op.NEG, Op.ABS, Op.EXP, Op.EXPM1, Op.LOG, Op.LOG1P, Op.SQRT, Op.RSQRT,
                    Op.RECIPROCAL, Op.TANH, Op.SIGMOID, Op.ERF, Op.RELU, Op.SIN, Op.COS,
                    Op.NOT, Op.POW, Op.CAST})

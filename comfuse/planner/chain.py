@@ -10,9 +10,15 @@ What the first link can stream:
 - elementwise F1 (bias, ReLU, GELU, SiLU, scaling): any N1, in chunks;
 - F1 with a reduction along N1 (softmax, as in target attention): when N1 fits one
   chunk, the row is resident and the reduction finishes before GEMM2 reads it;
-- softmax over a longer N1 (self-attention) would need online rescaling of GEMM2's
-  accumulator: not built; such chains run unfused, and long self-attention belongs to
-  scaled_dot_product_attention anyway.
+- over a longer N1 the reduction is deferred through F1's one-pass form
+  (planner/onepass.py): softmax by online rescaling of GEMM2's accumulator (running max
+  and sum, as flash attention), LayerNorm/RMSNorm algebraically: GEMM2 accumulates
+  ``(y * gamma) @ W2`` while the row statistics are gathered, and at the end
+  ``rstd * acc - rstd * mean * (gamma @ W2) + beta @ W2`` is formed. Numerics: the
+  statistics are merged stably (Chan's moments, online log-sum-exp); the LayerNorm
+  deferral subtracts two products that nearly cancel when |mean| >> std of a row, so
+  its error grows like u * |mean| / std (tested against float64 with offsets);
+- long self-attention is routed to scaled_dot_product_attention instead (faster).
 Every GEMM after the first must be narrow enough for one program to hold its whole
 output row block (``width_limit``); otherwise fusing would recompute the previous GEMM
 once per output tile, which loses (a transformer MLP, 4096 -> 16384 -> 4096).
@@ -24,6 +30,7 @@ import dataclasses
 from .. import settings as settings_mod
 from ..ir import Region, verify
 from . import passes
+from .onepass import NotOnePass, one_pass
 from .plan import NotFused, _pow2
 from .stages import Stage, partition
 
@@ -40,11 +47,18 @@ class ChainPlan:
     widths: tuple[int, ...]  # padded output width of each later GEMM (held whole)
     num_warps: int
     num_stages: int
+    onepass: object = None  # GEMM1's epilogue in one-pass form, when it reduces over a long N1
 
     def describe(self) -> str:
         dims = " -> ".join(str(r.sizes.N) for r in self.regions)
+        how = ""
+        if self.onepass is not None:
+            how = ("; F1's reductions deferred: " +
+                   ("online softmax rescaling of GEMM2's accumulator" if type(self.onepass.link).__name__ == "ExpLink"
+                    else f"GEMM2 accumulates {len(self.onepass.link.terms)} term(s), scaled by F1's row "
+                         "statistics at the end"))
         return (f"b2b: {len(self.regions)} GEMMs (K={self.regions[0].sizes.K} -> {dims}); GEMM1 "
-                f"streamed in chunks of {self.stream_n} into GEMM2; rows per program {self.block_m}")
+                f"streamed in chunks of {self.stream_n} into GEMM2{how}; rows per program {self.block_m}")
 
 
 def plan_chain(regions, links, writes, target: str = "cuda", settings=None) -> ChainPlan | NotFused:
@@ -68,12 +82,16 @@ def plan_chain(regions, links, writes, target: str = "cuda", settings=None) -> C
                             f"({width_limit}); fusing would recompute GEMM{i - 1} for every output "
                             "tile, which costs more than the intermediate's round trip")
     n1 = first.sizes.N
-    if first.reductions():
-        if _pow2(n1) > width_limit:
-            return NotFused(f"GEMM1's epilogue reduces over N1={n1}, more than one chunk holds "
-                            f"({width_limit}); online rescaling of GEMM2 is not built (for "
-                            "attention, scaled_dot_product_attention is faster)")
-        stream = max(16, _pow2(n1))
+    onepass = None
+    if first.reductions() and _pow2(n1) <= width_limit:
+        stream = max(16, _pow2(n1))  # the whole row in one chunk: F1 reduces it in registers
+    elif first.reductions():
+        try:  # defer F1's reductions: statistics along the way, GEMM2 corrected at the end
+            onepass = one_pass(first, links[0])
+        except NotOnePass as e:
+            return NotFused(f"GEMM1's epilogue reduces over N1={n1}, more than one chunk holds, "
+                            f"and cannot be deferred ({e})")
+        stream = 64 if target != "interpreter" else min(32, max(16, _pow2(n1)))
     else:
         stream = 64 if target != "interpreter" else min(32, max(16, _pow2(n1)))
     widths = tuple(max(16, _pow2(r.sizes.N)) for r in regions[1:])
@@ -81,13 +99,13 @@ def plan_chain(regions, links, writes, target: str = "cuda", settings=None) -> C
         bm = min(64, max(16, _pow2(first.sizes.M)))
         bk = min(64, max(16, _pow2(first.sizes.K)))
         return ChainPlan(tuple(regions), tuple(links), tuple(tuple(w) for w in writes),
-                         tuple(partition(r) for r in regions), bm, bk, stream, widths, 4, 1)
+                         tuple(partition(r) for r in regions), bm, bk, stream, widths, 4, 1, onepass)
     held = max(widths + (stream,))
     bm = 128 if held <= 128 else 64
     bm = min(bm, max(16, _pow2(first.sizes.M)))  # short rows per batch (attention over few queries)
     return ChainPlan(tuple(regions), tuple(links), tuple(tuple(w) for w in writes),
                      tuple(partition(r) for r in regions), bm, 64, stream, widths,
-                     8 if bm * held >= 128 * 128 else 4, 3)
+                     8 if bm * held >= 128 * 128 else 4, 3, onepass)
 
 
 __all__ = ["ChainPlan", "plan_chain"]

@@ -31,7 +31,7 @@ F32 = torch.float32
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Statistic:
-    kind: str  # "sum" | "max" | "min" | "lse" | "moments" (mean and M2)
+    kind: str  # "sum" | "max" | "min" | "lse" | "moments" (mean and M2) | "shift" (see below)
     node: int  # the tile value reduced along N (index into OnePass.tile.nodes)
 
 
@@ -50,6 +50,24 @@ class OnePass:
     stats: tuple[Statistic, ...]
     combine: tuple[Node, ...]  # per-row SSA: leaves are STAT (arg: statistic), INPUT, CONST
     outputs: tuple[Output, ...]  # nodes of ``combine``
+    link: object = None  # back-to-back chains: the form of the value the next GEMM reads
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AffineLink:
+    """The next GEMM's A operand as sum_k coef_k * t_k + const (t_k tile values, the
+    coefficients per-row combine nodes): its product with W distributes over the terms."""
+    terms: tuple  # ((tile node, combine node), ...)
+    const: int | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ExpLink:
+    """The next GEMM's A operand as scale * exp(t + shift): accumulated with online
+    rescaling (a running max of t), as flash attention does."""
+    base: int
+    shift: int | None
+    scale: int | None
 
 
 class NotOnePass(Exception):
@@ -71,12 +89,20 @@ class _Square:
 @dataclasses.dataclass(frozen=True)
 class _ExpShift:
     base: int  # tile node t
-    shift: int | None  # combine node c: the value is exp(t + c)
+    shift: int | None  # combine node c: the value is scale * exp(t + c)
+    scale: int | None = None  # combine node (None: 1)
 
 
 class _Rewriter:
-    def __init__(self, region: Region):
+    def __init__(self, region: Region, shift: bool = False):
         self.region = region
+        # Deferred chains round the link's terms to the next GEMM's operand dtype. A term like
+        # y (LayerNorm's input) far from zero would lose its deviations in that rounding, so
+        # each row's values are shifted by a per-row constant near them first (a "shift"
+        # statistic: the mean of the row's first chunk) and the shift is added back exactly
+        # through the constant term.
+        self.shift = shift
+        self._shifted: dict = {}
         self.tile = list(region.nodes)
         self.combine: list[Node] = []
         self.stats: list[Statistic] = []
@@ -127,9 +153,18 @@ class _Rewriter:
         if isinstance(form, _Affine):
             return form
         if isinstance(form, tuple) and form[0] == "tile":
-            if "N" not in self.tile[form[1]].axes:  # a constant or an [M] input: a row constant
-                return _Affine((), self.row_of_tile(form[1]))
-            return _Affine(((form[1], self.const(1.0)),), None)
+            i = form[1]
+            if "N" not in self.tile[i].axes:  # a constant or an [M] input: a row constant
+                return _Affine((), self.row_of_tile(i))
+            if self.shift and "M" in self.tile[i].axes:
+                if i not in self._shifted:
+                    k = self.stat("shift", i)
+                    leaf = len(self.tile)
+                    self.tile.append(Node(Op.SHIFT, (), F32, frozenset({"M"}), self.combine[k].arg[0]))
+                    self._shifted[i] = (self.add_tile(Op.SUB, (i, leaf)), k)
+                base, k = self._shifted[i]
+                return _Affine(((base, self.const(1.0)),), k)
+            return _Affine(((i, self.const(1.0)),), None)
         if isinstance(form, tuple) and form[0] == "row":
             return _Affine((), form[1])
         raise NotOnePass("exp(t + c) or (t + c)^2 is used other than in a sum over N")
@@ -155,7 +190,7 @@ class _Rewriter:
         raise NotOnePass(f"%{i} ({node.op.value}) is needed per row but varies along N")
 
     # ---- the walk ----------------------------------------------------------------------
-    def run(self) -> OnePass:
+    def run(self, link: int | None = None) -> OnePass:
         r = self.region
         forms: list = []
         for i, node in enumerate(r.nodes):
@@ -163,8 +198,19 @@ class _Rewriter:
                 forms.append(("tile", i))
                 continue
             forms.append(self.rewrite(i, node, [forms[s] for s in node.src]))
+        link_form = None
+        if link is not None:
+            form = forms[r.outputs[link].node]
+            if isinstance(form, _ExpShift):
+                link_form = ExpLink(form.base, form.shift, form.scale)
+            else:
+                a = self.affine(form)
+                link_form = AffineLink(a.terms, a.const)
         outputs = []
-        for out in r.outputs:
+        for k, out in enumerate(r.outputs):
+            if k == link:
+                outputs.append(out)  # read by the next GEMM, never stored
+                continue
             form = forms[out.node]
             if "N" in out.axes or (isinstance(form, tuple) and form[0] == "tile" and "N" in r.nodes[out.node].axes):
                 raise NotOnePass(f"output {out.name or out.node} is a full tile, not a per-row value")
@@ -176,7 +222,7 @@ class _Rewriter:
                 raise NotOnePass(f"output {out.name or out.node} is a full tile, not a per-row value")
             outputs.append(dataclasses.replace(out, node=node))
         tile = r.replace(nodes=tuple(self.tile))
-        return OnePass(tile, tuple(self.stats), tuple(self.combine), tuple(outputs))
+        return OnePass(tile, tuple(self.stats), tuple(self.combine), tuple(outputs), link_form)
 
     def rewrite(self, i: int, node: Node, src: list):
         op = node.op
@@ -212,10 +258,21 @@ class _Rewriter:
         if op in (Op.MUL, Op.DIV):
             rows = [self.rowish(f) for f in src]
             if op is Op.MUL and rows[0] is not None:
-                return self.scale(self.affine(src[1]), rows[0])
+                src, rows = src[::-1], rows[::-1]
             if rows[1] is not None:
                 k = rows[1] if op is Op.MUL else self.c(Op.DIV, (self.const(1.0), rows[1]))
+                if isinstance(src[0], _ExpShift):
+                    e = src[0]
+                    return _ExpShift(e.base, e.shift, k if e.scale is None else self.mul(e.scale, k))
                 return self.scale(self.affine(src[0]), k)
+            tiles = [f[1] if isinstance(f, tuple) and f[0] == "tile" else None for f in src]
+            if op is Op.MUL and (tiles[0] is not None or tiles[1] is not None):
+                # affine * tile value (a gamma, a mask): distribute over the terms
+                t, a = (tiles[0], self.affine(src[1])) if tiles[0] is not None else (tiles[1], self.affine(src[0]))
+                terms = tuple((self.add_tile(Op.MUL, (b, t)), c) for b, c in a.terms)
+                if a.const is not None:
+                    terms += ((t, a.const),)
+                return _Affine(terms, None)
             raise NotOnePass(f"%{i}: {op.value} of two values that vary along N, one after a reduction")
         if op is Op.WHERE:
             cond = src[0]
@@ -271,7 +328,8 @@ class _Rewriter:
             if isinstance(form, _ExpShift):
                 lse = self.stat("lse", form.base)
                 arg = lse if form.shift is None else self.c(Op.ADD, (lse, form.shift))
-                return self.c(Op.EXP, (arg,))
+                total = self.c(Op.EXP, (arg,))
+                return total if form.scale is None else self.mul(total, form.scale)
             if isinstance(form, tuple) and form[0] == "tile":
                 return self.stat("sum", form[1])
             a = self.affine(form)
@@ -288,15 +346,17 @@ class _Rewriter:
         raise NotOnePass(f"{kind} over N of a combination that is not t + c")
 
 
-def one_pass(region: Region) -> OnePass:
-    """The one-pass form of a row-form region, or NotOnePass with the reason."""
-    if region.gemm.batched:
+def one_pass(region: Region, link: int | None = None) -> OnePass:
+    """The one-pass form of a row-form region, or NotOnePass with the reason. With
+    ``link``, that output is the next GEMM's A operand: its form is returned (``link``
+    field) instead of requiring it to be a per-row value."""
+    if region.gemm.batched and link is None:
         raise NotOnePass("batched GEMMs are not split")
     if not region.reductions():
         raise NotOnePass("no reduction")
     if any(n.op in REDUCE and n.arg != "N" for n in region.nodes):
         raise NotOnePass("reductions must run along N (row form)")
-    return _Rewriter(region).run()
+    return _Rewriter(region, shift=link is not None).run(link)
 
 
 def evaluate_one_pass(op: OnePass, a, b, inputs) -> list:
@@ -306,7 +366,8 @@ def evaluate_one_pass(op: OnePass, a, b, inputs) -> list:
     import math
     tile = op.tile.replace(outputs=tuple(Output(st.node, torch.float64, op.tile.nodes[st.node].axes)
                                          for st in op.stats) or op.tile.outputs)
-    values = _run(tile, a, b, inputs, torch.float64)[0] if op.stats else []
+    shifts = {i: st.node for i, st in enumerate(op.stats) if st.kind == "shift"}
+    values = _run(tile, a, b, inputs, torch.float64, shifts=shifts)[0] if op.stats else []
     merged = {}
     for i, (st, v) in enumerate(zip(op.stats, values)):
         v = v.double()
@@ -316,6 +377,8 @@ def evaluate_one_pass(op: OnePass, a, b, inputs) -> list:
             merged[(i, "")] = v.amax(2, keepdim=True)
         elif st.kind == "min":
             merged[(i, "")] = v.amin(2, keepdim=True)
+        elif st.kind == "shift":  # any per-row constant will do; the answer does not depend on it
+            merged[(i, "")] = v.mean(2, keepdim=True)
         elif st.kind == "moments":
             mean = v.mean(2, keepdim=True)
             merged[(i, "mean")], merged[(i, "m2")] = mean, ((v - mean) ** 2).sum(2, keepdim=True)

@@ -301,12 +301,14 @@ class Specialization:
         try:
             plan = plan_chain([c.region for c in cands], links, writes, target, settings)
             scale = attention_scale(cands[0].region, cands[1].region, links[0]) if len(cands) == 2 else None
-            if isinstance(plan, NotFused) and scale is not None:
+            long_keys = cands[0].region.sizes.N > 256
+            if scale is not None and (long_keys or isinstance(plan, NotFused)):
                 unfused = _extract(gm, merged)
                 rep.fused, rep.schedule = True, "sdpa"
+                why = plan.reason if isinstance(plan, NotFused) else "more keys than one chunk"
                 rep.plan = (f"attention softmax({scale:g} * q @ k^T) @ v over {cands[0].region.sizes.N} keys: "
-                            "routed to scaled_dot_product_attention (flash attention beats a "
-                            f"generated kernel here; comfuse's chain would not: {plan.reason})")
+                            "routed to scaled_dot_product_attention (flash attention is faster "
+                            f"than a generated chain here: {why})")
                 return merged, chain_mod.FusedAttention(cands, merged, scale, unfused, rep)
             if isinstance(plan, NotFused):
                 rep.reason = f"{plan.reason}; the GEMMs fuse their own epilogues instead"

@@ -8,7 +8,7 @@ on. Each region's values and parameters carry a prefix (``r0_``, ``r1_``, ...).
 from __future__ import annotations
 
 from ...ir import Op, format_region
-from .emit import TL_DTYPE, KernelSource, Param, _Emitter
+from .emit import TL_DTYPE, KernelSource, Param, _Emitter, stat_init, stat_update
 
 
 class _ChainEmitter:
@@ -102,28 +102,19 @@ class _ChainEmitter:
         a_base = "a_ptr + pid_b * stride_a_b" if batched else "a_ptr"
         b1_base = "r1_b_ptr + pid_b * stride_r1_b_b" if batched else "r1_b_ptr"
         self.line()
-        self.line("# ---- GEMM1 -> F1, chunk by chunk along N1, each chunk straight into GEMM2 ----")
-        self.line("offs_w1 = tl.arange(0, WIDTH1)  # GEMM2's output columns, all held")
-        self.line("acc1 = tl.zeros((BLOCK_M, WIDTH1), dtype=tl.float32)")
-        self.line("for n0 in range(0, N0, STREAM_N):")
-        self.line("offs_n = n0 + tl.arange(0, STREAM_N)", 2)
-        self.line("mask_n = offs_n < N0", 2)
-        self.line("acc0 = tl.zeros((BLOCK_M, STREAM_N), dtype=tl.float32)", 2)
-        self.line("for k0 in range(0, K, BLOCK_K):", 2)
-        self.line("offs_k = k0 + tl.arange(0, BLOCK_K)", 3)
-        self.line(f"a = tl.load({a_base} + offs_m[:, None] * stride_a_m + offs_k[None, :] * stride_a_k, "
-                  "mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)", 3)
-        b0_base = "r0_b_ptr + pid_b * stride_r0_b_b" if batched else "r0_b_ptr"
-        self.line(f"b = tl.load({b0_base} + offs_k[:, None] * stride_r0_b_k + offs_n[None, :] * stride_r0_b_n, "
-                  "mask=(offs_k < K)[:, None] & mask_n[None, :], other=0.0)", 3)
-        self.dot("acc0", "a", "b", 3)
-        self.line("# F1 on this chunk", 2)
-        self.epilogue(0, 2)
-        self.line("# the chunk is GEMM2's A for rows offs_n of its B: into acc1, never to memory", 2)
-        self.line(f"p = {self.operand(1, self.ems[0].ref(p.regions[0].outputs[p.links[0]].node))}", 2)
-        self.line(f"w = tl.load({b1_base} + offs_n[:, None] * stride_r1_b_k + offs_w1[None, :] * stride_r1_b_n, "
-                  "mask=mask_n[:, None] & (offs_w1 < N1)[None, :], other=0.0)", 2)
-        self.dot("acc1", "p", "w", 2)
+        if p.onepass is not None:
+            self.deferred_first_link(a_base, b1_base, batched)
+        else:
+            self.line("# ---- GEMM1 -> F1, chunk by chunk along N1, each chunk straight into GEMM2 ----")
+            self.line("offs_w1 = tl.arange(0, WIDTH1)  # GEMM2's output columns, all held")
+            self.line("acc1 = tl.zeros((BLOCK_M, WIDTH1), dtype=tl.float32)")
+            self.chunk_loop_head(a_base, batched)
+            self.line("# F1 on this chunk", 2)
+            self.epilogue(0, 2)
+            self.line("# the chunk is GEMM2's A for rows offs_n of its B: into acc1, never to memory", 2)
+            self.line(f"p = {self.operand(1, self.ems[0].ref(p.regions[0].outputs[p.links[0]].node))}", 2)
+            self.load_w1(b1_base)
+            self.dot("acc1", "p", "w", 2)
         for k in range(1, len(p.regions)):
             self.line()
             self.line(f"# ---- F{k + 1} over GEMM{k + 1}'s resident output ----")
@@ -151,9 +142,9 @@ class _ChainEmitter:
             "import triton",
             "import triton.language as tl",
             "",
-            "from comfuse.codegen.triton.helpers import (expm1, log1p, max_propagate_nan, "
-            "min_propagate_nan, pow_int,",
-            "                                             pow_real, tanh)",
+            "from comfuse.codegen.triton.helpers import (expm1, log1p, lse_merge, max_propagate_nan, "
+            "min_propagate_nan,",
+            "                                             moments_merge, pow_int, pow_real, tanh)",
             "",
             "",
         ])
@@ -161,6 +152,120 @@ class _ChainEmitter:
             (f"WIDTH{k}", w) for k, w in enumerate(p.widths, start=1))
         return KernelSource(self.name, header + "\n".join(self.lines) + "\n", tuple(self.params),
                             constexprs, p.num_warps, p.num_stages)
+
+    def chunk_loop_head(self, a_base: str, batched: bool) -> None:
+        """``for n0 ...:`` and GEMM1's mainloop for the chunk's columns, into acc0."""
+        self.line("for n0 in range(0, N0, STREAM_N):")
+        self.line("offs_n = n0 + tl.arange(0, STREAM_N)", 2)
+        self.line("mask_n = offs_n < N0", 2)
+        self.line("acc0 = tl.zeros((BLOCK_M, STREAM_N), dtype=tl.float32)", 2)
+        self.line("for k0 in range(0, K, BLOCK_K):", 2)
+        self.line("offs_k = k0 + tl.arange(0, BLOCK_K)", 3)
+        self.line(f"a = tl.load({a_base} + offs_m[:, None] * stride_a_m + offs_k[None, :] * stride_a_k, "
+                  "mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)", 3)
+        b0_base = "r0_b_ptr + pid_b * stride_r0_b_b" if batched else "r0_b_ptr"
+        self.line(f"b = tl.load({b0_base} + offs_k[:, None] * stride_r0_b_k + offs_n[None, :] * stride_r0_b_n, "
+                  "mask=(offs_k < K)[:, None] & mask_n[None, :], other=0.0)", 3)
+        self.dot("acc0", "a", "b", 3)
+
+    def load_w1(self, b1_base: str) -> None:
+        self.line(f"w = tl.load({b1_base} + offs_n[:, None] * stride_r1_b_k + offs_w1[None, :] * stride_r1_b_n, "
+                  "mask=mask_n[:, None] & (offs_w1 < N1)[None, :], other=0.0)", 2)
+
+    def deferred_first_link(self, a_base: str, b1_base: str, batched: bool) -> None:
+        """F1 reduces over a long N1: gather its statistics chunk by chunk while GEMM2
+        accumulates the link's terms, then scale and combine them once (planner/chain.py)."""
+        p = self.plan
+        op = p.onepass
+        em = self.ems[0]
+        em.region = op.tile
+        link = op.link
+        exp_link = type(link).__name__ == "ExpLink"
+        dt = TL_DTYPE[p.regions[1].gemm.a.dtype]
+        self.line("# ---- GEMM1 -> F1 with F1's reductions deferred: statistics gathered chunk by chunk, ----")
+        self.line("# ---- GEMM2 accumulating the link's terms; scaled and combined after the last chunk ----")
+        self.line("offs_w1 = tl.arange(0, WIDTH1)  # GEMM2's output columns, all held")
+        for line in stat_init(op.stats):
+            self.line(line)
+        if exp_link:
+            self.line('run_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)  # online softmax: running max')
+            self.line("g_exp = tl.zeros((BLOCK_M, WIDTH1), dtype=tl.float32)  # sum of exp(t - run_max) @ W2")
+            bases = [link.base]
+        else:
+            for k, (t, _) in enumerate(link.terms):
+                shape = "(BLOCK_M, WIDTH1)" if "M" in op.tile.nodes[t].axes else "(WIDTH1,)"
+                self.line(f"g{k} = tl.zeros({shape}, dtype=tl.float32)  # %{t} @ W2")
+            if link.const is not None:
+                self.line("g_ones = tl.zeros((WIDTH1,), dtype=tl.float32)  # column sums of W2")
+            bases = [t for t, _ in link.terms]
+        self.chunk_loop_head(a_base, batched)
+        needed, todo = set(), [st.node for st in op.stats] + bases
+        while todo:
+            i = todo.pop()
+            if i not in needed:
+                needed.add(i)
+                todo += list(op.tile.nodes[i].src)
+        self.line("# F1's tile values on this chunk", 2)
+        for i in sorted(needed):
+            node = op.tile.nodes[i]
+            if node.op is Op.SHIFT:  # fixed on the first chunk: the mean of the row's first values
+                base = em.ref(op.stats[node.arg].node)
+                self.line(f"first_mean = tl.sum(tl.where(mask_n[None, :], {base}, 0.0), axis=1) / "
+                          "tl.maximum(tl.sum(mask_n.to(tl.float32), axis=0), 1.0)", 2)
+                self.line(f"stat{node.arg} = tl.where(n0 == 0, first_mean, stat{node.arg})", 2)
+            if node.op is not Op.CONST:
+                self.line(f"{em.vp}{i} = {em.expr(i)}  # {em.comment(i)}", 2)
+        for line in stat_update(op.stats, em.ref):
+            self.line(line, 2)
+        self.load_w1(b1_base)
+        if exp_link:
+            t = em.ref(link.base)
+            self.line(f'chunk_max = tl.reduce(tl.where(mask_n[None, :], {t}, float("-inf")), 1, max_propagate_nan)', 2)
+            self.line("new_max = tl.maximum(run_max, chunk_max, propagate_nan=tl.PropagateNan.ALL)", 2)
+            self.line('rescale = tl.where(run_max == float("-inf"), 0.0, tl.exp(run_max - new_max))', 2)
+            self.line(f"p = tl.where(mask_n[None, :], tl.exp({t} - new_max[:, None]), 0.0).to({dt})", 2)
+            self.line("g_exp = g_exp * rescale[:, None]", 2)
+            self.dot("g_exp", "p", "w", 2)
+            self.line("run_max = new_max", 2)
+        else:
+            for k, (t, _) in enumerate(link.terms):
+                v = f"tl.where(mask_n[None, :], {em.ref(t)}, 0.0)"
+                if "M" in op.tile.nodes[t].axes:
+                    self.line(f"p = {v}.to({dt})", 2)
+                    self.dot(f"g{k}", "p", "w", 2)
+                else:  # a row vector (gamma, beta): the same for every row
+                    self.line(f"g{k} += tl.sum(tl.trans({v}) * w.to(tl.float32), axis=0)", 2)
+            if link.const is not None:
+                self.line("g_ones += tl.sum(w.to(tl.float32), axis=0)", 2)
+        self.line("# ---- F1's statistics are complete: its per-row values, then GEMM2's accumulator ----")
+        for i, st in enumerate(op.stats):
+            if st.kind == "lse":
+                self.line(f"stat{i} = stat{i}_m + tl.log(stat{i}_s)")
+        rows = _Emitter.__new__(_Emitter)
+        rows.region = self.plan.regions[0].replace(nodes=op.combine, outputs=op.outputs,
+                                                   inputs=op.tile.inputs)
+        rows.lines, rows.base, rows.phase, rows.cooperative, rows.plan = self.lines, 0, None, False, None
+        rows.vp, rows.pp, rows.acc = "r0c", "r0_", "acc0"
+        for i, node in enumerate(op.combine):
+            if node.op is not Op.CONST:
+                self.line(f"r0c{i} = {rows.expr(i)}  # {rows.comment(i)}")
+        if exp_link:
+            arg = "run_max[:, None]" if link.shift is None else f"({rows.ref(link.shift)} + run_max[:, None])"
+            factor = f"tl.exp({arg})" + (f" * {rows.ref(link.scale)}" if link.scale is not None else "")
+            self.line(f"acc1 = {factor} * g_exp")
+        else:
+            self.line("acc1 = tl.zeros((BLOCK_M, WIDTH1), dtype=tl.float32)")
+            for k, (t, c) in enumerate(link.terms):
+                g = f"g{k}" if "M" in op.tile.nodes[t].axes else f"g{k}[None, :]"
+                self.line(f"acc1 += {rows.ref(c)} * {g}")
+            if link.const is not None:
+                self.line(f"acc1 += {rows.ref(link.const)} * g_ones[None, :]")
+        for j in p.writes[0]:
+            out = op.outputs[j]
+            mask = rows.mask(out.axes)
+            self.line(f"tl.store({rows.offsets(f'r0_out{j}', out.axes)}, {rows.store_value(out)}"
+                      f"{', mask=' + mask if mask else ''})  # {out.name}")
+        em.region = self.plan.regions[0]
 
     def dot(self, acc: str, a: str, b: str, indent: int) -> None:
         self.line("if UPCAST_OPERANDS:  # Triton 3.6's interpreter multiplies bf16 bit patterns", indent)

@@ -65,6 +65,53 @@ def _literal(value) -> str:
     return repr(int(value))
 
 
+def stat_init(stats) -> list[str]:
+    """Lines that start each statistic's per-row accumulators (BLOCK_M rows)."""
+    lines = []
+    init = {"sum": "tl.zeros((BLOCK_M,), dtype=tl.float32)",
+            "shift": "tl.zeros((BLOCK_M,), dtype=tl.float32)",
+            "max": 'tl.full((BLOCK_M,), float("-inf"), tl.float32)',
+            "min": 'tl.full((BLOCK_M,), float("inf"), tl.float32)'}
+    for i, st in enumerate(stats):
+        if st.kind == "lse":
+            lines.append(f'stat{i}_m = tl.full((BLOCK_M,), float("-inf"), tl.float32)  # running max')
+            lines.append(f"stat{i}_s = tl.zeros((BLOCK_M,), dtype=tl.float32)  # sum of exp(x - max)")
+        elif st.kind == "moments":
+            for part, what in (("n", "count"), ("mean", "mean"), ("m2", "sum of squared deviations")):
+                lines.append(f"stat{i}_{part} = tl.zeros((BLOCK_M,), dtype=tl.float32)  # {what} of %{st.node}")
+        else:
+            lines.append(f"stat{i} = {init[st.kind]}  # {st.kind} of %{st.node}")
+    return lines
+
+
+def stat_update(stats, ref) -> list[str]:
+    """Lines that merge this tile's partials (columns mask_n) into the accumulators."""
+    lines = []
+    for i, st in enumerate(stats):
+        v = f"{ref(st.node)}.to(tl.float32)"
+        if st.kind == "shift":
+            continue  # set on the first chunk, where its value is first needed (codegen/triton/chain.py)
+        if st.kind == "sum":
+            lines.append(f"stat{i} += tl.sum(tl.where(mask_n[None, :], {v}, 0.0), axis=1)")
+        elif st.kind in ("max", "min"):
+            fill, combine, fn = (('float("-inf")', "max_propagate_nan", "tl.maximum") if st.kind == "max"
+                                 else ('float("inf")', "min_propagate_nan", "tl.minimum"))
+            lines.append(f"stat{i} = {fn}(stat{i}, tl.reduce(tl.where(mask_n[None, :], {v}, {fill}), 1, "
+                         f"{combine}), propagate_nan=tl.PropagateNan.ALL)")
+        elif st.kind == "moments":
+            lines.append("tile_n = tl.sum(mask_n.to(tl.float32), axis=0) + tl.zeros((BLOCK_M,), dtype=tl.float32)")
+            lines.append(f"tile_mean = tl.sum(tl.where(mask_n[None, :], {v}, 0.0), axis=1) / tl.maximum(tile_n, 1.0)")
+            lines.append(f"tile_dev = tl.where(mask_n[None, :], {v} - tile_mean[:, None], 0.0)")
+            lines.append("tile_m2 = tl.sum(tile_dev * tile_dev, axis=1)")
+            lines.append(f"stat{i}_n, stat{i}_mean, stat{i}_m2 = moments_merge(stat{i}_n, stat{i}_mean, "
+                         f"stat{i}_m2, tile_n, tile_mean, tile_m2)")
+        else:
+            lines.append(f'tile_m = tl.reduce(tl.where(mask_n[None, :], {v}, float("-inf")), 1, max_propagate_nan)')
+            lines.append(f"tile_s = tl.sum(tl.where(mask_n[None, :], tl.exp({v} - tile_m[:, None]), 0.0), axis=1)")
+            lines.append(f"stat{i}_m, stat{i}_s = lse_merge(stat{i}_m, stat{i}_s, tile_m, tile_s)")
+    return lines
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, (max(n, 1) - 1).bit_length())
 
@@ -139,6 +186,8 @@ class _Emitter:
             return load + (".to(tl.float32)" if inp.dtype.is_floating_point else "")
         if op is Op.IOTA:
             return "offs_m[:, None]" if node.arg == "M" else "offs_n[None, :]"
+        if op is Op.SHIFT:
+            return f"stat{node.arg}[:, None]"
         if op is Op.STAT:
             index, part = node.arg
             return f"stat{index}{'_' + part if part else ''}[:, None]"
@@ -491,18 +540,8 @@ class _Emitter:
         self.line("row_blocks = tl.cdiv(M, BLOCK_M)")
         self.line("pid_m = pid % row_blocks  # row blocks vary fastest: programs in flight share B's tiles")
         self.line("chunk = pid // row_blocks")
-        for i, st in enumerate(op.stats):
-            init = {"sum": "tl.zeros((BLOCK_M,), dtype=tl.float32)",
-                    "max": 'tl.full((BLOCK_M,), float("-inf"), tl.float32)',
-                    "min": 'tl.full((BLOCK_M,), float("inf"), tl.float32)'}
-            if st.kind == "lse":
-                self.line(f'stat{i}_m = tl.full((BLOCK_M,), float("-inf"), tl.float32)  # running max')
-                self.line(f"stat{i}_s = tl.zeros((BLOCK_M,), dtype=tl.float32)  # sum of exp(x - max)")
-            elif st.kind == "moments":
-                for part, what in (("n", "count"), ("mean", "mean"), ("m2", "sum of squared deviations")):
-                    self.line(f"stat{i}_{part} = tl.zeros((BLOCK_M,), dtype=tl.float32)  # {what} of %{st.node}")
-            else:
-                self.line(f"stat{i} = {init[st.kind]}  # {st.kind} of %{st.node}")
+        for line in stat_init(op.stats):
+            self.line(line)
         self.line("for t in range(0, TILES_PER_CHUNK):")
         self.base += 1
         self.line("pid_n = chunk * TILES_PER_CHUNK + t")
@@ -521,26 +560,8 @@ class _Emitter:
             if node.op is not Op.CONST:
                 self.line(f"v{i} = {self.expr(i)}  # {self.comment(i)}")
         self.line("# ---- this tile's partials, merged into the slice's statistics ----")
-        for i, st in enumerate(op.stats):
-            v = f"{self.ref(st.node)}.to(tl.float32)"
-            if st.kind == "sum":
-                self.line(f"stat{i} += tl.sum(tl.where(mask_n[None, :], {v}, 0.0), axis=1)")
-            elif st.kind in ("max", "min"):
-                fill, combine, fn = (('float("-inf")', "max_propagate_nan", "tl.maximum") if st.kind == "max"
-                                     else ('float("inf")', "min_propagate_nan", "tl.minimum"))
-                self.line(f"stat{i} = {fn}(stat{i}, tl.reduce(tl.where(mask_n[None, :], {v}, {fill}), 1, "
-                          f"{combine}), propagate_nan=tl.PropagateNan.ALL)")
-            elif st.kind == "moments":
-                self.line("tile_n = tl.sum(mask_n.to(tl.float32), axis=0) + tl.zeros((BLOCK_M,), dtype=tl.float32)")
-                self.line(f"tile_mean = tl.sum(tl.where(mask_n[None, :], {v}, 0.0), axis=1) / tl.maximum(tile_n, 1.0)")
-                self.line(f"tile_dev = tl.where(mask_n[None, :], {v} - tile_mean[:, None], 0.0)")
-                self.line("tile_m2 = tl.sum(tile_dev * tile_dev, axis=1)")
-                self.line(f"stat{i}_n, stat{i}_mean, stat{i}_m2 = moments_merge(stat{i}_n, stat{i}_mean, "
-                          f"stat{i}_m2, tile_n, tile_mean, tile_m2)")
-            else:
-                self.line(f'tile_m = tl.reduce(tl.where(mask_n[None, :], {v}, float("-inf")), 1, max_propagate_nan)')
-                self.line(f"tile_s = tl.sum(tl.where(mask_n[None, :], tl.exp({v} - tile_m[:, None]), 0.0), axis=1)")
-                self.line(f"stat{i}_m, stat{i}_s = lse_merge(stat{i}_m, stat{i}_s, tile_m, tile_s)")
+        for line in stat_update(op.stats, self.ref):
+            self.line(line)
         self.base -= 1
         self.line("# ---- publish the slice's statistics ----")
         self.line("offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
