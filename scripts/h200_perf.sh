@@ -16,9 +16,9 @@ timeout "${GPU_TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu --
 echo "gpu tests rc=$? in $(( $(date +%s) - start )) s"; tail -n 8 "$OUT/gpu-tests.txt"
 
 start=$(date +%s)
-timeout "${BENCH_S:-300}" python3 -m comfuse.cli bench --suite "${SUITE:-paper}" --quick --out "$OUT/bench" \
+timeout "${BENCH_S:-300}" python3 -m comfuse.cli bench --suite "${SUITE:-all}" --quick --out "$OUT/bench" \
   --candidates "${CANDIDATES:-comfuse,comfuse[cooperative],comfuse[split],comfuse[row_in_cta],eager,inductor,gemm}" \
   > "$OUT/bench.log" 2>&1
 echo "bench rc=$? in $(( $(date +%s) - start )) s"
 python3 -m comfuse.cli bench --report-only --out "$OUT/bench" > /dev/null 2>&1
-grep -E "^\| (ln_postnorm|rmsnorm|softmax|mblr|multi_stage|linear_ce) " "$OUT/bench/results.md" | cut -c1-220
+grep -E "^\| (ln_postnorm|rmsnorm|softmax|mblr|multi_stage|linear_ce|dlrm_bottom_mlp|target_attention|transformer_mlp|self_attention) " "$OUT/bench/results.md" | cut -c1-220

@@ -223,6 +223,16 @@ def _rewrite(gm: fx.GraphModule, fused: list) -> None:
     gm.recompile()
 
 
+def _compilation_failed(rep: RegionReport, e: Exception, settings):
+    """A region (or chain) whose planning or code generation raised: unfused, with a warning."""
+    if settings.strict:
+        raise e
+    rep.reason = f"compilation failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    warnings.warn(f"comfuse: {rep.kind} at {rep.anchor} runs unfused: {rep.reason}",
+                  ComfuseWarning, stacklevel=6)
+    return None
+
+
 def _region_report(index: int, cand: Candidate) -> RegionReport:
     return RegionReport(
         index=index, anchor=cand.anchor.name, kind="gemm_epilogue", fused=False,
@@ -320,12 +330,7 @@ class Specialization:
             unfused = _extract(gm, merged)
             kernel = chain_mod.build_chain(plan)
         except Exception as e:
-            if settings.strict:
-                raise
-            rep.reason = f"compilation failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
-            warnings.warn(f"comfuse: chain at {rep.anchor} runs unfused: {rep.reason}",
-                          ComfuseWarning, stacklevel=5)
-            return None
+            return _compilation_failed(rep, e, settings)
         rep.fused, rep.schedule, rep.plan = True, "b2b_stream", plan.describe()
         rep.stages = sum(len(st) for st in plan.stages)
         rep.kernel_path = kernel.path
@@ -352,12 +357,7 @@ class Specialization:
             alternatives = candidates(cand.region, target=target, settings=settings,
                                       sm_count=_sm_count(device)) if tuning.enabled(device) else [plan]
         except Exception as e:
-            if settings.strict:
-                raise
-            rep.reason = f"compilation failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
-            warnings.warn(f"comfuse: region at {rep.anchor} runs unfused: {rep.reason}",
-                          ComfuseWarning, stacklevel=5)
-            return None
+            return _compilation_failed(rep, e, settings)
         rep.fused, rep.reason = True, ""
         rep.stages, rep.schedule, rep.plan = len(plan.stages), plan.schedule, plan.describe()
         rep.kernel_path = kernel.path

@@ -8,7 +8,7 @@ on. Each region's values and parameters carry a prefix (``r0_``, ``r1_``, ...).
 from __future__ import annotations
 
 from ...ir import Op, format_region
-from .emit import TL_DTYPE, KernelSource, Param, _Emitter, stat_init, stat_update
+from .emit import TL_DTYPE, KernelSource, Param, _Emitter, module_header, stat_init, stat_update
 
 
 class _ChainEmitter:
@@ -131,23 +131,9 @@ class _ChainEmitter:
                           f"stride_r{k + 1}_b_n, mask=mask_n[:, None] & (offs_w{k + 1} < N{k + 1})[None, :], other=0.0)")
                 self.line(f"acc{k + 1} = tl.zeros((BLOCK_M, WIDTH{k + 1}), dtype=tl.float32)")
                 self.dot(f"acc{k + 1}", "p", "w", 1)
-        header = "\n".join([
-            f'"""comfuse kernel {self.name}: {p.describe()}',
-            "",
-            "Generated from these regions (do not edit):",
-            "",
-            *[format_region(r) + (f"\n  (out{p.links[k]} feeds GEMM{k + 2})" if k < len(p.links) else "")
-              for k, r in enumerate(p.regions)],
-            '"""',
-            "import triton",
-            "import triton.language as tl",
-            "",
-            "from comfuse.codegen.triton.helpers import (expm1, log1p, lse_merge, max_propagate_nan, "
-            "min_propagate_nan,",
-            "                                             moments_merge, pow_int, pow_real, tanh)",
-            "",
-            "",
-        ])
+        header = module_header(f"comfuse kernel {self.name}: {p.describe()}", "\n".join(
+            format_region(r) + (f"\n  (out{p.links[k]} feeds GEMM{k + 2})" if k < len(p.links) else "")
+            for k, r in enumerate(p.regions)))
         constexprs = (("BLOCK_M", p.block_m), ("BLOCK_K", p.block_k), ("STREAM_N", p.stream_n)) + tuple(
             (f"WIDTH{k}", w) for k, w in enumerate(p.widths, start=1))
         return KernelSource(self.name, header + "\n".join(self.lines) + "\n", tuple(self.params),

@@ -65,6 +65,22 @@ def _literal(value) -> str:
     return repr(int(value))
 
 
+def module_header(title: str, region_text: str) -> str:
+    """The top of a generated kernel file: what it is, the IR it came from, its imports."""
+    return "\n".join([
+        f'"""{title}', "",
+        "Generated from this IR (do not edit; regenerated when anything below changes):", "",
+        region_text, '"""',
+        "import triton",
+        "import triton.language as tl",
+        "",
+        "from comfuse.codegen.triton.helpers import (expm1, log1p, lse_merge, max_propagate_nan, "
+        "min_propagate_nan,",
+        "                                             moments_merge, pow_int, pow_real, strip_barrier,",
+        "                                             tanh)",
+        "", "", ""])
+
+
 def stat_init(stats) -> list[str]:
     """Lines that start each statistic's per-row accumulators (BLOCK_M rows)."""
     lines = []
@@ -483,22 +499,7 @@ class _Emitter:
                 self.line(f"tl.store({self.offsets(f'out{k}', out.axes)}, "
                           f"{self.store_value(out)}{mask_arg})  # {out.name}")
         body = "\n".join(self.lines)
-        header = "\n".join([
-            f'"""comfuse kernel {self.name}: {p.describe()}',
-            "",
-            "Generated from this region (do not edit; regenerated when anything below changes):",
-            "",
-            format_region(r),
-            '"""',
-            "import triton",
-            "import triton.language as tl",
-            "",
-            "from comfuse.codegen.triton.helpers import (expm1, log1p, max_propagate_nan, "
-            "min_propagate_nan, pow_int,",
-            "                                             pow_real, strip_barrier, tanh)",
-            "",
-            "",
-        ])
+        header = module_header(f"comfuse kernel {self.name}: {p.describe()}", format_region(r))
         constexprs = (("BLOCK_M", p.block_m), ("BLOCK_N", p.block_n), ("BLOCK_K", p.block_k),
                       ("GROUP_M", p.group_m))
         if self.cooperative:
@@ -618,22 +619,8 @@ class _Emitter:
                       f"  # {out.name}")
         second = "\n".join(self.lines)
         self.region = original
-        header = "\n".join([
-            f'"""comfuse kernels {self.name} and {self.name}_combine: {p.describe()}',
-            "",
-            "Generated from this region (do not edit; regenerated when anything below changes):",
-            "",
-            format_region(original),
-            '"""',
-            "import triton",
-            "import triton.language as tl",
-            "",
-            "from comfuse.codegen.triton.helpers import (expm1, log1p, lse_merge, max_propagate_nan, "
-            "min_propagate_nan,",
-            "                                             moments_merge, pow_int, pow_real, tanh)",
-            "",
-            "",
-        ])
+        header = module_header(f"comfuse kernels {self.name} and {self.name}_combine: {p.describe()}",
+                               format_region(original))
         constexprs = (("BLOCK_M", p.block_m), ("BLOCK_N", p.block_n), ("BLOCK_K", p.block_k),
                       ("GROUP_M", p.group_m), ("CHUNKS_POW2", _pow2(p.chunks)))
         return KernelSource(self.name, header + first + "\n\n\n" + second + "\n", tuple(self.params),
