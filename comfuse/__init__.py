@@ -32,6 +32,13 @@ from .runtime.kernel import ComfuseWarning  # noqa: E402
 
 __version__ = "0.1.0"
 
+try:  # torch.compile(model, backend="comfuse")
+    from .backend import register as _register_backend
+    _register_backend()
+except Exception as _e:  # pragma: no cover - an old or unusual torch: comfuse.compile still works
+    import warnings as _warnings
+    _warnings.warn(f"comfuse: the torch.compile backend is not registered: {_e}", ComfuseWarning)
+
 
 def compile(fn, example_inputs) -> CompiledFunction:  # noqa: A001 - mirrors torch.compile
     """Trace ``fn`` on ``example_inputs`` and return a callable with ``fn``'s signature whose

@@ -631,7 +631,7 @@ def _major(node: fx.Node, last: str, second: str) -> str:
     return ""
 
 
-def grow(anchor: fx.Node, order: dict) -> Candidate:
+def grow(anchor: fx.Node, order: dict, claimed: frozenset = frozenset()) -> Candidate:
     cand = Candidate(anchor=anchor)
     cand.reason = _unfusible_anchor(anchor)
     if cand.reason:
@@ -642,7 +642,7 @@ def grow(anchor: fx.Node, order: dict) -> Candidate:
     downstream = descendants([anchor])
     graph_nodes = list(anchor.graph.nodes)
     for node in graph_nodes[order[anchor] + 1:]:
-        if node not in downstream or node.op != "call_function":
+        if node not in downstream or node.op != "call_function" or node in claimed:
             continue
         inputs = node.all_input_nodes
         if not any(i in member_set for i in inputs):
@@ -688,10 +688,17 @@ def grow(anchor: fx.Node, order: dict) -> Candidate:
 
 
 def find_regions(gm: fx.GraphModule) -> list:
-    """One candidate per anchor, in graph order."""
+    """One candidate per anchor, in graph order; a node joins at most one region (the
+    first anchor's that reaches it), so regions never overlap."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    return [grow(n, order) for n in gm.graph.nodes
-            if n.op == "call_function" and n.target in ANCHORS]
+    claimed: set = set()
+    cands = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in ANCHORS:
+            cand = grow(n, order, frozenset(claimed))
+            claimed.update(cand.members)
+            cands.append(cand)
+    return cands
 
 
 def find_chains(cands: list) -> list:
@@ -711,17 +718,33 @@ def find_chains(cands: list) -> list:
             i, k = by_output[a]
             nxt[i] = (j, k)
     targets = {j for j, _ in nxt.values()}
+    def reads_inside(j, inside, link) -> bool:
+        # a later GEMM may read an earlier one's values only through the link (a residual
+        # taken from an earlier region would need that region's output in memory)
+        return any(e in inside and e is not link for e in cands[j].externals)
+
     chains = []
     for head in sorted(nxt):
         if head in targets:
             continue
         chain, links, i = [head], [], head
+        inside = set(cands[head].members)
         while i in nxt:
             j, k = nxt[i]
+            link = cands[j].anchor.args[0]
+            if reads_inside(j, inside, link):
+                if reads_inside(j, set(cands[i].members), link):
+                    break
+                # j reads an earlier region, not i: close the chain before i, start again at i
+                if len(chain) > 2:
+                    chains.append((chain[:-1], links[:-1]))
+                chain, links, inside = [i], [], set(cands[i].members)
             links.append(k)
             chain.append(j)
+            inside.update(cands[j].members)
             i = j
-        chains.append((chain, links))
+        if len(chain) > 1:
+            chains.append((chain, links))
     return chains
 
 

@@ -121,6 +121,10 @@ class FusedChain(torch.nn.Module):
         self.tuned: set = set()
         self.prefer_unfused = False
 
+    @property
+    def output_specs(self) -> list:
+        return [(shape, self.regions[k].outputs[j].dtype) for k, j, shape in self.outputs]
+
     def forward(self, *ext):
         if self.failed or settings_mod.get().disable:
             return self.unfused(*ext)
@@ -208,6 +212,7 @@ class FusedAttention(torch.nn.Module):
         self.kt = index[cands[0].externals[cands[0].operands[1]]]
         self.v = index[cands[1].externals[cands[1].operands[1]]]
         self.shape = merged.outputs[0].shape
+        self.output_specs = [(self.shape, cands[1].region.outputs[0].dtype)]
         self.scale = scale
         self.unfused = unfused
         self.report = report

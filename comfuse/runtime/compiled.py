@@ -80,6 +80,11 @@ class FusedRegion(torch.nn.Module):
             self.fail(f"kernel failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
             return self.unfused(*ext)
 
+    @property
+    def output_specs(self) -> list:
+        """(shape, dtype) of each output: what a fake (meta) execution returns."""
+        return [(shape, out.dtype) for shape, out in zip(self.out_shapes, self.region.outputs)]
+
     def fail(self, reason: str) -> None:
         self.failed = reason
         self.report.fused = False
@@ -245,7 +250,7 @@ def _region_report(index: int, cand: Candidate) -> RegionReport:
 class Specialization:
     """The captured, rewritten graph for one input signature, and its report."""
 
-    def __init__(self, fn, args: tuple, execute: bool = True):
+    def __init__(self, fn, args: tuple, execute: bool = True, disabled_kinds=frozenset()):
         self.fn = fn
         name = getattr(fn, "__qualname__", None) or type(fn).__name__
         self.report = Report(function=name, regions=[])
@@ -264,7 +269,7 @@ class Specialization:
         fuel = settings.fuel
         cands = find_regions(gm)
         in_chain = set()
-        for chain, links in find_chains(cands):
+        for chain, links in ([] if "b2b" in disabled_kinds else find_chains(cands)):
             if fuel == 0:
                 break
             module = self._plan_chain(gm, [cands[i] for i in chain], links, settings)
@@ -279,6 +284,9 @@ class Specialization:
             self.report.regions.append(rep)
             if cand.reason:
                 continue
+            if "gemm_epilogue" in disabled_kinds:
+                rep.reason = "gemm_epilogue fusion is disabled (backend option)"
+                continue
             if fuel == 0:
                 rep.reason = "fuel exhausted (COMFUSE_FUEL caps the number of fused regions)"
                 continue
@@ -289,7 +297,16 @@ class Specialization:
         if not fused:  # nothing to gain from the captured graph: run the program as written
             self.report.graph = gm.code
             return
-        _rewrite(gm, fused)
+        try:
+            _rewrite(gm, fused)
+        except Exception as e:  # a bug in region finding must not break the program
+            if settings.strict:
+                raise
+            self.report.error = f"rewriting the graph failed ({type(e).__name__}: {e}); running unfused"
+            for rep in self.report.regions:
+                rep.fused, rep.reason = False, self.report.error
+            warnings.warn(f"comfuse: {self.report.error}", ComfuseWarning, stacklevel=3)
+            return
         self.gm = gm
         self.report.graph = gm.code
 

@@ -1,0 +1,190 @@
+"""``torch.compile(model, backend="comfuse")``.
+
+Dynamo hands the backend a graph of torch calls. comfuse captures it as an aten graph
+(``frontend.capture``), finds its GEMM + epilogue regions and back-to-back chains,
+plans and builds them, and replaces each with one call of the custom operator
+``comfuse::region`` (registered through ``torch.library``, with a fake implementation so
+the graph stays traceable and an autograd formula so training works). Everything else
+goes to Inductor (``compile_fx``), which sees the fused regions as opaque kernels. A
+graph in which nothing fuses is handed to Inductor untouched, so a model is never
+compiled worse than by Inductor alone.
+
+Options (``torch.compile(..., options={...})`` or ``COMFUSE_*`` variables):
+``disable`` ("gemm_epilogue", "b2b" or both, comma-separated), ``schedule`` (force one),
+``fuel`` (fuse at most this many regions per graph), ``autotune`` ("0", "1", "auto").
+
+The backward of a fused region recomputes it unfused under autograd (its original
+ops), so gradients match eager; the forward stays fused.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import warnings
+
+import torch
+import torch.fx as fx
+
+from . import settings as settings_mod
+from .runtime.kernel import ComfuseWarning
+
+_REGISTRY: dict = {}  # id -> (module that runs the region, which arguments are tensors)
+_ids = itertools.count()
+_lock = threading.Lock()
+
+
+def _register(module, is_tensor: list) -> int:
+    with _lock:
+        i = next(_ids)
+        _REGISTRY[i] = (module, tuple(is_tensor))
+        return i
+
+
+def _arguments(region_id: int, tensors, scalars) -> list:
+    """The region's arguments in their original order (tensors and sizes interleaved)."""
+    _, is_tensor = _REGISTRY[region_id]
+    t, s = iter(tensors), iter(scalars)
+    return [next(t) if flag else next(s) for flag in is_tensor]
+
+
+@torch.library.custom_op("comfuse::region", mutates_args=())
+def region_op(region_id: int, tensors: list[torch.Tensor], scalars: list[int]) -> list[torch.Tensor]:
+    """Run fused region ``region_id`` (its kernel, or its original ops on fallback)."""
+    outs = _REGISTRY[region_id][0](*_arguments(region_id, tensors, scalars))
+    # a custom op's outputs must not alias its inputs
+    return [o.clone() if o._base is not None and any(o._base is x or o._base is x._base for x in tensors)
+            else o for o in outs]
+
+
+@region_op.register_fake
+def _region_fake(region_id: int, tensors: list[torch.Tensor], scalars: list[int]) -> list[torch.Tensor]:
+    module = _REGISTRY[region_id][0]
+    device = tensors[0].device
+    return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in module.output_specs]
+
+
+def _setup_context(ctx, inputs, output):
+    region_id, tensors, scalars = inputs
+    ctx.region_id, ctx.scalars = region_id, list(scalars)
+    ctx.save_for_backward(*tensors)
+
+
+def _backward(ctx, grads):
+    """Recompute the region unfused under autograd and pull the gradients through it."""
+    tensors = [t.detach().requires_grad_(t.is_floating_point()) for t in ctx.saved_tensors]
+    module = _REGISTRY[ctx.region_id][0]
+    with torch.enable_grad():
+        outs = module.unfused(*_arguments(ctx.region_id, tensors, ctx.scalars))
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        wrt = [t for t in tensors if t.requires_grad]
+        got = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True)
+    it = iter(got)
+    return None, [next(it) if t.requires_grad else None for t in tensors], [None] * len(ctx.scalars)
+
+
+region_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _options(options: dict | None) -> dict:
+    options = dict(options or {})
+    known = {"disable", "schedule", "fuel", "autotune"}
+    unknown = set(options) - known
+    if unknown:
+        raise ValueError(f"comfuse backend: unknown options {sorted(unknown)}; known: {sorted(known)}")
+    kinds = options.get("disable", os.environ.get("COMFUSE_DISABLE_KINDS", ""))
+    if isinstance(kinds, str):
+        kinds = [k for k in kinds.split(",") if k]
+    bad = set(kinds) - {"gemm_epilogue", "b2b"}
+    if bad:
+        raise ValueError(f"comfuse backend: cannot disable {sorted(bad)}; kinds are gemm_epilogue, b2b")
+    overrides = {}
+    if "schedule" in options:
+        overrides["schedule"] = options["schedule"]
+    if "fuel" in options:
+        overrides["fuel"] = int(options["fuel"])
+    if "autotune" in options:
+        overrides["autotune"] = str(options["autotune"])
+    return {"kinds": set(kinds), "settings": overrides}
+
+
+def _symbolic(example_inputs) -> bool:
+    for t in example_inputs:
+        if isinstance(t, torch.Tensor) and any(not isinstance(s, int) for s in t.shape):
+            return True
+        if isinstance(t, torch.SymInt):
+            return True
+    return False
+
+
+def comfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None):
+    """The torch.compile backend: fuse what comfuse can, give the rest to Inductor."""
+    from torch._inductor.compile_fx import compile_fx
+
+    opts = _options(options)
+    if _symbolic(example_inputs):
+        warnings.warn("comfuse backend: this graph has dynamic shapes; comfuse specialises on shapes, "
+                      "so Inductor compiles it alone (use torch.compile(..., dynamic=False))",
+                      ComfuseWarning, stacklevel=2)
+        return compile_fx(gm, example_inputs)
+    with settings_mod.override(**opts["settings"]):
+        rewritten = lower(gm, example_inputs, opts["kinds"])
+    if rewritten is None:
+        return compile_fx(gm, example_inputs)
+    return compile_fx(rewritten, example_inputs)
+
+
+def _static(example_inputs) -> tuple:
+    """Dynamo's example inputs as fake tensors of a fresh fake mode without a shape
+    environment: capture then sees plain integer sizes (no sym_size nodes), so views
+    between regions stay inside them. Nothing is allocated."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    mode = FakeTensorMode()
+    out = []
+    with mode:
+        for t in example_inputs:
+            if isinstance(t, torch.Tensor):
+                out.append(torch.empty_strided(tuple(int(s) for s in t.shape), tuple(int(s) for s in t.stride()),
+                                               dtype=t.dtype, device=t.device))
+            else:
+                out.append(t)
+    return tuple(out)
+
+
+def lower(gm: fx.GraphModule, example_inputs, disabled_kinds=frozenset()):
+    """The aten graph of ``gm`` with every fused region replaced by a ``comfuse::region``
+    call, or None when nothing fuses (or capture fails)."""
+    from .runtime.compiled import Specialization
+
+    spec = Specialization(gm, _static(example_inputs), execute=False, disabled_kinds=disabled_kinds)
+    lower.last_report = spec.report  # for tests and debugging
+    if spec.gm is None:
+        return None
+    graph = spec.gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_module":
+            continue
+        module = spec.gm.get_submodule(node.target)
+        is_tensor = [isinstance(a, fx.Node) and not isinstance(a.meta.get("val"), (int, torch.SymInt))
+                     for a in node.args]
+        region_id = _register(module, is_tensor)
+        tensors = [a for a, t in zip(node.args, is_tensor) if t]
+        scalars = [a for a, t in zip(node.args, is_tensor) if not t]
+        with graph.inserting_before(node):
+            call = graph.call_function(torch.ops.comfuse.region.default, (region_id, tensors, scalars))
+        node.replace_all_uses_with(call)
+        graph.erase_node(node)
+        spec.gm.delete_submodule(node.target)  # the registry holds it; Inductor need not pickle it
+    graph.lint()
+    spec.gm.recompile()
+    return spec.gm
+
+
+lower.last_report = None
+
+
+def register() -> None:
+    """Make ``torch.compile(..., backend="comfuse")`` find this backend."""
+    from torch._dynamo import list_backends, register_backend
+    if "comfuse" not in list_backends(exclude_tags=()):
+        register_backend(name="comfuse")(comfuse_backend)

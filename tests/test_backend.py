@@ -1,0 +1,173 @@
+"""torch.compile(model, backend="comfuse") on model code: inference, training, options."""
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import comfuse
+from comfuse.backend import lower
+
+from helpers import DEVICE
+
+pytestmark = pytest.mark.filterwarnings("ignore::comfuse.ComfuseWarning", "ignore::UserWarning")
+
+
+def kinds(report):
+    return [(r.kind, r.fused) for r in report.regions]
+
+
+def compiled(model, **kw):
+    torch._dynamo.reset()
+    return torch.compile(model, backend="comfuse", dynamic=False, **kw)
+
+
+class PostNorm(torch.nn.Module):
+    def __init__(self, d=32, h=48):
+        super().__init__()
+        self.lin = torch.nn.Linear(d, h)
+        self.ln = torch.nn.LayerNorm(h)
+
+    def forward(self, x, r):
+        return self.ln(self.lin(x) + r)
+
+
+def test_backend_is_registered():
+    assert "comfuse" in torch._dynamo.list_backends(exclude_tags=())
+
+
+def test_inference_and_training_match_eager():
+    model = PostNorm().to(DEVICE)
+    x, r = torch.randn(2, 5, 32, device=DEVICE), torch.randn(2, 5, 48, device=DEVICE)
+    cm = compiled(model)
+    with torch.no_grad():
+        torch.testing.assert_close(cm(x, r), model(x, r), rtol=1e-4, atol=1e-5)
+    assert ("gemm_epilogue", True) in kinds(lower.last_report)
+    x.requires_grad_(True)
+    cm(x, r).square().sum().backward()
+    gx, gw = x.grad.clone(), model.lin.weight.grad.clone()
+    x.grad = None
+    model.zero_grad()
+    model(x, r).square().sum().backward()
+    torch.testing.assert_close(gx, x.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(gw, model.lin.weight.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_new_batch_sizes_recompile_and_stay_correct():
+    model = PostNorm().to(DEVICE)
+    cm = compiled(model)
+    with torch.no_grad():
+        for batch in (2, 3):
+            x, r = torch.randn(batch, 5, 32, device=DEVICE), torch.randn(batch, 5, 48, device=DEVICE)
+            torch.testing.assert_close(cm(x, r), model(x, r), rtol=1e-4, atol=1e-5)
+
+
+def test_dynamic_shapes_go_to_inductor_with_a_warning():
+    torch._dynamo.reset()
+    model = PostNorm().to(DEVICE)
+    cm = torch.compile(model, backend="comfuse", dynamic=True)
+    x, r = torch.randn(2, 5, 32, device=DEVICE), torch.randn(2, 5, 48, device=DEVICE)
+    with pytest.warns(comfuse.ComfuseWarning, match="dynamic shapes"), torch.no_grad():
+        torch.testing.assert_close(cm(x, r), model(x, r), rtol=1e-4, atol=1e-5)
+
+
+def test_options_disable_kinds_and_fuel():
+    class MLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(32, 64), torch.nn.Linear(64, 16)
+
+        def forward(self, x):
+            return self.b(F.gelu(self.a(x)))
+    model = MLP().to(DEVICE)
+    x = torch.randn(4, 32, device=DEVICE)
+    with torch.no_grad():
+        compiled(model)(x)
+        assert ("b2b", True) in kinds(lower.last_report)
+        out = compiled(model, options={"disable": "b2b"})(x)
+        assert all(kind != "b2b" for kind, _ in kinds(lower.last_report))
+        assert ("gemm_epilogue", True) in kinds(lower.last_report)
+        torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-5)
+        compiled(model, options={"fuel": 0})(x)
+        assert lower.last_report is None or not any(f for _, f in kinds(lower.last_report))
+    with pytest.raises(Exception, match="unknown options"):
+        compiled(model, options={"bogus": 1})(x)
+
+
+def test_explain_accepts_a_module():
+    model = PostNorm()
+    report = comfuse.explain(model, (torch.randn(2, 5, 32), torch.randn(2, 5, 48)))
+    assert report.regions and report.regions[0].fused
+
+
+transformers = pytest.importorskip("transformers", reason="transformers is part of the dev extras")
+
+
+def _bert_layer():
+    from transformers import BertConfig
+    from transformers.models.bert.modeling_bert import BertLayer
+    cfg = BertConfig(hidden_size=64, num_attention_heads=4, intermediate_size=128, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0)
+    cfg._attn_implementation = "eager"
+    return BertLayer(cfg).eval().to(DEVICE)
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def test_hf_bert_layer_inference_and_training():
+    torch.manual_seed(0)
+    layer = _bert_layer()
+    x = torch.randn(2, 16, 64, device=DEVICE)
+    cm = compiled(layer)
+    with torch.no_grad():
+        torch.testing.assert_close(_first(cm(x)), _first(layer(x)), rtol=1e-4, atol=1e-4)
+    x.requires_grad_(True)
+    _first(cm(x)).square().sum().backward()
+    gx = x.grad.clone()
+    x.grad = None
+    _first(layer(x)).square().sum().backward()
+    torch.testing.assert_close(gx, x.grad, rtol=1e-3, atol=1e-4)
+
+
+def test_hf_llama_mlp_is_one_chain_and_the_decoder_layer_runs():
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaMLP, LlamaRotaryEmbedding
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
+                      head_dim=16)
+    cfg._attn_implementation = "eager"
+    x = torch.randn(2, 16, 64, device=DEVICE)
+    mlp = LlamaMLP(cfg).eval().to(DEVICE)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(mlp)(x), mlp(x), rtol=1e-4, atol=1e-5)
+    assert ("b2b", True) in kinds(lower.last_report)  # gate * silu * up -> down, one kernel
+    layer = LlamaDecoderLayer(cfg, layer_idx=0).eval().to(DEVICE)
+    rope = LlamaRotaryEmbedding(cfg).to(DEVICE)
+    pos = torch.arange(16, device=DEVICE)[None].expand(2, 16)
+    cos_sin = rope(x, pos)
+    with torch.no_grad():
+        torch.testing.assert_close(_first(compiled(layer)(x, position_embeddings=cos_sin)),
+                                   _first(layer(x, position_embeddings=cos_sin)), rtol=1e-4, atol=1e-4)
+
+
+def test_classification_head_softmax_and_lm_head_cross_entropy():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(64, 10).to(DEVICE)
+    x = torch.randn(8, 64, device=DEVICE)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(lambda x: torch.softmax(head(x), -1))(x),
+                                   torch.softmax(head(x), -1), rtol=1e-4, atol=1e-6)
+    lm = torch.nn.Linear(64, 100, bias=False).to(DEVICE)
+    t = torch.randint(0, 100, (8,), device=DEVICE)
+    loss_fn = lambda x, t: F.cross_entropy(lm(x), t)  # noqa: E731
+    x.requires_grad_(True)
+    loss = compiled(loss_fn)(x, t)
+    loss.backward()
+    gx = x.grad.clone()
+    x.grad = None
+    ref = loss_fn(x, t)
+    ref.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gx, x.grad, rtol=1e-4, atol=1e-6)
