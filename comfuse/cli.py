@@ -53,7 +53,8 @@ def main(argv=None) -> int:
     p_explain.add_argument("--source", action="store_true", help="print each generated kernel")
     p_bench = sub.add_parser("bench", help="the paper's evaluation: time comfuse against eager, "
                              "torch.compile and the GEMM alone; write JSON, Markdown and figures")
-    p_bench.add_argument("--suite", default="all", choices=["paper", "b2b", "attention", "all"])
+    p_bench.add_argument("--suite", default="all", choices=["paper", "b2b", "attention", "models", "all"],
+                         help="all = paper, b2b and attention; models (Hugging Face blocks) runs alone")
     p_bench.add_argument("--quick", action="store_true", help="one shape per workload")
     p_bench.add_argument("--out", default="bench/results/latest", help="output folder")
     p_bench.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])

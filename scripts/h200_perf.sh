@@ -21,4 +21,9 @@ timeout "${BENCH_S:-300}" python3 -m comfuse.cli bench --suite "${SUITE:-all}" -
   > "$OUT/bench.log" 2>&1
 echo "bench rc=$? in $(( $(date +%s) - start )) s"
 python3 -m comfuse.cli bench --report-only --out "$OUT/bench" > /dev/null 2>&1
+if [ -n "${MODELS:-}" ]; then  # Hugging Face blocks: comfuse's backend against Inductor
+  timeout "${MODELS_S:-240}" python3 -m comfuse.cli bench --suite models --out "$OUT/models" \
+    --candidates comfuse-backend,eager,inductor,inductor-max-autotune > "$OUT/models.log" 2>&1
+  echo "models rc=$?"; grep -E "^\| (bert_layer|llama_mlp) " "$OUT/models/results.md" | cut -c1-220
+fi
 grep -E "^\| (ln_postnorm|rmsnorm|softmax|mblr|multi_stage|linear_ce|dlrm_bottom_mlp|target_attention|transformer_mlp|self_attention) " "$OUT/bench/results.md" | cut -c1-220

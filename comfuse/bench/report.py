@@ -14,7 +14,8 @@ from pathlib import Path
 
 BASELINE_NAMES = ("eager", "inductor", "inductor-max-autotune", "sdpa")
 LABELS = {"eager": "eager", "inductor": "torch.compile", "inductor-max-autotune": "max-autotune",
-          "sdpa": "SDPA", "comfuse": "comfuse", "gemm": "GEMM alone", "epilogue": "epilogue alone"}
+          "sdpa": "SDPA", "comfuse": "comfuse", "comfuse-backend": "torch.compile(comfuse)",
+          "gemm": "GEMM alone", "epilogue": "epilogue alone"}
 
 
 def _ms(cand: dict | None):
@@ -24,7 +25,7 @@ def _ms(cand: dict | None):
 def derive(case: dict) -> dict:
     """Figures of merit for one case (None where an input is missing)."""
     c = case["candidates"]
-    comfuse = _ms(c.get("comfuse"))
+    comfuse = _ms(c.get("comfuse")) or _ms(c.get("comfuse-backend"))
     baselines = {n: _ms(c.get(n)) for n in BASELINE_NAMES}
     baselines = {n: t for n, t in baselines.items() if t is not None}
     best_name = min(baselines, key=baselines.get) if baselines else None
@@ -82,8 +83,8 @@ def markdown(results: dict) -> str:
                  "output was checked against float64 PyTorch before it was timed; WRONG results "
                  "are reported, not timed")
     lines.append("")
-    cols = ["gemm", "eager", "inductor", "inductor-max-autotune", "sdpa", "comfuse"]
-    for suite in ("paper", "b2b", "attention"):
+    cols = ["gemm", "eager", "inductor", "inductor-max-autotune", "sdpa", "comfuse", "comfuse-backend"]
+    for suite in ("paper", "b2b", "attention", "models"):
         cases = [c for c in results["cases"] if c["suite"] == suite]
         if not cases:
             continue

@@ -26,7 +26,7 @@ from .env import ceilings, environment
 from .timing import measure
 
 BASELINES = ("eager", "inductor", "inductor-max-autotune")
-ALL_CANDIDATES = ("comfuse",) + tuple(f"comfuse[{s}]" for s in SCHEDULES) + BASELINES + (
+ALL_CANDIDATES = ("comfuse", "comfuse-backend") + tuple(f"comfuse[{s}]" for s in SCHEDULES) + BASELINES + (
     "gemm", "epilogue", "sdpa", "tensorrt")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -75,6 +75,10 @@ def _candidate(name: str, prog: workloads.Program) -> tuple[Callable | None, dic
     if name in ("inductor", "inductor-max-autotune"):
         compiled = _compile_torch(fn, None if name == "inductor" else "max-autotune-no-cudagraphs")
         return (lambda: compiled(*args)), info
+    if name == "comfuse-backend":  # torch.compile(backend="comfuse"): comfuse + Inductor
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, backend="comfuse", dynamic=False)
+        return (lambda: compiled(*args)), info
     if name.startswith("comfuse"):
         schedule = name[len("comfuse["):-1] if "[" in name else ""
         with settings.override(schedule=schedule), warnings.catch_warnings():
@@ -116,7 +120,7 @@ def run_case(prog: workloads.Program, candidates, device: str, progress) -> dict
     row = {"suite": prog.suite, "workload": prog.workload, "shape": list(prog.shape),
            "dtype": str(prog.dtype).replace("torch.", ""), "flops": prog.flops,
            "min_bytes": prog.min_bytes, "candidates": {}}
-    ref = _as_tuple(prog.fn(*_double(prog.args)))
+    ref = _as_tuple(prog.reference(*prog.args) if prog.reference else prog.fn(*_double(prog.args)))
     for name in candidates:
         t0 = time.perf_counter()
         try:
@@ -162,9 +166,9 @@ def run(suite: str = "all", quick: bool = False, out_dir: str | Path = "bench/re
         progress=print) -> dict:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and suite not in ("paper",):
-        raise SystemExit("comfuse bench --device cpu runs only --suite paper (small shapes through "
-                         "Triton's interpreter, a smoke test of the harness, not a measurement)")
+    if device == "cpu" and suite not in ("paper", "models"):
+        raise SystemExit("comfuse bench --device cpu runs only --suite paper or models (small shapes "
+                         "through Triton's interpreter, a smoke test of the harness, not a measurement)")
     candidates = tuple(candidates or ALL_CANDIDATES)
     unknown = set(candidates) - set(ALL_CANDIDATES)
     if unknown:

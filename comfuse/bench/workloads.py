@@ -8,7 +8,9 @@ Back-to-back GEMM and attention workloads follow the same baselines file.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import math
 from typing import Callable
 
@@ -160,6 +162,7 @@ class Program:
     epilogue: Callable | None = None  # the epilogue alone, on a precomputed GEMM output
     epilogue_args: tuple = ()
     sdpa: Callable | None = None  # scaled_dot_product_attention, where it computes the same
+    reference: Callable | None = None  # float64 version, when fn holds weights of its own
 
     @property
     def label(self) -> str:
@@ -227,14 +230,61 @@ def attention_program(dtype, device, seed=0) -> Program:
                    sdpa=lambda: F.scaled_dot_product_attention(q, k, v, scale=1 / 8.0))
 
 
-SUITES = ("paper", "b2b", "attention")
+def _double_module(module, run):
+    """A float64 copy of ``module`` and a function running ``run`` on it (the reference)."""
+    twin = copy.deepcopy(module).double()
+    return lambda x: run(twin, x.double())
+
+
+def model_program(name: str, dtype, device, seed=0, small: bool = False) -> Program:
+    """Whole blocks from Hugging Face transformers, random weights (no download): a
+    BERT-base encoder layer (batch 32, seq 512) and a Llama-style MLP (hidden 4096)."""
+    torch.manual_seed(seed)
+    if name == "bert_layer":
+        from transformers import BertConfig
+        from transformers.models.bert.modeling_bert import BertLayer
+        h, heads, inter, batch, seq = (64, 4, 128, 2, 16) if small else (768, 12, 3072, 32, 512)
+        cfg = BertConfig(hidden_size=h, num_attention_heads=heads, intermediate_size=inter,
+                         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        cfg._attn_implementation = "sdpa"
+        layer = BertLayer(cfg).eval().to(device=device, dtype=dtype)
+        x = torch.randn(batch, seq, h, device=device, dtype=dtype)
+
+        def run(module, x):
+            out = module(x)
+            return out[0] if isinstance(out, tuple) else out
+        fn = functools.partial(run, layer)
+        ref = _double_module(layer, run)
+        tokens = batch * seq
+        flops = 2.0 * tokens * (4 * h * h + 2 * h * inter) + 4.0 * batch * seq * seq * h
+        return Program("models", name, (batch, seq, h), dtype, fn, (x,), flops,
+                       float(x.numel() * x.element_size() * 2 + sum(p.numel() * p.element_size()
+                                                                     for p in layer.parameters())),
+                       reference=ref)
+    if name == "llama_mlp":
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaMLP
+        h, inter, tokens = (64, 128, 32) if small else (4096, 11008, 4096)
+        cfg = LlamaConfig(hidden_size=h, intermediate_size=inter)
+        mlp = LlamaMLP(cfg).eval().to(device=device, dtype=dtype)
+        x = torch.randn(tokens, h, device=device, dtype=dtype)
+        return Program("models", name, (tokens, h, inter), dtype, lambda x: mlp(x), (x,),
+                       6.0 * tokens * h * inter,
+                       float(x.numel() * x.element_size() * 2 + sum(p.numel() * p.element_size()
+                                                                     for p in mlp.parameters())),
+                       reference=_double_module(mlp, lambda m, x: m(x)))
+    raise KeyError(name)
+
+
+MODELS = ("bert_layer", "llama_mlp")
+SUITES = ("paper", "b2b", "attention", "models")
 B2B = ("dlrm_bottom_mlp", "target_attention", "transformer_mlp")
 
 
 def cases(suite: str, quick: bool = False) -> list[tuple]:
     """(suite, workload, shape or None) for ``suite`` ("paper", "b2b", "attention", "all")."""
     if suite == "all":
-        return [c for s in SUITES for c in cases(s, quick)]
+        return [c for s in SUITES if s != "models" for c in cases(s, quick)]
     if suite == "paper":
         out = []
         for name, wl in SUITE.items():
@@ -245,6 +295,8 @@ def cases(suite: str, quick: bool = False) -> list[tuple]:
         return [("b2b", n, None) for n in (B2B[:2] if quick else B2B)]
     if suite == "attention":
         return [("attention", "self_attention", None)]
+    if suite == "models":
+        return [("models", n, None) for n in MODELS]
     raise ValueError(f"unknown suite {suite!r}; choose from {', '.join(SUITES + ('all',))}")
 
 
@@ -255,4 +307,6 @@ def build(case: tuple, dtype, device, cpu_scale: bool = False) -> Program:
         return paper_program(name, SUITE[name].cpu_shape if cpu_scale else shape, dtype, device)
     if suite == "b2b":
         return b2b_program(name, dtype, device)
+    if suite == "models":
+        return model_program(name, dtype, device, small=cpu_scale)
     return attention_program(dtype, device)
