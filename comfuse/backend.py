@@ -71,9 +71,21 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grads):
-    """Recompute the region unfused under autograd and pull the gradients through it."""
+    """Recompute the region unfused under autograd and pull the gradients through it; a
+    split region (a loss over a wide row) recomputes one slice of N at a time instead, so
+    the backward never holds its full-width intermediate (runtime/onepass_grad.py)."""
     tensors = [t.detach().requires_grad_(t.is_floating_point()) for t in ctx.saved_tensors]
     module = _REGISTRY[ctx.region_id][0]
+    plan = getattr(module, "plan", None)
+    if getattr(plan, "schedule", "") == "split" and not plan.transposed:
+        from .runtime import onepass_grad
+        ext = _arguments(ctx.region_id, tensors, ctx.scalars)
+        specs = module.region.outputs
+        from .ir import canonical_shape
+        canon = [None if g is None else g.reshape(canonical_shape(module.region, o.axes))
+                 for g, o in zip(grads, specs)]
+        onepass_grad.backward(plan.onepass, lambda: module.canonical(ext), canon)
+        return None, [t.grad if t.requires_grad else None for t in tensors], [None] * len(ctx.scalars)
     with torch.enable_grad():
         outs = module.unfused(*_arguments(ctx.region_id, tensors, ctx.scalars))
         pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]

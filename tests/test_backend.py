@@ -171,3 +171,35 @@ def test_classification_head_softmax_and_lm_head_cross_entropy():
     ref.backward()
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gx, x.grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_cross_entropy_backward_runs_in_slices_of_the_vocabulary(monkeypatch, reduction):
+    """The split region's backward recomputes the logits a slice at a time (never all of
+    them) and gives eager's gradients, ignore_index included. (AOT autograd traces the
+    backward when it compiles, so its caches are off here: the trace must happen.)"""
+    from comfuse.runtime import onepass_grad
+    monkeypatch.setattr(onepass_grad, "CHUNK", 96)  # 1000 classes: 11 slices
+    calls = []
+    real = onepass_grad.backward
+    monkeypatch.setattr(onepass_grad, "backward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    lm = torch.nn.Linear(64, 1000, bias=False).to(DEVICE)
+    x = torch.randn(24, 64, device=DEVICE, requires_grad=True)
+    t = torch.randint(0, 1000, (24,), device=DEVICE)
+    t[3] = -100
+
+    def fn(x, t):
+        return F.cross_entropy(lm(x), t, reduction=reduction)
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        loss = compiled(fn, options={"schedule": "split"})(x, t)
+        assert ("gemm_epilogue", True) in kinds(lower.last_report)
+        loss.sum().backward()
+    gx, gw = x.grad.clone(), lm.weight.grad.clone()
+    x.grad = None
+    lm.zero_grad()
+    fn(x, t).sum().backward()
+    assert calls, "the sliced backward did not run"
+    torch.testing.assert_close(gx, x.grad, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(gw, lm.weight.grad, rtol=1e-4, atol=1e-6)

@@ -97,7 +97,8 @@ def _scale(op: Op, node, x: list, sx: list, v: torch.Tensor) -> torch.Tensor:
     return slope.abs() * sx[0] + av
 
 
-def _run(region: Region, a, b, inputs, compute_dtype, with_scale: bool = False, shifts=None):
+def _run(region: Region, a, b, inputs, compute_dtype, with_scale: bool = False, shifts=None,
+         iota_offset: int = 0):
     exact = compute_dtype is not None
 
     def fix(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -125,6 +126,8 @@ def _run(region: Region, a, b, inputs, compute_dtype, with_scale: bool = False, 
         elif op is Op.IOTA:
             shape = canonical_shape(region, {node.arg})
             v = torch.arange(s.of(node.arg), device=a.device).reshape(shape)
+            if node.arg == "N":
+                v = v + iota_offset  # a slice of the columns (chunked evaluation)
         elif op is Op.CAST:
             target = node.arg
             if exact and target.is_floating_point and x[0].dtype.is_floating_point:

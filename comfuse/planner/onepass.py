@@ -363,7 +363,6 @@ def evaluate_one_pass(op: OnePass, a, b, inputs) -> list:
     """Reference semantics of the one-pass form, in float64: the statistics as whole-row
     reductions, then the combine step. Equal to evaluating the original region."""
     from ..ir.interpret import _run
-    import math
     tile = op.tile.replace(outputs=tuple(Output(st.node, torch.float64, op.tile.nodes[st.node].axes)
                                          for st in op.stats) or op.tile.outputs)
     shifts = {i: st.node for i, st in enumerate(op.stats) if st.kind == "shift"}
@@ -384,17 +383,23 @@ def evaluate_one_pass(op: OnePass, a, b, inputs) -> list:
             merged[(i, "mean")], merged[(i, "m2")] = mean, ((v - mean) ** 2).sum(2, keepdim=True)
         else:
             merged[(i, "")] = torch.logsumexp(v, 2, keepdim=True)
-    vals = []
+    inputs = [t.double() if t.dtype.is_floating_point else t for t in inputs]
+    return evaluate_combine(op, merged, inputs, a.device)
+
+
+def evaluate_combine(op: OnePass, merged: dict, inputs, device) -> list:
+    """The combine step on merged statistics ({(index, part): [B, M, 1] tensor}); plain torch
+    ops, so autograd can run through it (the chunked backward does)."""
     from ..ir.interpret import _BINARY, _UNARY
+    vals = []
     for node in op.combine:
         x = [vals[s] for s in node.src]
         if node.op is Op.STAT:
             v = merged[node.arg]
         elif node.op is Op.CONST:
-            v = torch.tensor(node.arg, dtype=torch.float64 if isinstance(node.arg, float) else None)
+            v = torch.tensor(node.arg, device=device)
         elif node.op is Op.INPUT:
             v = inputs[node.arg]
-            v = v.double() if v.dtype.is_floating_point else v
         elif node.op in _UNARY:
             v = _UNARY[node.op](x[0])
         elif node.op in _BINARY:
@@ -407,8 +412,5 @@ def evaluate_one_pass(op: OnePass, a, b, inputs) -> list:
             v = x[0] if node.arg.is_floating_point else x[0].to(node.arg)
         else:  # pragma: no cover
             raise NotImplementedError(node.op)
-        if isinstance(v, torch.Tensor) and v.dtype.is_floating_point:
-            v = v.double()
-        vals.append(v.to(a.device) if isinstance(v, torch.Tensor) else v)
-    del math
+        vals.append(v)
     return [vals[o.node] for o in op.outputs]

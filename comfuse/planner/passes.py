@@ -24,19 +24,13 @@ def _renumber(region: Region, keep: list[int], alias: dict[int, int] | None = No
 
 
 def dce(region: Region) -> Region:
-    """Drop nodes no output depends on (and side inputs nothing loads)."""
+    """Drop nodes no output depends on. Side inputs stay, even unused ones: the launcher
+    binds them by position."""
     live = {o.node for o in region.outputs}
     for i in range(len(region.nodes) - 1, -1, -1):
         if i in live:
             live.update(region.nodes[i].src)
-    region = _renumber(region, sorted(live))
-    used = sorted({n.arg for n in region.nodes if n.op is Op.INPUT})
-    if len(used) == len(region.inputs):
-        return region
-    remap = {old: new for new, old in enumerate(used)}
-    nodes = tuple(dataclasses.replace(n, arg=remap[n.arg]) if n.op is Op.INPUT else n
-                  for n in region.nodes)
-    return region.replace(nodes=nodes, inputs=tuple(region.inputs[i] for i in used))
+    return _renumber(region, sorted(live))
 
 
 def cse(region: Region) -> Region:

@@ -150,6 +150,17 @@ class FusedRegion(torch.nn.Module):
             if not result.ok:
                 raise KernelMismatch(f"kernel {kernel.source.name} output {spec.name}: {result}")
 
+    def canonical(self, ext):
+        """(a3, b3, side inputs) in the plan's orientation, as views of ``ext`` (so autograd
+        reaches the original tensors through them)."""
+        a, b = ext[self.operands[0]], ext[self.operands[1]]
+        a3 = a if self.region.gemm.batched else a.unsqueeze(0)
+        b3 = b if self.region.gemm.batched else b.unsqueeze(0)
+        ins = [self.prepare(ext[bind.ext], bind, a.device) for bind in self.cand_inputs]
+        if self.plan.transposed:
+            return b3.transpose(1, 2), a3.transpose(1, 2), [t.transpose(1, 2) for t in ins]
+        return a3, b3, ins
+
     @staticmethod
     def prepare(t: torch.Tensor, bind, device: torch.device) -> torch.Tensor:
         """A side input as a canonical (B, M, N) view; axes it does not vary along have size 1."""
