@@ -131,3 +131,23 @@ def test_linear_cross_entropy_training_step_uses_at_most_half_of_inductors_memor
     assert mem_ours <= 0.5 * mem_theirs, f"{mem_ours / 2**30:.2f} GiB vs Inductor {mem_theirs / 2**30:.2f} GiB"
     torch.testing.assert_close(gx.float(), gx_ref.float(), rtol=2e-2, atol=1e-4)
     torch.testing.assert_close(gw.float(), gw_ref.float(), rtol=2e-2, atol=1e-4)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs of one host (nvidia-h200-x2)")
+def test_ddp_two_gpus_match_one(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "COMFUSE_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": root,
+           "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           os.path.join(root, "scripts", "ddp_check.py"), str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=580)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r0 = json.loads((tmp_path / "ddp-rank0.json").read_text())
+    r1 = json.loads((tmp_path / "ddp-rank1.json").read_text())
+    assert abs(r0["loss"] - r1["loss"]) < 1e-6
+    assert r0["max_weight_diff"] < 1e-3 and abs(r0["loss"] - r0["reference_loss"]) < 1e-3 * abs(r0["reference_loss"])
