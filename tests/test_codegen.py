@@ -18,6 +18,16 @@ from comfuse.runtime import kernel as kernel_mod
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def run_compiler_script(script: str) -> dict:
+    """Run ``script`` in a process with Triton out of interpreter mode (this one has it on)
+    and return the JSON it prints last."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def plan_of(fn, *args, target="interpreter"):
     (cand,) = find_regions(capture(fn, args))
     return plan(cand.region, target=target)
@@ -94,11 +104,7 @@ def test_generated_kernels_compile_for_sm90_with_tensor_cores():
                 out[name + "_tma"]["shared"] = info["shared_bytes"]
         print(json.dumps(out))
     """)
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_compiler_script(script)
     for name, info in result.items():
         assert info["wgmma"] > 0, f"{name}: no wgmma in the sm_90 PTX"
         if info["schedule"] == "cooperative":
@@ -138,11 +144,7 @@ def test_b2b_chains_compile_for_sm90():
             out[name] = {"wgmma": info["wgmma"], "mma": info["mma"], "shared": info["shared_bytes"]}
         print(json.dumps(out))
     """)
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_compiler_script(script)
     for name, info in result.items():
         assert info["wgmma"] + info["mma"] > 0, f"{name}: no tensor-core instructions"
         assert info["shared"] <= 227 * 1024, f"{name}: {info['shared']} bytes of shared memory"

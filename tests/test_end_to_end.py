@@ -180,8 +180,11 @@ def test_inputs_requiring_grad_run_eagerly_with_gradients():
     w.requires_grad_(True)
     with pytest.warns(comfuse.ComfuseWarning, match="backward"):
         out = compiled(x, w)
-    out.sum().backward()
-    assert w.grad is not None
+    (out * torch.arange(16.0, device=DEVICE)).sum().backward()
+    got = w.grad.clone()
+    w.grad = None
+    (fn(x, w) * torch.arange(16.0, device=DEVICE)).sum().backward()
+    torch.testing.assert_close(got, w.grad)
 
 
 def test_unsupported_graphs_run_unfused_with_a_reason():

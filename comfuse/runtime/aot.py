@@ -21,6 +21,17 @@ _PTR = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32",
         torch.uint8: "*u8"}
 
 
+def _compile(kernel, sig: dict, extra: dict, arch: int):
+    """triton.compile of a built kernel for CUDA sm_``arch``; ``sig`` types its runtime
+    parameters, the kernel's constexprs (plus ``extra``) complete it."""
+    constexprs = dict(kernel.source.constexprs, **extra)
+    sig = dict(sig, **{name: "constexpr" for name in constexprs})
+    return triton.compile(ASTSource(fn=kernel.fn, signature=sig, constexprs=constexprs),
+                          target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": kernel.source.num_warps,
+                                   "num_stages": kernel.source.num_stages})
+
+
 def compile_for_gpu(plan: Plan, arch: int = 90, tf32: bool = False) -> dict:
     """Compile ``plan``'s kernel for CUDA sm_``arch``; return Triton's asm dict plus metadata."""
     if interpreting():
@@ -49,15 +60,8 @@ def compile_for_gpu(plan: Plan, arch: int = 90, tf32: bool = False) -> dict:
             sig[p.name] = "*i32"
         else:
             sig[p.name] = "i32"
-    constexprs = dict(kernel.source.constexprs)
-    constexprs.update(UPCAST_OPERANDS=False, DOT_PRECISION="tf32" if tf32 else "ieee",
-                      WIDE_INDEX=False)
-    for name in constexprs:
-        sig[name] = "constexpr"
-    compiled = triton.compile(ASTSource(fn=kernel.fn, signature=sig, constexprs=constexprs),
-                              target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": kernel.source.num_warps,
-                                       "num_stages": kernel.source.num_stages})
+    compiled = _compile(kernel, sig, dict(UPCAST_OPERANDS=False, DOT_PRECISION="tf32" if tf32 else "ieee",
+                                          WIDE_INDEX=False), arch)
     asm = dict(compiled.asm)
     ptx = asm.get("ptx", "")
     return {"asm": asm, "shared_bytes": compiled.metadata.shared, "name": kernel.source.name,
@@ -85,13 +89,7 @@ def compile_chain_for_gpu(plan, arch: int = 90) -> dict:
             sig[p.name] = _PTR[plan.regions[p.index[0]].outputs[p.index[1]].dtype]
         else:
             sig[p.name] = "i32"
-    constexprs = dict(kernel.source.constexprs, UPCAST_OPERANDS=False, DOT_PRECISION="ieee")
-    for name in constexprs:
-        sig[name] = "constexpr"
-    compiled = triton.compile(ASTSource(fn=kernel.fn, signature=sig, constexprs=constexprs),
-                              target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": kernel.source.num_warps,
-                                       "num_stages": kernel.source.num_stages})
+    compiled = _compile(kernel, sig, dict(UPCAST_OPERANDS=False, DOT_PRECISION="ieee"), arch)
     ptx = compiled.asm.get("ptx", "")
     return {"asm": dict(compiled.asm), "shared_bytes": compiled.metadata.shared,
             "wgmma": ptx.count("wgmma.mma_async"), "mma": ptx.count("mma.sync")}
