@@ -430,12 +430,10 @@ def _clamp(b, n):
     shape, dtype = _shape(n), _dtype(n)
     floaty = dtype.is_floating_point
     v = b.values[x].idx
-    if floaty:
-        v = b.as_float(v)
     if lo is not None:
-        v = b.add(Op.MAX, (v, b.operand(lo, labels, shape, floaty)), dtype)
+        v = b.apply(Op.MAX, [v, b.operand(lo, labels, shape, floaty)], dtype)
     if hi is not None:
-        v = b.add(Op.MIN, (v, b.operand(hi, labels, shape, floaty)), dtype)
+        v = b.apply(Op.MIN, [v, b.operand(hi, labels, shape, floaty)], dtype)
     return Value(v, labels)
 
 

@@ -283,9 +283,9 @@ class Specialization:
         for chain, links in ([] if "b2b" in disabled_kinds else find_chains(cands)):
             if fuel == 0:
                 break
-            module = self._plan_chain(gm, [cands[i] for i in chain], links, settings)
-            if module is not None:
-                fused.append(module)
+            planned = self._plan_chain(gm, [cands[i] for i in chain], links, settings)
+            if planned is not None:  # (merged candidate, module)
+                fused.append(planned)
                 in_chain.update(chain)
                 fuel -= 1
         for index, cand in enumerate(cands):
