@@ -40,6 +40,20 @@ def _load_target(target: str):
                      "(a tuple of example arguments, or a function returning one)")
 
 
+def _sm90_summary(planned) -> str:
+    from .runtime import aot
+    try:
+        info = (aot.compile_chain_for_gpu(planned) if hasattr(planned, "links")
+                else aot.compile_for_gpu(planned))
+    except Exception as e:  # report, do not fail the explanation
+        return f"compilation failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+    ptx = info["asm"].get("ptx", "")
+    return (f"wgmma {ptx.count('wgmma.mma_async')}, mma.sync {ptx.count('mma.sync')}, "
+            f"TMA loads {ptx.count('cp.async.bulk.tensor')}, atomics {ptx.count('atom.')}, "
+            f"shared memory {info['shared_bytes']} bytes, local-memory accesses "
+            f"{ptx.count('ld.local') + ptx.count('st.local')}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="comfuse", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -51,6 +65,9 @@ def main(argv=None) -> int:
     p_explain.add_argument("target", help="FILE.py:FUNC; the file also defines FUNC_inputs or example_inputs")
     p_explain.add_argument("--forms", action="store_true", help="print every planner form of each region")
     p_explain.add_argument("--source", action="store_true", help="print each generated kernel")
+    p_explain.add_argument("--sm90", action="store_true",
+                           help="compile each kernel for the H200 (no GPU needed) and report tensor-core "
+                                "instructions, TMA, shared memory and spills")
     p_bench = sub.add_parser("bench", help="the paper's evaluation: time comfuse against eager, "
                              "torch.compile and the GEMM alone; write JSON, Markdown and figures")
     p_bench.add_argument("--suite", default="all", choices=["paper", "b2b", "attention", "models", "all"],
@@ -76,7 +93,14 @@ def main(argv=None) -> int:
         only = [s for s in args.only.split(",") if s]
         return run(device=args.device, dtype=args.dtype, only=only)
     if args.command == "explain":
+        import os
+        import subprocess
+
         import comfuse
+        from .runtime.kernel import interpreting
+        if args.sm90 and interpreting():  # Triton compiles for a GPU only outside interpreter mode
+            env = {**os.environ, "TRITON_INTERPRET": "0"}
+            return subprocess.call([sys.executable, "-m", "comfuse.cli"] + list(argv or sys.argv[1:]), env=env)
         fn, inputs = _load_target(args.target)
         report = comfuse.explain(fn, inputs)
         print(report)
@@ -86,6 +110,15 @@ def main(argv=None) -> int:
                     print(f"\n-- region {r.index}, form '{name}' --\n{text}")
             if args.source and r.kernel_path:
                 print(f"\n-- region {r.index}, kernel {r.kernel_path} --\n{Path(r.kernel_path).read_text()}")
+            if args.sm90:
+                planned = r.planned
+                if r.kind == "gemm_epilogue" and r.found is not None:  # plan for the H200, whatever the tensors' device
+                    from .planner import plan
+                    planned = plan(r.found, target="cuda")
+                    planned = None if not hasattr(planned, "schedule") else planned
+                if planned is not None and hasattr(planned, "describe"):
+                    print(f"\n-- region {r.index} compiled for sm_90 ({planned.describe()}): "
+                          f"{_sm90_summary(planned)}")
         return 0
     if args.command == "bench":
         import json as _json

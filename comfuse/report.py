@@ -20,6 +20,8 @@ class RegionReport:
     notes: list = dataclasses.field(default_factory=list)  # where growth stopped, and why
     kernel_path: str = ""  # generated source on disk
     forms: list = dataclasses.field(default_factory=list)  # (pass, IR text) per planner step
+    planned: object = dataclasses.field(default=None, repr=False)  # the Plan / ChainPlan run
+    found: object = dataclasses.field(default=None, repr=False)  # the Region as found
 
     def summary(self) -> str:
         status = "fused" if self.fused else "not fused"

@@ -42,6 +42,17 @@ def test_explain_file_function(tmp_path, capsys):
     assert "schedule tile" in capsys.readouterr().out
 
 
+def test_explain_compiles_for_the_h200(tmp_path, capfd):
+    src = tmp_path / "model.py"
+    src.write_text("import torch\n"
+                   "def f(x, w):\n    return torch.softmax(x @ w, -1)\n"
+                   "example_inputs = (torch.randn(64, 64, dtype=torch.bfloat16), "
+                   "torch.randn(64, 128, dtype=torch.bfloat16))\n")
+    assert main(["explain", f"{src}:f", "--sm90"]) == 0
+    out = capfd.readouterr().out
+    assert "compiled for sm_90" in out and re.search(r"wgmma [1-9]", out) and "shared memory" in out
+
+
 def test_explain_errors_are_clear(tmp_path):
     src = tmp_path / "bare.py"
     src.write_text("def f(x):\n    return x\n")

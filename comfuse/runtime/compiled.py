@@ -255,7 +255,7 @@ def _region_report(index: int, cand: Candidate) -> RegionReport:
         reason=cand.reason, stages=0, schedule="",
         ir=format_region(cand.region) if cand.region is not None else "",
         ops=[m.name for m in cand.members], outputs=[ob.node.name for ob in cand.outputs],
-        notes=list(cand.notes))
+        notes=list(cand.notes), found=cand.region)
 
 
 class Specialization:
@@ -359,7 +359,7 @@ class Specialization:
             kernel = chain_mod.build_chain(plan)
         except Exception as e:
             return _compilation_failed(rep, e, settings)
-        rep.fused, rep.schedule, rep.plan = True, "b2b_stream", plan.describe()
+        rep.fused, rep.schedule, rep.plan, rep.planned = True, "b2b_stream", plan.describe(), plan
         rep.stages = sum(len(st) for st in plan.stages)
         rep.kernel_path = kernel.path
         module = chain_mod.FusedChain(cands, merged, plan, unfused, rep)
@@ -388,6 +388,7 @@ class Specialization:
             return _compilation_failed(rep, e, settings)
         rep.fused, rep.reason = True, ""
         rep.stages, rep.schedule, rep.plan = len(plan.stages), plan.schedule, plan.describe()
+        rep.planned = plan
         rep.kernel_path = kernel.path
         module = FusedRegion(cand, plan, unfused, rep, alternatives)
         module.kernel = kernel
