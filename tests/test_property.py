@@ -194,3 +194,55 @@ def test_planner_passes_preserve_meaning(program):
     outs = evaluate(flipped, b.transpose(1, 2), a.transpose(1, 2), [t.transpose(1, 2) for t in ins])
     for e, o in zip(expect, outs):
         torch.testing.assert_close(o.transpose(1, 2), e, equal_nan=True)
+
+
+LOSSES = {
+    "lse": lambda v, t: torch.logsumexp(v, -1),
+    "cross_entropy": lambda v, t: F.cross_entropy(v, t, reduction="none"),
+    "sum_max_min": lambda v, t: (v.sum(-1), v.amax(-1), v.amin(-1)),
+    "mean_var": lambda v, t: (v.mean(-1), v.var(-1, unbiased=False)),
+    "nll_plus_mean": lambda v, t: -torch.log_softmax(v, -1).gather(1, t[:, None])[:, 0] + v.mean(-1),
+    "centered_square_sum": lambda v, t: ((v - v.mean(-1, keepdim=True)) ** 2).sum(-1),
+}
+PREFIX = ["relu", "tanh", "gelu", "add_row", "mul_row", "add_full", "scale", "abs", "exp_tanh"]
+
+
+@st.composite
+def losses(draw):
+    return dict(dtype=draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16])),
+                M=draw(SIZES), K=draw(SIZES), N=draw(st.integers(2, 90)),
+                prefix=draw(st.lists(st.sampled_from(PREFIX), max_size=3)),
+                loss=draw(st.sampled_from(sorted(LOSSES))), seed=draw(st.integers(0, 2**16)))
+
+
+@settings(max_examples=max(EXAMPLES // 2, 10))
+@given(losses())
+def test_random_per_row_losses_run_split(case):
+    """Per-row outputs over the whole row (losses) in the split schedule: one-pass statistics
+    over slices of N, merged, then combined; against float64."""
+    PROPERTY_COUNTS["random losses (split schedule)"] += 1
+    g = torch.Generator().manual_seed(case["seed"])
+    M, K, N, dt = case["M"], case["K"], case["N"], case["dtype"]
+    x = torch.randn(M, K, generator=g)
+    w = torch.randn(K, N, generator=g) / K ** 0.5
+    row, full = torch.randn(N, generator=g), torch.randn(M, N, generator=g)
+    t = torch.randint(0, N, (M,), generator=g)
+    args = tuple(a.to(dtype=dt, device=DEVICE) for a in (x, w, row, full)) + (t.to(DEVICE),)
+    steps = {"relu": lambda v, r, f: torch.relu(v), "tanh": lambda v, r, f: torch.tanh(v),
+             "gelu": lambda v, r, f: F.gelu(v), "add_row": lambda v, r, f: v + r,
+             "mul_row": lambda v, r, f: v * r, "add_full": lambda v, r, f: v + f,
+             "scale": lambda v, r, f: v * 1.7, "abs": lambda v, r, f: v.abs(),
+             "exp_tanh": lambda v, r, f: torch.exp(torch.tanh(v))}
+
+    def fn(x, w, row, full, t):
+        v = x @ w
+        for s in case["prefix"]:
+            v = steps[s](v, row, full)
+        return LOSSES[case["loss"]](v, t)
+    with warnings.catch_warnings(), comfuse.settings.override(schedule="split"):
+        warnings.simplefilter("ignore", comfuse.ComfuseWarning)
+        compiled = comfuse.compile(fn, args)
+        out = compiled(*args)
+    (region,) = compiled.report.regions
+    assert region.fused and region.schedule == "split", f"{case}\n{compiled.report}"
+    assert_matches_reference(fn, args, out)
