@@ -156,3 +156,30 @@ def test_random_two_gemm_chains(c):
     compiled, out = run(fn, args)
     assert any(r.kind == "b2b" and r.fused for r in compiled.report.regions), str(compiled.report)
     assert_matches_reference(fn, args, out)
+
+
+NORMS = {
+    "softmax": lambda h, g: torch.softmax(h, -1),
+    "layer_norm": lambda h, g: F.layer_norm(h, (h.shape[-1],), g, None),
+    "rms_norm": lambda h, g: h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * g,
+}
+
+
+@hsettings(max_examples=24, deadline=None)
+@given(st.sampled_from(sorted(NORMS)), st.sampled_from(DTYPES), st.integers(1, 24), st.integers(1, 24),
+       st.integers(257, 320), st.integers(1, 40), st.floats(-20, 20), st.integers(0, 2**16))
+def test_random_deferred_chains(norm, dtype, M, K, N1, N2, offset, seed):
+    """A reduction over N1 wider than one program, before GEMM2: deferred, against float64."""
+    PROPERTY_COUNTS["random deferred chains (reduction before GEMM2)"] += 1
+    g = torch.Generator().manual_seed(seed)
+
+    def mk(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype=dtype, device=DEVICE)
+    args = (mk(M, K), mk(K, N1, scale=K ** -0.5), mk(N1), mk(N1, N2, scale=N1 ** -0.5))
+
+    def fn(x, w1, gamma, w2):
+        return NORMS[norm](x @ w1 + offset, gamma) @ w2
+    compiled, out = run(fn, args)
+    chain = next(r for r in compiled.report.regions if r.kind == "b2b")
+    assert chain.fused and "deferred" in chain.plan, str(compiled.report)
+    assert_matches_reference(fn, args, out)
