@@ -132,6 +132,15 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def figures(results: dict, out_dir: str | Path) -> list[Path]:
     """speedup.png, roofline.png and epilogue.png; returns the paths written."""
     import matplotlib
@@ -159,10 +168,7 @@ def figures(results: dict, out_dir: str | Path) -> list[Path]:
     ax.set_ylabel("speedup of comfuse (baseline time / comfuse time)")
     ax.set_title(f"comfuse speedup, {gpu}")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    written.append(out / "speedup.png")
-    fig.savefig(written[-1], dpi=120)
-    plt.close(fig)
+    written.append(_save(fig, out / "speedup.png"))
 
     # 2. roofline: achieved TFLOP/s against arithmetic intensity, under the measured ceilings
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
@@ -188,10 +194,7 @@ def figures(results: dict, out_dir: str | Path) -> list[Path]:
     ax.set_ylabel("achieved TFLOP/s")
     ax.set_title("roofline")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    written.append(out / "roofline.png")
-    fig.savefig(written[-1], dpi=120)
-    plt.close(fig)
+    written.append(_save(fig, out / "roofline.png"))
 
     # 3. the epilogue's cost, measured directly
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(cases) + 2), 4.5))
@@ -206,10 +209,7 @@ def figures(results: dict, out_dir: str | Path) -> list[Path]:
     ax.set_ylabel("ms")
     ax.set_title("what the epilogue costs")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    written.append(out / "epilogue.png")
-    fig.savefig(written[-1], dpi=120)
-    plt.close(fig)
+    written.append(_save(fig, out / "epilogue.png"))
     return written
 
 
