@@ -411,6 +411,6 @@ def evaluate_combine(op: OnePass, merged: dict, inputs, device) -> list:
         elif node.op is Op.CAST:
             v = x[0] if node.arg.is_floating_point else x[0].to(node.arg)
         else:  # pragma: no cover
-            raise NotImplementedError(node.op)
+            raise NotImplementedError(f"the combine step cannot evaluate {node.op}")
         vals.append(v)
     return [vals[o.node] for o in op.outputs]

@@ -239,6 +239,16 @@ def _rewrite(gm: fx.GraphModule, fused: list) -> None:
     gm.recompile()
 
 
+def _refused(rep: RegionReport, plan, device, because_note: str = "") -> bool:
+    """Record why a plan will not run fused here (the planner said no, or the device cannot
+    run generated kernels); False when it can run."""
+    if isinstance(plan, NotFused):
+        rep.reason = plan.reason + because_note
+    else:
+        rep.reason = kernel_mod.can_run_on(device) or ""
+    return bool(rep.reason)
+
+
 def _compilation_failed(rep: RegionReport, e: Exception, settings):
     """A region (or chain) whose planning or code generation raised: unfused, with a warning."""
     if settings.strict:
@@ -348,12 +358,7 @@ class Specialization:
                             "routed to scaled_dot_product_attention (flash attention is faster "
                             f"than a generated chain here: {why})")
                 return merged, chain_mod.FusedAttention(cands, merged, scale, unfused, rep)
-            if isinstance(plan, NotFused):
-                rep.reason = f"{plan.reason}; the GEMMs fuse their own epilogues instead"
-                return None
-            why = kernel_mod.can_run_on(device)
-            if why:
-                rep.reason = why
+            if _refused(rep, plan, device, "; the GEMMs fuse their own epilogues instead"):
                 return None
             unfused = _extract(gm, merged)
             kernel = chain_mod.build_chain(plan)
@@ -373,12 +378,7 @@ class Specialization:
         try:
             plan = make_plan(cand.region, target=target, settings=settings, sm_count=_sm_count(device))
             rep.forms = [(name, format_region(r)) for name, r in plan.forms]
-            if isinstance(plan, NotFused):
-                rep.reason = plan.reason
-                return None
-            why = kernel_mod.can_run_on(device)
-            if why:
-                rep.reason = why
+            if _refused(rep, plan, device):
                 return None
             unfused = _extract(gm, cand)
             kernel = kernel_mod.build(plan)  # generate and load the source now: errors surface here
