@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# One device call for the GPU schedules: the GPU-only tests (cooperative-strip stress,
-# cross-entropy memory at vocabulary 32k and 128k, autotuning), then the paper suite
-# (one shape per workload) against cuBLAS, eager and torch.compile, autotuned and with each
-# schedule forced. Logs and results go to $OUT; a short table is printed last.
+# One device call for the GPU schedules: the suites (one shape per workload) against cuBLAS,
+# eager and torch.compile, comfuse autotuned (its tuning decisions, with every candidate
+# plan's time, land in $OUT/cache/tuning); the mainloop alone against cuBLAS; then the
+# GPU-only tests (cooperative-strip stress, cross-entropy memory at vocabulary 32k and 128k,
+# autotuning, DDP where two GPUs are present). Logs and results go to $OUT; a short table
+# is printed last. Knobs: SUITE, CANDIDATES, BENCH_S, MAINLOOP_S, GPU_TESTS_S, MODELS=1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/comfuse-out}
@@ -11,19 +13,24 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export COMFUSE_CACHE_DIR=${COMFUSE_CACHE_DIR:-$OUT/cache}
 
 start=$(date +%s)
-timeout "${GPU_TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider -m gpu --timeout=200 \
-  > "$OUT/gpu-tests.txt" 2>&1
-echo "gpu tests rc=$? in $(( $(date +%s) - start )) s"; tail -n 8 "$OUT/gpu-tests.txt"
-
-start=$(date +%s)
-timeout "${BENCH_S:-300}" python3 -m comfuse.cli bench --suite "${SUITE:-all}" --quick --out "$OUT/bench" \
-  --candidates "${CANDIDATES:-comfuse,comfuse[cooperative],comfuse[split],comfuse[row_in_cta],eager,inductor,gemm}" \
+timeout "${BENCH_S:-270}" python3 -m comfuse.cli bench --suite "${SUITE:-all}" --quick --out "$OUT/bench" \
+  --candidates "${CANDIDATES:-comfuse,eager,inductor,gemm,sdpa}" \
   > "$OUT/bench.log" 2>&1
 echo "bench rc=$? in $(( $(date +%s) - start )) s"
 python3 -m comfuse.cli bench --report-only --out "$OUT/bench" > /dev/null 2>&1
+start=$(date +%s)
+timeout "${MAINLOOP_S:-120}" python3 scripts/mainloop_bench.py --out "$OUT" > "$OUT/mainloop.log" 2>&1
+echo "mainloop rc=$? in $(( $(date +%s) - start )) s"
+
+start=$(date +%s)
+timeout "${GPU_TESTS_S:-170}" python3 -m pytest -q -p no:cacheprovider -m gpu --timeout=150 \
+  > "$OUT/gpu-tests.txt" 2>&1
+echo "gpu tests rc=$? in $(( $(date +%s) - start )) s"; tail -n 8 "$OUT/gpu-tests.txt"
+
 if [ -n "${MODELS:-}" ]; then  # Hugging Face blocks: comfuse's backend against Inductor
   timeout "${MODELS_S:-240}" python3 -m comfuse.cli bench --suite models --out "$OUT/models" \
     --candidates comfuse-backend,eager,inductor,inductor-max-autotune > "$OUT/models.log" 2>&1
   echo "models rc=$?"; grep -E "^\| (bert_layer|llama_mlp) " "$OUT/models/results.md" | cut -c1-220
 fi
 grep -E "^\| (ln_postnorm|rmsnorm|softmax|mblr|multi_stage|linear_ce|dlrm_bottom_mlp|target_attention|transformer_mlp|self_attention) " "$OUT/bench/results.md" | cut -c1-220
+grep -E "^\|" "$OUT/mainloop.log"
