@@ -18,6 +18,7 @@ ops), so gradients match eager; the forward stays fused.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import threading
@@ -78,14 +79,9 @@ def _backward(ctx, grads):
     module = _REGISTRY[ctx.region_id][0]
     plan = getattr(module, "plan", None)
     if getattr(plan, "schedule", "") == "split" and not plan.transposed:
-        from .runtime import onepass_grad
-        ext = _arguments(ctx.region_id, tensors, ctx.scalars)
-        specs = module.region.outputs
-        from .ir import canonical_shape
-        canon = [None if g is None else g.reshape(canonical_shape(module.region, o.axes))
-                 for g, o in zip(grads, specs)]
-        onepass_grad.backward(plan.onepass, lambda: module.canonical(ext), canon)
-        return None, [t.grad if t.requires_grad else None for t in tensors], [None] * len(ctx.scalars)
+        got = split_backward(ctx.region_id, list(ctx.saved_tensors), ctx.scalars, list(grads))
+        return None, [g if t.is_floating_point() else None for t, g in zip(tensors, got)], \
+            [None] * len(ctx.scalars)
     with torch.enable_grad():
         outs = module.unfused(*_arguments(ctx.region_id, tensors, ctx.scalars))
         pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
@@ -96,6 +92,45 @@ def _backward(ctx, grads):
 
 
 region_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("comfuse::split_backward", mutates_args=())
+def split_backward(region_id: int, tensors: list[torch.Tensor], scalars: list[int],
+                   grads: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    """The gradients of a split region's inputs, a slice of N at a time
+    (runtime/onepass_grad.py): one opaque operator, so that the compiled backward runs it
+    with eager memory behaviour (each slice's gradient written into place) rather than
+    as an unrolled graph whose slices the compiler may keep alive together. Integer
+    inputs get an empty tensor."""
+    from .ir import canonical_shape
+    from .runtime import onepass_grad
+    module = _REGISTRY[region_id][0]
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in tensors]
+    ext = _arguments(region_id, leaves, scalars)
+    canon = [None if g is None else g.reshape(canonical_shape(module.region, o.axes))
+             for g, o in zip(grads, module.region.outputs)]
+    with _autograd_below_dispatch():
+        onepass_grad.backward(module.plan.onepass, lambda: module.canonical(ext), canon)
+    return [(t.grad if t.grad is not None else torch.zeros_like(t)) if t.is_floating_point()
+            else t.new_empty(0) for t in leaves]
+
+
+@contextlib.contextmanager
+def _autograd_below_dispatch():
+    """Autograd inside a custom operator's implementation: the dispatcher runs it with the
+    autograd keys excluded (nothing would record a graph); lift that exclusion here."""
+    keys = torch._C.DispatchKey
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in (keys.AutogradFunctionality, keys.ADInplaceOrView):
+        exclude = exclude.remove(key)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), \
+            torch.enable_grad():
+        yield
+
+
+@split_backward.register_fake
+def _split_backward_fake(region_id, tensors, scalars, grads):
+    return [torch.empty_like(t) if t.is_floating_point() else t.new_empty(0) for t in tensors]
 
 
 def _options(options: dict | None) -> dict:

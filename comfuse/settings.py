@@ -66,7 +66,32 @@ CODEGEN_SETTINGS = ("row_budget", "schedule", "mainloop")
 _overrides: dict[str, object] = {}
 
 
+_ENV_NAMES = ("COMFUSE_STRICT", "COMFUSE_DISABLE", "COMFUSE_CACHE_DIR", "XDG_CACHE_HOME", "HOME",
+              "COMFUSE_ROW_BUDGET", "COMFUSE_MAX_SPECIALIZATIONS", "COMFUSE_CHECK", "COMFUSE_SCHEDULE",
+              "COMFUSE_AUTOTUNE", "COMFUSE_MAINLOOP", "COMFUSE_FUEL")
+_ENV_KEYS = tuple(os.environ.encodekey(n) if hasattr(os.environ, "encodekey") else n for n in _ENV_NAMES)
+_memo: dict[tuple, Settings] = {}
+
+
 def get() -> Settings:
+    """The settings now: environment variables, then ``override``. Read on every fused call,
+    so the result is remembered per (environment, overrides) snapshot."""
+    raw = getattr(os.environ, "_data", None)  # CPython's encoded mapping: no decoding per lookup
+    if isinstance(raw, dict):
+        env = tuple(raw.get(name) for name in _ENV_KEYS)
+    else:
+        env = tuple(os.environ.get(name) for name in _ENV_NAMES)
+    key = (env,
+           tuple(sorted((k, repr(v)) for k, v in _overrides.items())))
+    found = _memo.get(key)
+    if found is None:
+        if len(_memo) > 256:
+            _memo.clear()
+        found = _memo[key] = _read()
+    return found
+
+
+def _read() -> Settings:
     cache_default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "comfuse"
     values = dict(
         strict=_flag("COMFUSE_STRICT", False),

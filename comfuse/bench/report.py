@@ -15,6 +15,7 @@ from pathlib import Path
 BASELINE_NAMES = ("eager", "inductor", "inductor-max-autotune", "sdpa")
 LABELS = {"eager": "eager", "inductor": "torch.compile", "inductor-max-autotune": "max-autotune",
           "sdpa": "SDPA", "comfuse": "comfuse", "comfuse-backend": "torch.compile(comfuse)",
+          "comfuse-graph": "comfuse kernels (CUDA graph)",
           "gemm": "GEMM alone", "epilogue": "epilogue alone"}
 
 
@@ -84,6 +85,8 @@ def markdown(results: dict) -> str:
                  "are reported, not timed")
     lines.append("")
     cols = ["gemm", "eager", "inductor", "inductor-max-autotune", "sdpa", "comfuse", "comfuse-backend"]
+    if any("comfuse-graph" in c["candidates"] for c in results["cases"]):
+        cols.append("comfuse-graph")  # diagnostic only: not used in any speedup
     for suite in ("paper", "b2b", "attention", "models"):
         cases = [c for c in results["cases"] if c["suite"] == suite]
         if not cases:

@@ -26,7 +26,7 @@ from .env import ceilings, environment
 from .timing import measure
 
 BASELINES = ("eager", "inductor", "inductor-max-autotune")
-ALL_CANDIDATES = ("comfuse", "comfuse-backend") + tuple(f"comfuse[{s}]" for s in SCHEDULES) + BASELINES + (
+ALL_CANDIDATES = ("comfuse", "comfuse-graph", "comfuse-backend") + tuple(f"comfuse[{s}]" for s in SCHEDULES) + BASELINES + (
     "gemm", "epilogue", "sdpa", "tensorrt")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -65,6 +65,30 @@ def _compile_torch(fn, mode):
     return torch.compile(fn, mode=mode, dynamic=False)
 
 
+def _graphed(fn, args):
+    """comfuse's call captured in a CUDA graph after its first (autotuning) calls: replaying
+    it shows what the kernels cost without Python's launch overhead. A diagnostic column,
+    never a speedup claim (the baselines are not graphed)."""
+    import comfuse
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled = comfuse.compile(fn, args)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                compiled(*args)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = compiled(*args)
+
+    def replay():
+        graph.replay()
+        return out
+    return replay
+
+
 def _candidate(name: str, prog: workloads.Program) -> tuple[Callable | None, dict]:
     """(callable, info) for a candidate; callable None with info['status'] when it can't run."""
     import comfuse
@@ -79,6 +103,11 @@ def _candidate(name: str, prog: workloads.Program) -> tuple[Callable | None, dic
         torch._dynamo.reset()
         compiled = torch.compile(fn, backend="comfuse", dynamic=False)
         return (lambda: compiled(*args)), info
+    if name == "comfuse-graph":  # diagnostic: GPU time of comfuse's launches, Python excluded
+        if not any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
+            info.update(status="n/a", reason="CUDA graphs need a GPU")
+            return None, info
+        return _graphed(fn, args), info
     if name.startswith("comfuse"):
         schedule = name[len("comfuse["):-1] if "[" in name else ""
         with settings.override(schedule=schedule), warnings.catch_warnings():

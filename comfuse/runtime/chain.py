@@ -17,7 +17,7 @@ from ..codegen.triton.chain import emit_chain
 from ..frontend.regions import Candidate
 from ..ir import canonical_shape, evaluate, structural_text
 from . import cache, tuning
-from .check import KernelMismatch, compare, region_tolerance
+from .check import KernelMismatch, agreement_tolerance, compare, region_tolerance
 from .kernel import CODEGEN_VERSION, ComfuseWarning, can_run_on, interpreting, notice_once
 
 
@@ -120,6 +120,7 @@ class FusedChain(torch.nn.Module):
         self.failed = ""
         self.tuned: set = set()
         self.prefer_unfused = False
+        self.separate = None  # the unfused ops as autotuning timed them (Inductor on a GPU)
 
     @property
     def output_specs(self) -> list:
@@ -137,7 +138,7 @@ class FusedChain(torch.nn.Module):
             if a.device not in self.tuned and tuning.enabled(a.device):
                 self.tune(ext, a)
             if self.prefer_unfused:
-                return self.unfused(*ext)
+                return self.separate(*ext)
             return self.run(ext, a)
         except KernelMismatch:
             raise
@@ -154,13 +155,17 @@ class FusedChain(torch.nn.Module):
         k = tuning.key(self.plan.regions[0], a.device) + "-" + chain_name(self.plan)[-8:]
         decision = tuning.load(k)
         if decision is None:
+            self.separate = tuning.separate(self.unfused, ext)
             decision = tuning.decide([chain_name(self.plan)], lambda i: self.run(ext, a, check=False),
-                                     lambda: tuple(self.unfused(*ext)), a.device)
+                                     lambda: tuple(self.separate(*ext)), a.device,
+                                     max(agreement_tolerance(r) for r in self.regions))
             tuning.store(k, decision)
         self.tuned.add(a.device)
         times = decision["times_ms"]
         if decision["choice"] == tuning.UNFUSED:
             self.prefer_unfused = True
+            if self.separate is None:
+                self.separate = tuning.separate(self.unfused, ext)
             self.report.fused = False
             fused_ms = min((t for n, t in times.items() if n != tuning.UNFUSED), default=float("inf"))
             self.report.reason = (f"autotune: the unfused ops ({times[tuning.UNFUSED]:.4f} ms) beat the "
@@ -221,5 +226,9 @@ class FusedAttention(torch.nn.Module):
         q, kt, v = ext[self.q], ext[self.kt], ext[self.v]
         if settings_mod.get().disable or q.dtype != v.dtype:
             return self.unfused(*ext)
-        out = torch.nn.functional.scaled_dot_product_attention(q, kt.transpose(-1, -2), v, scale=self.scale)
+        # flash and memory-efficient attention take only 4-D [batch, heads, L, d] inputs;
+        # 3-D ones would silently get the slow math kernel
+        lead = (1,) * (4 - q.dim())
+        q4, k4, v4 = (t.reshape(lead + tuple(t.shape)) for t in (q, kt.transpose(-1, -2), v))
+        out = torch.nn.functional.scaled_dot_product_attention(q4, k4, v4, scale=self.scale)
         return (out.reshape(self.shape),)

@@ -82,3 +82,11 @@ def region_tolerance(region) -> float:
     return max((tolerance(o.dtype) for o in region.outputs if o.dtype.is_floating_point),
                default=0.0)
 
+
+
+def agreement_tolerance(region) -> float:
+    """How far a fused result may sit from the same region run unfused: the unfused ops
+    round the GEMM's product to its dtype before the epilogue, so the operands' precision
+    bounds the difference too (a float32 loss over bf16 logits agrees to bf16 accuracy)."""
+    operands = (region.gemm.a.dtype, region.gemm.b.dtype, region.gemm.out_dtype)
+    return max([region_tolerance(region)] + [tolerance(d) for d in operands if d.is_floating_point])

@@ -32,7 +32,7 @@ from ..report import RegionReport, Report
 from . import kernel as kernel_mod
 from . import chain as chain_mod
 from . import tuning
-from .check import KernelMismatch, compare, region_tolerance
+from .check import KernelMismatch, agreement_tolerance, compare, region_tolerance
 from .kernel import ComfuseWarning, notice_once
 
 
@@ -54,6 +54,7 @@ class FusedRegion(torch.nn.Module):
         self.failed = ""
         self.tuned: set = set()  # devices whose choice is made
         self.prefer_unfused = False
+        self.separate = None  # the unfused ops as autotuning timed them (Inductor on a GPU)
 
     def forward(self, *ext):
         if self.failed or settings_mod.get().disable:
@@ -70,7 +71,7 @@ class FusedRegion(torch.nn.Module):
             if a.device not in self.tuned and tuning.enabled(a.device):
                 self.tune(ext, a, b)
             if self.prefer_unfused:
-                return self.unfused(*ext)
+                return self.separate(*ext)
             return self.run_kernel(ext, a, b)
         except KernelMismatch:
             raise
@@ -100,13 +101,17 @@ class FusedRegion(torch.nn.Module):
         if decision is None or (decision["choice"] != tuning.UNFUSED and decision["choice"] not in names):
             def run_fused(i):
                 return self.run_kernel(ext, a, b, kernel_mod.build(self.alternatives[i]), check=False)
-            decision = tuning.decide(names, run_fused, lambda: tuple(self.unfused(*ext)), a.device)
+            self.separate = tuning.separate(self.unfused, ext)
+            decision = tuning.decide(names, run_fused, lambda: tuple(self.separate(*ext)), a.device,
+                                     agreement_tolerance(self.region))
             tuning.store(k, decision)
         self.tuned.add(a.device)
         times = decision["times_ms"]
         best_fused = min((t for n, t in times.items() if n != tuning.UNFUSED), default=float("inf"))
         if decision["choice"] == tuning.UNFUSED:
             self.prefer_unfused = True
+            if self.separate is None:
+                self.separate = tuning.separate(self.unfused, ext)
             self.report.fused = False
             self.report.reason = (f"autotune: the unfused ops ({times[tuning.UNFUSED]:.4f} ms) beat every "
                                   f"fused plan (best {best_fused:.4f} ms)")

@@ -69,6 +69,7 @@ class Kernel:
     combine: object = None  # split plans: the kernel that merges the slices' statistics
     _scratch: dict = dataclasses.field(default_factory=dict)  # device -> (workspace, counters)
     _resident: dict = dataclasses.field(default_factory=dict)  # device -> programs per SM
+    _bound: dict = dataclasses.field(default_factory=dict)  # tensor layout -> prepared launch
 
     @property
     def path(self) -> str:
@@ -76,40 +77,71 @@ class Kernel:
 
     def launch(self, a3: torch.Tensor, b3: torch.Tensor, ins: list, outs: list) -> None:
         """Run on canonical views: a3 [B, M, K], b3 [B, K, N], ins/outs [B|1, M|1, N|1],
-        already transposed for column-strip plans."""
+        already transposed for column-strip plans.
+
+        On a GPU the launches (grids, compile-time options, sizes, strides, scratch) are
+        worked out once per layout of the tensors and remembered; a call then only fills in
+        the tensors: Python time per call matters when a kernel takes tens of microseconds.
+        TMA plans rebuild their descriptors (they hold the data pointers) every call."""
+        tensors = (a3, b3, *ins, *outs)
+        if a3.device.type == "cpu" or interpreting() or self.plan.mainloop == "tma":
+            for fn, grid, args, options in self.launches(a3, b3, ins, outs):
+                fn[grid](*args, **options)
+            return
+        layout = (torch.backends.cuda.matmul.allow_tf32,
+                  *((t.shape, t.stride(), t.dtype, t.device) for t in tensors))
+        bound = self._bound.get(layout)
+        if bound is None:
+            ids = {id(t): i for i, t in enumerate(tensors)}
+            bound = []
+            for fn, grid, args, options in self.launches(a3, b3, ins, outs):
+                slots = [(j, ids[id(v)]) for j, v in enumerate(args) if id(v) in ids]
+                statics = [None if id(v) in ids else v for v in args]  # scratch stays referenced
+                bound.append((fn[grid], statics, slots, options))
+            if len(self._bound) > 64:
+                self._bound.clear()
+            self._bound[layout] = bound
+        for run, statics, slots, options in bound:
+            args = list(statics)
+            for j, i in slots:
+                args[j] = tensors[i]
+            run(*args, **options)
+
+    def launches(self, a3, b3, ins, outs) -> list:
+        """[(kernel, grid, arguments, options)] that run the plan, in order."""
         B, M, K = a3.shape
         N = b3.shape[2]
         plan = self.plan
         on_cpu = a3.device.type == "cpu" or interpreting()
-        low = a3.dtype in (torch.float16, torch.bfloat16)
-        tf32 = torch.backends.cuda.matmul.allow_tf32 and not on_cpu
-        options = dict(self.source.constexprs, UPCAST_OPERANDS=on_cpu and low,
-                       DOT_PRECISION="tf32" if tf32 else "ieee", WIDE_INDEX=_wide(a3, b3, *ins, *outs),
-                       num_warps=self.source.num_warps, num_stages=self.source.num_stages)
+        options = self.options(a3, b3, ins, outs, on_cpu)
         if plan.schedule == "split":
             row_blocks = triton.cdiv(M, plan.block_m)
             slots = sum(len(parts(st)) for st in plan.onepass.stats)
             ws, _ = self.scratch(a3.device, slots * plan.chunks * M)
             args = self.arguments(a3, b3, ins, outs, ws, None, 0)
-            self.fn[(row_blocks * plan.chunks,)](*args, **options)
-            self.combine[(row_blocks,)](*args, **options)
-            return
+            return [(self.fn, (row_blocks * plan.chunks,), args, options),
+                    (self.combine, (row_blocks,), args, options)]
         if plan.schedule != "cooperative":
             grid = (triton.cdiv(M, plan.block_m) * triton.cdiv(N, plan.block_n), B)
-            self.fn[grid](*self.arguments(a3, b3, ins, outs, None, None, 0), **options)
-            return
+            return [(self.fn, grid, self.arguments(a3, b3, ins, outs, None, None, 0), options)]
         strips = triton.cdiv(M, plan.block_m) * B
         if on_cpu:
             # interpreter form: one slot per strip, phases as consecutive launches
             ws, counters = self.scratch(a3.device, self.workspace_size(strips), strips)
             args = self.arguments(a3, b3, ins, outs, ws, counters, strips)
-            for fn in self.phases:
-                fn[(strips * plan.tiles_n,)](*args, **options)
-            return
+            return [(fn, (strips * plan.tiles_n,), args, options) for fn in self.phases]
         groups = min(strips, self.resident_slots(a3.device, a3, b3, ins, outs, options))
         ws, counters = self.scratch(a3.device, self.workspace_size(groups), groups)
-        self.fn[(groups * plan.tiles_n,)](*self.arguments(a3, b3, ins, outs, ws, counters, groups),
-                                          **options)
+        return [(self.fn, (groups * plan.tiles_n,),
+                 self.arguments(a3, b3, ins, outs, ws, counters, groups), options)]
+
+    def options(self, a3, b3, ins, outs, on_cpu: bool) -> dict:
+        """Compile-time arguments of a launch (constexprs, warps, stages)."""
+        low = a3.dtype in (torch.float16, torch.bfloat16)
+        tf32 = torch.backends.cuda.matmul.allow_tf32 and not on_cpu
+        return dict(self.source.constexprs, UPCAST_OPERANDS=on_cpu and low,
+                    DOT_PRECISION="tf32" if tf32 else "ieee", WIDE_INDEX=_wide(a3, b3, *ins, *outs),
+                    num_warps=self.source.num_warps, num_stages=self.source.num_stages)
 
     def resident_slots(self, device, a3, b3, ins, outs, options) -> int:
         """How many strips may be in flight: every program of every slot must be resident at

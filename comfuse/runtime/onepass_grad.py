@@ -13,8 +13,9 @@ at once. This recomputes them a slice of N at a time:
    ``g * t`` for a sum, ``g * softmax-weight * t`` for a log-sum-exp, ``g * [t == max]``
    for a maximum, ``g * t / n + g2 * (t - mean)^2`` for moments.
 
-Peak extra memory is a few [M, slice] tensors instead of [M, N] (the default slice holds
-4096 columns). Every step is plain torch (cuBLAS GEMMs), evaluated with the IR's
+Peak extra memory is a few [M, slice] tensors instead of [M, N] (a slice holds up to
+4096 columns, fewer when M is large: 2048 at M = 8192), besides the gradient buffers themselves: each slice's gradient is written
+into a buffer of B's layout, never padded to the full width. Every step is plain torch (cuBLAS GEMMs), evaluated with the IR's
 reference semantics in fp32.
 """
 from __future__ import annotations
@@ -27,7 +28,8 @@ from ..ir.interpret import _run
 from ..ir.nodes import Output
 from ..planner.onepass import OnePass, evaluate_combine
 
-CHUNK = 4096
+CHUNK = 4096  # widest slice
+SLICE_ELEMENTS = 1 << 24  # an [M, slice] fp32 temporary stays within 64 MB where M allows
 
 
 def _slice_inputs(op: OnePass, inputs, n0: int, n1: int) -> list:
@@ -39,11 +41,16 @@ def _slice_inputs(op: OnePass, inputs, n0: int, n1: int) -> list:
 
 def _tile_values(op: OnePass, a3, b3, inputs, n0: int, n1: int) -> list:
     """The statistics' tile values on columns [n0, n1), in fp32 (differentiable)."""
+    return _piece_values(op, a3, b3[:, :, n0:n1], _slice_inputs(op, inputs, n0, n1), n0, n1)
+
+
+def _piece_values(op: OnePass, a3, b_piece, in_pieces, n0: int, n1: int) -> list:
+    """As ``_tile_values``, given B's and the side inputs' slices already cut."""
     r = op.tile
     piece = r.replace(sizes=dataclasses.replace(r.sizes, N=n1 - n0),
                       outputs=tuple(Output(st.node, torch.float32, r.nodes[st.node].axes) for st in op.stats))
     shifts = {i: st.node for i, st in enumerate(op.stats) if st.kind == "shift"}
-    return _run(piece, a3, b3[:, :, n0:n1], _slice_inputs(op, inputs, n0, n1), torch.float32,
+    return _run(piece, a3, b_piece, in_pieces, torch.float32,
                 shifts=shifts, iota_offset=n0)[0]
 
 
@@ -77,7 +84,8 @@ def backward(op: OnePass, views, grads, chunk: int | None = None) -> None:
     b3 [B, K, N] and the canonical side inputs, built from tensors that require grad) the
     gradients of the region's outputs, given ``grads`` (canonical [B, M|1, 1], or None)."""
     N = op.tile.sizes.N
-    chunk = chunk or CHUNK
+    rows = op.tile.sizes.B * op.tile.sizes.M
+    chunk = chunk or max(min(CHUNK, 256), min(CHUNK, SLICE_ELEMENTS // max(rows, 1) // 128 * 128))
     with torch.no_grad():  # 1. the statistics
         a3, b3, inputs = views()
         acc = [None] * len(op.stats)
@@ -100,10 +108,24 @@ def backward(op: OnePass, views, grads, chunk: int | None = None) -> None:
         got = torch.autograd.grad([o for o, _ in pairs], [leaf for _, leaf in leaves],
                                   [g.float().reshape(o.shape) for o, g in pairs], allow_unused=True)
     g_stat = {key: (g if g is not None else torch.zeros_like(leaf)) for (key, leaf), g in zip(leaves, got)}
-    with torch.enable_grad():  # 3. statistics -> slices of the GEMM and the side inputs
-        for n0 in range(0, N, chunk):
-            a3, b3, inputs = views()
-            values = _tile_values(op, a3, b3, inputs, n0, min(N, n0 + chunk))
+    # 3. statistics -> slices of the GEMM and the side inputs. Each slice's operands are
+    # detached leaves and its gradients are written into buffers of the full operands'
+    # layout, then pushed back through the canonical views once: autograd through a slice
+    # view would pad every slice's gradient to the full [K, N] (slice_backward).
+    with torch.enable_grad():
+        a3, b3, inputs = views()
+    a_leaf = a3.detach().requires_grad_(a3.requires_grad)
+    grad_a = None
+    grad_b = torch.empty_like(b3) if b3.requires_grad else None
+    grad_in = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) if t.requires_grad else None
+               for t in inputs]
+    for n0 in range(0, N, chunk):
+        n1 = min(N, n0 + chunk)
+        b_piece = b3[:, :, n0:n1].detach().requires_grad_(b3.requires_grad)
+        in_pieces = [p.detach().requires_grad_(t.requires_grad)
+                     for p, t in zip(_slice_inputs(op, inputs, n0, n1), inputs)]
+        with torch.enable_grad():
+            values = _piece_values(op, a_leaf, b_piece, in_pieces, n0, n1)
             surrogate = None
             for i, (st, v) in enumerate(zip(op.stats, values)):
                 v = v.float()
@@ -120,5 +142,33 @@ def backward(op: OnePass, views, grads, chunk: int | None = None) -> None:
                 else:
                     continue
                 surrogate = term if surrogate is None else surrogate + term
-            if surrogate is not None and surrogate.requires_grad:
-                surrogate.backward()
+            wrt = [t for t in (a_leaf, b_piece, *in_pieces) if t.requires_grad]
+            if surrogate is None or not surrogate.requires_grad or not wrt:
+                continue
+            got = iter(torch.autograd.grad(surrogate, wrt, allow_unused=True))
+        if a_leaf.requires_grad:
+            g = next(got)
+            if g is not None:
+                grad_a = g.float() if grad_a is None else grad_a + g.float()
+        if b_piece.requires_grad:
+            g = next(got)
+            grad_b[:, :, n0:n1] = 0 if g is None else g
+        for j, (piece, t) in enumerate(zip(in_pieces, inputs)):
+            if piece.requires_grad:
+                g = next(got)
+                if g is None:
+                    continue
+                if "N" in op.tile.inputs[j].axes and t.shape[2] > 1:
+                    grad_in[j][:, :, n0:n1] += g.float()
+                else:
+                    grad_in[j] += g.float()
+    targets, pulls = [], []
+    if grad_a is not None:
+        targets.append(a3), pulls.append(grad_a.to(a3.dtype))
+    if grad_b is not None:
+        targets.append(b3), pulls.append(grad_b)
+    for t, g in zip(inputs, grad_in):
+        if g is not None:
+            targets.append(t), pulls.append(g.to(t.dtype))
+    if targets:
+        torch.autograd.backward(targets, pulls)

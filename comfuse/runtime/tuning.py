@@ -59,25 +59,55 @@ def store(k: str, decision: dict) -> None:
     cache.atomic_write(_path(k), json.dumps(decision, indent=1))
 
 
-def _agree(outs, refs) -> bool:
-    for o, r in zip(outs, refs):
-        if not compare(o, r, tolerance(o.dtype), floor=1.0).ok:
-            return False
-    return True
+def _disagreement(outs, refs, tol: float | None) -> str:
+    """'' when every output matches the unfused result, else what differs."""
+    for k, (o, r) in enumerate(zip(outs, refs)):
+        result = compare(o, r, tolerance(o.dtype) if tol is None else tol, floor=1.0)
+        if not result.ok:
+            return f"output {k}: {result}"
+    return ""
 
 
-def decide(names: list, run_fused, run_unfused, device: torch.device) -> dict:
+def separate(unfused, ext, on_cpu: bool = False):
+    """The region's own ops as the best separate execution comfuse can offer: on a GPU,
+    compiled by Inductor (cuBLAS for the GEMM, a generated kernel for the rest), so that
+    choosing "unfused" never means running decomposed ops one by one. Falls back to the
+    ops themselves when Inductor cannot compile them."""
+    if not on_cpu and not any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in ext):
+        return unfused
+    try:
+        import copy
+        from torch._inductor.compile_fx import compile_fx
+        compiled = compile_fx(copy.deepcopy(unfused), list(ext))
+        compiled(*ext)
+        return compiled
+    except Exception as e:  # the plain ops still run
+        import warnings
+        from .kernel import ComfuseWarning
+        warnings.warn(f"comfuse: Inductor could not compile a region's unfused ops ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0][:200] if str(e) else ''}); timing them as they are",
+                      ComfuseWarning, stacklevel=2)
+        return unfused
+
+
+def decide(names: list, run_fused, run_unfused, device: torch.device, tol: float | None = None) -> dict:
     """Time ``run_unfused()`` and ``run_fused(i)`` for each candidate; return the decision:
-    {"choice": name or "unfused", "times_ms": {name: median or inf}}."""
+    {"choice": name or "unfused", "times_ms": {name: median or inf},
+    "rejected": {name: why}} (a candidate that disagrees with the unfused result beyond
+    ``tol``, by default the outputs' dtype tolerance, or fails)."""
     reference = run_unfused()
     times = {UNFUSED: measure(run_unfused, device.type, warmup_ms=5, rep_ms=25).median_ms}
+    rejected = {}
     for i, name in enumerate(names):
         try:
-            if not _agree(run_fused(i), reference):
-                times[name] = math.inf
+            outs = run_fused(i)
+            bad = _disagreement(outs, reference, tol)
+            if bad:
+                times[name], rejected[name] = math.inf, bad
                 continue
             times[name] = measure(lambda: run_fused(i), device.type, warmup_ms=5, rep_ms=25).median_ms
-        except Exception:
+        except Exception as e:
             times[name] = math.inf
+            rejected[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
     choice = min(times, key=times.get)
-    return {"choice": choice, "times_ms": times}
+    return {"choice": choice, "times_ms": times, "rejected": rejected}
