@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import operator
 import os
 import threading
 import warnings
@@ -175,10 +176,26 @@ def comfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = N
                       ComfuseWarning, stacklevel=2)
         return compile_fx(gm, example_inputs)
     with settings_mod.override(**opts["settings"]):
-        rewritten = lower(gm, example_inputs, opts["kinds"])
+        try:
+            rewritten = lower(gm, example_inputs, opts["kinds"])
+        except Exception as e:  # capture or planning failed: the graph is still Inductor's
+            if settings_mod.get().strict:
+                raise
+            warnings.warn(f"comfuse backend: could not lower this graph ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:200] if str(e) else ''}); Inductor compiles it alone "
+                          "(COMFUSE_STRICT=1 raises instead)", ComfuseWarning, stacklevel=2)
+            rewritten = None
     if rewritten is None:
         return compile_fx(gm, example_inputs)
-    return compile_fx(rewritten, example_inputs)
+    try:
+        return compile_fx(rewritten, example_inputs)
+    except Exception as e:
+        if settings_mod.get().strict:
+            raise
+        warnings.warn(f"comfuse backend: Inductor could not compile the graph with fused regions "
+                      f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
+                      "compiling it without them", ComfuseWarning, stacklevel=2)
+        return compile_fx(gm, example_inputs)
 
 
 def _static(example_inputs) -> tuple:
@@ -208,10 +225,14 @@ def lower(gm: fx.GraphModule, example_inputs, disabled_kinds=frozenset()):
     if spec.gm is None:
         return None
     graph = spec.gm.graph
+    _tune_now(spec.gm, example_inputs)
     for node in list(graph.nodes):
         if node.op != "call_module":
             continue
         module = spec.gm.get_submodule(node.target)
+        if getattr(module, "prefer_unfused", False):  # autotuning: its ops are faster left to Inductor
+            _inline(spec.gm, node, module.unfused)
+            continue
         is_tensor = [isinstance(a, fx.Node) and not isinstance(a.meta.get("val"), (int, torch.SymInt))
                      for a in node.args]
         region_id = _register(module, is_tensor)
@@ -228,6 +249,59 @@ def lower(gm: fx.GraphModule, example_inputs, disabled_kinds=frozenset()):
 
 
 lower.last_report = None
+
+
+def _tune_now(gm: fx.GraphModule, example_inputs) -> None:
+    """Autotune every fused region at compile time, on Dynamo's real example inputs: the
+    regions whose unfused ops win are then left in the graph for Inductor, which fuses
+    them with their neighbours (inside a comfuse::region call they could not be). Skipped
+    for fake or CPU inputs and for graphs that write to their inputs (running the graph
+    once more would repeat the writes); their regions tune on their first call instead."""
+    from .runtime import tuning
+    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+    if not tensors or not tuning.enabled(tensors[0].device):  # "auto": GPUs only
+        return
+    from torch._subclasses.fake_tensor import FakeTensor
+    if any(isinstance(t, FakeTensor) for t in tensors):
+        return
+    if any(n.op == "call_function" and getattr(n.target, "_schema", None) is not None
+           and n.target._schema.is_mutable for n in gm.graph.nodes):
+        return
+    try:
+        with torch.no_grad():
+            gm(*example_inputs)
+    except Exception as e:  # the regions will tune on their first call
+        if settings_mod.get().strict:
+            raise
+        warnings.warn(f"comfuse backend: autotuning at compile time failed ({type(e).__name__}); "
+                      "regions tune on their first call", ComfuseWarning, stacklevel=3)
+
+
+def _inline(gm: fx.GraphModule, node: fx.Node, sub: fx.GraphModule) -> None:
+    """Replace ``node`` (a call of a region module whose outputs are read by getitem) with
+    the nodes of ``sub``, the region's own ops."""
+    graph = gm.graph
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    env = dict(zip(placeholders, node.args))
+    result = None
+    with graph.inserting_before(node):
+        for n in sub.graph.nodes:
+            if n.op == "placeholder":
+                continue
+            if n.op == "output":
+                result = fx.map_arg(n.args[0], lambda x: env[x])
+                break
+            if n.op == "get_attr" and not hasattr(gm, n.target):
+                setattr(gm, n.target, getattr(sub, n.target))
+            env[n] = graph.node_copy(n, lambda x: env[x])
+    for user in list(node.users):
+        if user.op == "call_function" and user.target is operator.getitem:
+            user.replace_all_uses_with(result[user.args[1]])
+            graph.erase_node(user)
+    if node.users:
+        raise RuntimeError("a region's outputs are read other than by index")
+    graph.erase_node(node)
+    gm.delete_submodule(node.target)
 
 
 def register() -> None:

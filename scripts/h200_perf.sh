@@ -4,21 +4,24 @@
 # plan's time, land in $OUT/cache/tuning); the mainloop alone against cuBLAS; then the
 # GPU-only tests (cooperative-strip stress, cross-entropy memory at vocabulary 32k and 128k,
 # autotuning, DDP where two GPUs are present). Logs and results go to $OUT; a short table
-# is printed last. Knobs: SUITE, CANDIDATES, BENCH_S, MAINLOOP_S, GPU_TESTS_S, MODELS=1.
+# is printed last. Knobs: SUITE, CANDIDATES, BENCH_S, MAINLOOP_S, GPU_TESTS_S, GPU_TESTS_K,
+# MODELS=1, MODEL_CANDIDATES, CE_MEMORY=1 (a *_S of 0 skips that part).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/comfuse-out}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export COMFUSE_CACHE_DIR=${COMFUSE_CACHE_DIR:-/tmp/comfuse-cache}  # kernels stay on the machine
-trap 'mkdir -p "$OUT/tuning"; cp "$COMFUSE_CACHE_DIR"/tuning/*.json "$OUT/tuning/" 2>/dev/null' EXIT
+# the device tool returns only a few files: everything goes back in one archive
+trap 'mkdir -p "$OUT/tuning"; cp "$COMFUSE_CACHE_DIR"/tuning/*.json "$OUT/tuning/" 2>/dev/null;
+      (cd "$OUT" && tar czf all.tgz --exclude=all.tgz . && find . -mindepth 1 ! -name all.tgz -delete)' EXIT
 
 start=$(date +%s)
-timeout "${BENCH_S:-270}" python3 -m comfuse.cli bench --suite "${SUITE:-all}" --quick --out "$OUT/bench" \
+[ "${BENCH_S:-270}" = 0 ] || timeout "${BENCH_S:-270}" python3 -m comfuse.cli bench --suite "${SUITE:-all}" --quick --out "$OUT/bench" \
   --candidates "${CANDIDATES:-comfuse,eager,inductor,gemm,sdpa}" \
   > "$OUT/bench.log" 2>&1
 echo "bench rc=$? in $(( $(date +%s) - start )) s"
-python3 -m comfuse.cli bench --report-only --out "$OUT/bench" > /dev/null 2>&1
+[ "${BENCH_S:-270}" = 0 ] || python3 -m comfuse.cli bench --report-only --out "$OUT/bench" > /dev/null 2>&1
 start=$(date +%s)
 [ "${MAINLOOP_S:-120}" = 0 ] || timeout "${MAINLOOP_S:-120}" python3 scripts/mainloop_bench.py --out "$OUT" > "$OUT/mainloop.log" 2>&1
 echo "mainloop rc=$? in $(( $(date +%s) - start )) s"
@@ -28,10 +31,14 @@ timeout "${GPU_TESTS_S:-170}" python3 -m pytest -q -p no:cacheprovider -m gpu --
   > "$OUT/gpu-tests.txt" 2>&1
 echo "gpu tests rc=$? in $(( $(date +%s) - start )) s"; tail -n 8 "$OUT/gpu-tests.txt"
 
+if [ -n "${CE_MEMORY:-}" ]; then  # linear + cross-entropy training step, vocabulary 128256
+  timeout "${CE_MEMORY_S:-150}" python3 scripts/ce_memory.py > "$OUT/ce_memory.log" 2>&1
+  echo "ce memory rc=$?"; grep -E "^\|" "$OUT/ce_memory.log"
+fi
 if [ -n "${MODELS:-}" ]; then  # Hugging Face blocks: comfuse's backend against Inductor
   timeout "${MODELS_S:-240}" python3 -m comfuse.cli bench --suite models --out "$OUT/models" \
     --candidates "${MODEL_CANDIDATES:-comfuse-backend,eager,inductor,inductor-max-autotune}" > "$OUT/models.log" 2>&1
   echo "models rc=$?"; grep -E "^\| (bert_layer|llama_mlp) " "$OUT/models/results.md" | cut -c1-220
 fi
-grep -E "^\| (ln_postnorm|rmsnorm|softmax|mblr|multi_stage|linear_ce|dlrm_bottom_mlp|target_attention|transformer_mlp|self_attention) " "$OUT/bench/results.md" | cut -c1-220
+grep -sE "^\| (ln_postnorm|rmsnorm|softmax|mblr|multi_stage|linear_ce|dlrm_bottom_mlp|target_attention|transformer_mlp|self_attention) " "$OUT/bench/results.md" | cut -c1-220
 grep -E "^\|" "$OUT/mainloop.log" 2>/dev/null

@@ -203,3 +203,33 @@ def test_cross_entropy_backward_runs_in_slices_of_the_vocabulary(monkeypatch, re
     assert calls, "the sliced backward did not run"
     torch.testing.assert_close(gx, x.grad, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(gw, lm.weight.grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("winner", ["unfused", "fused"])
+def test_compile_time_autotuning_leaves_losing_regions_to_inductor(monkeypatch, winner):
+    """The backend tunes each region on Dynamo's example inputs while it compiles; a region
+    whose unfused ops win goes back into the graph as plain ops (Inductor fuses them with
+    their neighbours), a winning one stays a comfuse::region call."""
+    from comfuse.runtime import tuning
+
+    def decide(names, run_fused, run_unfused, device, tol=None):
+        return {"choice": tuning.UNFUSED if winner == "unfused" else names[0],
+                "times_ms": {tuning.UNFUSED: 1.0, **{n: 2.0 if winner == "unfused" else 0.5 for n in names}},
+                "rejected": {}}
+    monkeypatch.setattr(tuning, "decide", decide)
+    monkeypatch.setattr(tuning, "load", lambda k: None)
+    monkeypatch.setattr(tuning, "store", lambda k, d: None)
+    seen = []  # comfuse::region calls in each graph handed to Inductor
+    import torch._inductor.compile_fx as cfx
+    inner = cfx.compile_fx
+
+    def spy(gm, inputs, *a, **k):
+        seen.append(sum(n.target is torch.ops.comfuse.region.default for n in gm.graph.nodes))
+        return inner(gm, inputs, *a, **k)
+    monkeypatch.setattr(cfx, "compile_fx", spy)
+    model = PostNorm().to(DEVICE)
+    x, r = torch.randn(2, 5, 32, device=DEVICE), torch.randn(2, 5, 48, device=DEVICE)
+    with torch.no_grad():
+        out = compiled(model, options={"autotune": "1"})(x, r)
+        torch.testing.assert_close(out, model(x, r), rtol=1e-4, atol=1e-5)
+    assert seen == [0 if winner == "unfused" else 1]

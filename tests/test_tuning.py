@@ -93,3 +93,21 @@ def test_a_failing_candidate_scores_inf(monkeypatch, fresh_cache):
     assert decision["times_ms"][kernel_mod.kernel_name(broken)] == float("inf")
     assert decision["choice"] != kernel_mod.kernel_name(broken)
     assert_matches_reference(wl.fn, args, out)
+
+
+def test_memory_first_keeps_a_wide_loss_fused_but_not_a_wide_output():
+    """A per-row loss over a vocabulary-wide row stays fused when its unfused ops would hold
+    a >= 1 GiB intermediate, even if they are faster; a region whose output is [M, N] anyway
+    does not."""
+    import dataclasses
+    import torch.nn.functional as F
+    from comfuse.runtime import tuning
+    x, w, t = torch.randn(8, 16), torch.randn(16, 40), torch.randint(0, 40, (8,))
+    loss = comfuse.explain(lambda x, w, t: F.cross_entropy(x @ w, t, reduction="none"), (x, w, t))
+    norm = comfuse.explain(lambda x, w: torch.softmax(x @ w, -1), (x, w))
+    decision = {"choice": tuning.UNFUSED, "times_ms": {tuning.UNFUSED: 1.0, "a": 3.0, "b": 2.0, "c": float("inf")}}
+    for report, expect in ((loss, "b"), (norm, "")):
+        region = report.regions[0].planned.region
+        big = region.replace(sizes=dataclasses.replace(region.sizes, M=8192, N=128256))
+        assert tuning.memory_first(region, decision) == ""  # small: speed decides
+        assert tuning.memory_first(big, decision) == expect

@@ -10,6 +10,8 @@ GEMM.
 """
 from __future__ import annotations
 
+import contextlib
+
 import operator
 from typing import Callable, Sequence
 
@@ -25,10 +27,22 @@ class CaptureError(RuntimeError):
     """The function could not be traced into a graph."""
 
 
+def _portable_attention():
+    """scaled_dot_product_attention traced on CUDA may record the cuDNN kernel, whose
+    optional outputs later passes cannot handle; trace with flash, memory-efficient or
+    math attention instead (the same choices eager makes when cuDNN is off)."""
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+    except ImportError:  # pragma: no cover - older torch
+        return contextlib.nullcontext()
+
+
 def capture(fn: Callable, example_inputs: Sequence) -> fx.GraphModule:
     try:
-        gm = make_fx(torch.func.functionalize(fn, remove="mutations"), tracing_mode="fake",
-                     _allow_non_fake_inputs=True)(*example_inputs)
+        with _portable_attention():
+            gm = make_fx(torch.func.functionalize(fn, remove="mutations"), tracing_mode="fake",
+                         _allow_non_fake_inputs=True)(*example_inputs)
         decompose_after_gemms(gm)
     except Exception as e:  # tracing can fail in many ways: data-dependent control flow, ...
         raise CaptureError(f"could not trace {getattr(fn, '__name__', fn)!r}: "

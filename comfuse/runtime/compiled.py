@@ -108,6 +108,9 @@ class FusedRegion(torch.nn.Module):
         self.tuned.add(a.device)
         times = decision["times_ms"]
         best_fused = min((t for n, t in times.items() if n != tuning.UNFUSED), default=float("inf"))
+        kept = tuning.memory_first(self.region, decision) if decision["choice"] == tuning.UNFUSED else ""
+        if kept:  # slower fused, but the unfused ops would hold a huge intermediate
+            decision = dict(decision, choice=kept)
         if decision["choice"] == tuning.UNFUSED:
             self.prefer_unfused = True
             if self.separate is None:
@@ -122,7 +125,8 @@ class FusedRegion(torch.nn.Module):
         self.report.fused, self.report.reason = True, ""
         self.report.schedule, self.report.stages = self.plan.schedule, len(self.plan.stages)
         self.report.plan = (f"{self.plan.describe()} (autotuned: {best_fused:.4f} ms vs "
-                            f"{times[tuning.UNFUSED]:.4f} ms unfused)")
+                            f"{times[tuning.UNFUSED]:.4f} ms unfused"
+                            f"{'; kept fused for memory: ' + tuning.intermediate_text(self.region) if kept else ''})")
         self.report.kernel_path = self.kernel.path
 
     def run_kernel(self, ext, a: torch.Tensor, b: torch.Tensor, kernel=None, check: bool = True):

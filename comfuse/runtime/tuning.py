@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import torch
 import triton
@@ -22,6 +23,26 @@ from . import cache
 from .check import compare, tolerance
 
 UNFUSED = "unfused"
+# A split region (a loss or statistic over a vocabulary-wide row) stays fused even when its
+# unfused ops are faster if they would materialise an fp32 [M, N] intermediate at least
+# this large: avoiding that tensor is the point of the schedule (COMFUSE_MEMORY_FIRST_MB).
+MEMORY_FIRST_BYTES = int(os.environ.get("COMFUSE_MEMORY_FIRST_MB", "1024")) << 20
+
+
+def intermediate_text(region) -> str:
+    s = region.sizes
+    return f"unfused, an fp32 [{s.B * s.M}, {s.N}] intermediate of {s.B * s.M * s.N * 4 / 2**30:.1f} GiB"
+
+
+def memory_first(region, decision: dict) -> str:
+    """The fastest correct fused plan when the region must stay fused to save memory
+    (per-row outputs only, and an unfused intermediate of MEMORY_FIRST_BYTES or more),
+    else ''."""
+    s = region.sizes
+    if s.B * s.M * s.N * 4 < MEMORY_FIRST_BYTES or any("N" in o.axes for o in region.outputs):
+        return ""  # small, or the outputs are [M, N] anyway: nothing to save
+    fused = {n: t for n, t in decision["times_ms"].items() if n != UNFUSED and t < math.inf}
+    return min(fused, key=fused.get) if fused else ""
 
 
 def enabled(device: torch.device) -> bool:
