@@ -243,6 +243,8 @@ def lower(gm: fx.GraphModule, example_inputs, disabled_kinds=frozenset()):
         node.replace_all_uses_with(call)
         graph.erase_node(node)
         spec.gm.delete_submodule(node.target)  # the registry holds it; Inductor need not pickle it
+    if not any(n.target is torch.ops.comfuse.region.default for n in graph.nodes):
+        return None  # autotuning left every region unfused: Inductor gets the graph as Dynamo gave it
     graph.lint()
     spec.gm.recompile()
     return spec.gm

@@ -99,8 +99,11 @@ def separate(unfused, ext, on_cpu: bool = False):
     try:
         import copy
         from torch._inductor.compile_fx import compile_fx
-        compiled = compile_fx(copy.deepcopy(unfused), list(ext))
-        compiled(*ext)
+        # outside any compilation in progress (the backend tunes while Dynamo compiles):
+        # this graph's guards and sizes are its own
+        with torch._guards.tracing(None):
+            compiled = compile_fx(copy.deepcopy(unfused), list(ext))
+            compiled(*ext)
         return compiled
     except Exception as e:  # the plain ops still run
         import warnings
