@@ -114,7 +114,8 @@ def test_linear_cross_entropy_training_step_uses_at_most_half_of_inductors_memor
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        fn(x, t).backward()
+        with comfuse.settings.override(check=False):  # the float64 check holds [M, V] float64 tensors
+            fn(x, t).backward()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - base, x.grad.clone(), w.grad.clone()
 

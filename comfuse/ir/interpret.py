@@ -98,7 +98,9 @@ def _scale(op: Op, node, x: list, sx: list, v: torch.Tensor) -> torch.Tensor:
 
 
 def _run(region: Region, a, b, inputs, compute_dtype, with_scale: bool = False, shifts=None,
-         iota_offset: int = 0):
+         iota_offset: int = 0, gemm_dtype=None):
+    """``gemm_dtype``: multiply in this dtype (e.g. bf16 on tensor cores) and convert the
+    product to the compute dtype, instead of multiplying in the compute dtype."""
     exact = compute_dtype is not None
 
     def fix(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -114,7 +116,10 @@ def _run(region: Region, a, b, inputs, compute_dtype, with_scale: bool = False, 
         op = node.op
         if op is Op.ACC:
             dt = compute_dtype if exact else region.gemm.out_dtype
-            v = torch.matmul(a.to(dt), b.to(dt)).reshape(s.B, s.M, s.N)
+            if gemm_dtype is not None:
+                v = torch.matmul(a.to(gemm_dtype), b.to(gemm_dtype)).to(dt).reshape(s.B, s.M, s.N)
+            else:
+                v = torch.matmul(a.to(dt), b.to(dt)).reshape(s.B, s.M, s.N)
         elif op is Op.INPUT:
             v = inputs[node.arg]
             if v.dim() != 3:
