@@ -98,9 +98,10 @@ def _scale(op: Op, node, x: list, sx: list, v: torch.Tensor) -> torch.Tensor:
 
 
 def _run(region: Region, a, b, inputs, compute_dtype, with_scale: bool = False, shifts=None,
-         iota_offset: int = 0, gemm_dtype=None):
+         iota_offset: int = 0, gemm_dtype=None, acc=None):
     """``gemm_dtype``: multiply in this dtype (e.g. bf16 on tensor cores) and convert the
-    product to the compute dtype, instead of multiplying in the compute dtype."""
+    product to the compute dtype, instead of multiplying in the compute dtype. ``acc``:
+    the product, already computed (``a`` and ``b`` are then not read)."""
     exact = compute_dtype is not None
 
     def fix(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -109,6 +110,7 @@ def _run(region: Region, a, b, inputs, compute_dtype, with_scale: bool = False, 
         return value.to(dtype)
 
     s = region.sizes
+    device = acc.device if acc is not None else a.device
     vals: list[torch.Tensor] = []
     scales: list[torch.Tensor] = []
     for node in region.nodes:
@@ -116,7 +118,9 @@ def _run(region: Region, a, b, inputs, compute_dtype, with_scale: bool = False, 
         op = node.op
         if op is Op.ACC:
             dt = compute_dtype if exact else region.gemm.out_dtype
-            if gemm_dtype is not None:
+            if acc is not None:
+                v = acc.reshape(s.B, s.M, s.N)
+            elif gemm_dtype is not None:
                 v = torch.matmul(a.to(gemm_dtype), b.to(gemm_dtype)).to(dt).reshape(s.B, s.M, s.N)
             else:
                 v = torch.matmul(a.to(dt), b.to(dt)).reshape(s.B, s.M, s.N)
@@ -130,7 +134,7 @@ def _run(region: Region, a, b, inputs, compute_dtype, with_scale: bool = False, 
             v = vals[shifts[node.arg]].mean(2, keepdim=True)
         elif op is Op.IOTA:
             shape = canonical_shape(region, {node.arg})
-            v = torch.arange(s.of(node.arg), device=a.device).reshape(shape)
+            v = torch.arange(s.of(node.arg), device=device).reshape(shape)
             if node.arg == "N":
                 v = v + iota_offset  # a slice of the columns (chunked evaluation)
         elif op is Op.CAST:
@@ -155,7 +159,7 @@ def _run(region: Region, a, b, inputs, compute_dtype, with_scale: bool = False, 
             v = x[0].amin(_DIM[node.arg], keepdim=True)
         else:  # pragma: no cover
             raise NotImplementedError(f"reference interpreter has no rule for {op}")
-        vals.append(fix(v.to(a.device), node.dtype))
+        vals.append(fix(v.to(device), node.dtype))
         if with_scale:
             if op is Op.ACC:
                 sc = torch.matmul(a.to(compute_dtype).abs(), b.to(compute_dtype).abs()).reshape(s.B, s.M, s.N)

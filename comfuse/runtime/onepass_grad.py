@@ -45,15 +45,22 @@ def _tile_values(op: OnePass, a3, b3, inputs, n0: int, n1: int) -> list:
     return _piece_values(op, a3, b3[:, :, n0:n1], _slice_inputs(op, inputs, n0, n1), n0, n1)
 
 
-def _piece_values(op: OnePass, a3, b_piece, in_pieces, n0: int, n1: int) -> list:
-    """As ``_tile_values``, given B's and the side inputs' slices already cut."""
+def _gemm_dtype(a3, b3):
+    """The dtype the slices' GEMMs run in: the operands' own when both are fp16 or bf16
+    (tensor cores, as eager's GEMM), else fp32."""
+    return a3.dtype if a3.dtype in (torch.float16, torch.bfloat16) and a3.dtype == b3.dtype else torch.float32
+
+
+def _piece_values(op: OnePass, a3, b_piece, in_pieces, n0: int, n1: int, acc=None) -> list:
+    """As ``_tile_values``, given B's and the side inputs' slices already cut (or the
+    slice's GEMM product ``acc``, fp32)."""
     r = op.tile
     piece = r.replace(sizes=dataclasses.replace(r.sizes, N=n1 - n0),
                       outputs=tuple(Output(st.node, torch.float32, r.nodes[st.node].axes) for st in op.stats))
     shifts = {i: st.node for i, st in enumerate(op.stats) if st.kind == "shift"}
-    low = a3.dtype if a3.dtype in (torch.float16, torch.bfloat16) and a3.dtype == b_piece.dtype else None
+    low = None if acc is not None else _gemm_dtype(a3, b_piece)
     return _run(piece, a3, b_piece, in_pieces, torch.float32, gemm_dtype=low,
-                shifts=shifts, iota_offset=n0)[0]
+                shifts=shifts, iota_offset=n0, acc=acc)[0]
 
 
 def _merge(kind: str, acc, v):
@@ -110,24 +117,28 @@ def backward(op: OnePass, views, grads, chunk: int | None = None) -> None:
         got = torch.autograd.grad([o for o, _ in pairs], [leaf for _, leaf in leaves],
                                   [g.float().reshape(o.shape) for o, g in pairs], allow_unused=True)
     g_stat = {key: (g if g is not None else torch.zeros_like(leaf)) for (key, leaf), g in zip(leaves, got)}
-    # 3. statistics -> slices of the GEMM and the side inputs. Each slice's operands are
-    # detached leaves and its gradients are written into buffers of the full operands'
-    # layout, then pushed back through the canonical views once: autograd through a slice
-    # view would pad every slice's gradient to the full [K, N] (slice_backward).
+    # 3. statistics -> slices of the GEMM and the side inputs. Autograd runs from each
+    # slice's GEMM product (an fp32 leaf) to the surrogate only; the two gradient GEMMs are
+    # explicit, in the operands' dtype, and their results go straight into buffers of the
+    # full operands' layout (autograd through a slice view would pad every slice's
+    # gradient to the full [K, N]). The buffers are pushed back through the canonical
+    # views once at the end.
     with torch.enable_grad():
         a3, b3, inputs = views()
-    a_leaf = a3.detach().requires_grad_(a3.requires_grad)
-    grad_a = None
+    dt = _gemm_dtype(a3, b3)
+    a_op = a3.detach().to(dt)
+    grad_a = torch.zeros(a3.shape, dtype=torch.float32, device=a3.device) if a3.requires_grad else None
     grad_b = torch.empty_like(b3) if b3.requires_grad else None
     grad_in = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) if t.requires_grad else None
                for t in inputs]
     for n0 in range(0, N, chunk):
         n1 = min(N, n0 + chunk)
-        b_piece = b3[:, :, n0:n1].detach().requires_grad_(b3.requires_grad)
+        b_op = b3[:, :, n0:n1].detach().to(dt)
         in_pieces = [p.detach().requires_grad_(t.requires_grad)
                      for p, t in zip(_slice_inputs(op, inputs, n0, n1), inputs)]
+        product = torch.matmul(a_op, b_op).float().requires_grad_(True)
         with torch.enable_grad():
-            values = _piece_values(op, a_leaf, b_piece, in_pieces, n0, n1)
+            values = _piece_values(op, None, None, in_pieces, n0, n1, acc=product)
             surrogate = None
             for i, (st, v) in enumerate(zip(op.stats, values)):
                 v = v.float()
@@ -144,20 +155,24 @@ def backward(op: OnePass, views, grads, chunk: int | None = None) -> None:
                 else:
                     continue
                 surrogate = term if surrogate is None else surrogate + term
-            wrt = [t for t in (a_leaf, b_piece, *in_pieces) if t.requires_grad]
-            if surrogate is None or not surrogate.requires_grad or not wrt:
+            if surrogate is None or not surrogate.requires_grad:
                 continue
-            got = iter(torch.autograd.grad(surrogate, wrt, allow_unused=True))
-        if a_leaf.requires_grad:
-            g = next(got)
-            if g is not None:
-                grad_a = g.float() if grad_a is None else grad_a + g.float()
-        if b_piece.requires_grad:
-            g = next(got)
-            grad_b[:, :, n0:n1] = 0 if g is None else g
+            side = [p for p in in_pieces if p.requires_grad]
+            got = torch.autograd.grad(surrogate, [product, *side], allow_unused=True)
+        g_product, g_side = got[0], iter(got[1:])
+        if g_product is not None:
+            d = g_product.to(dt)
+            del g_product, product, values
+            if grad_a is not None:
+                grad_a.add_(torch.matmul(d, b_op.transpose(1, 2)))
+            if grad_b is not None:
+                grad_b[:, :, n0:n1] = torch.matmul(a_op.transpose(1, 2), d).sum(0, keepdim=True) \
+                    if grad_b.shape[0] == 1 and d.shape[0] > 1 else torch.matmul(a_op.transpose(1, 2), d)
+        elif grad_b is not None:
+            grad_b[:, :, n0:n1] = 0
         for j, (piece, t) in enumerate(zip(in_pieces, inputs)):
             if piece.requires_grad:
-                g = next(got)
+                g = next(g_side)
                 if g is None:
                     continue
                 if "N" in op.tile.inputs[j].axes and t.shape[2] > 1:
