@@ -48,7 +48,10 @@ def _sm90_summary(planned) -> str:
     except Exception as e:  # report, do not fail the explanation
         return f"compilation failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
     ptx = info["asm"].get("ptx", "")
-    return (f"wgmma {ptx.count('wgmma.mma_async')}, mma.sync {ptx.count('mma.sync')}, "
+    res = aot.resources(info["asm"]["cubin"]) if "cubin" in info["asm"] else {}
+    regs = (f"{res['reg']} registers/thread, {res.get('stack', 0)} bytes/thread of spills, "
+            if "reg" in res else "")
+    return (f"{regs}wgmma {ptx.count('wgmma.mma_async')}, mma.sync {ptx.count('mma.sync')}, "
             f"TMA loads {ptx.count('cp.async.bulk.tensor')}, atomics {ptx.count('atom.')}, "
             f"shared memory {info['shared_bytes']} bytes, local-memory accesses "
             f"{ptx.count('ld.local') + ptx.count('st.local')}")

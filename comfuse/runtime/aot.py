@@ -8,6 +8,11 @@ before importing comfuse).
 """
 from __future__ import annotations
 
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
@@ -93,3 +98,17 @@ def compile_chain_for_gpu(plan, arch: int = 90) -> dict:
     ptx = compiled.asm.get("ptx", "")
     return {"asm": dict(compiled.asm), "shared_bytes": compiled.metadata.shared,
             "wgmma": ptx.count("wgmma.mma_async"), "mma": ptx.count("mma.sync")}
+
+
+def resources(cubin: bytes) -> dict:
+    """Registers per thread, stack bytes per thread (register spills) and static shared
+    memory of a cubin, read with the cuobjdump that Triton ships (``-res-usage``); empty
+    when the tool is missing."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
+    return {k.lower(): int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text)}
