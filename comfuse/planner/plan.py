@@ -121,10 +121,11 @@ def tma_blocker(region: Region) -> str:
     return ""
 
 
-def _split_shape(region: Region, target: str, settings, sm_count: int) -> dict:
+def _split_shape(region: Region, target: str, settings, sm_count: int, blocks=None) -> dict:
     """Slices of N for the split schedule: enough programs to fill the GPU several times,
-    few enough that the statistics stay tiny next to the row they replace."""
-    bm, bn = _blocks(region, "split", target, settings.row_budget)[:2]
+    few enough that the statistics stay tiny next to the row they replace. ``blocks``:
+    (BLOCK_M, BLOCK_N) other than the planner's."""
+    bm, bn = blocks or _blocks(region, "split", target, settings.row_budget)[:2]
     tiles = _cdiv(region.sizes.N, bn)
     row_blocks = _cdiv(region.sizes.M, bm) * region.sizes.B
     chunks = min(tiles, max(1, _cdiv(4 * sm_count, row_blocks)))
@@ -253,15 +254,20 @@ def candidates(region: Region, target: str = "cuda", settings=None, sm_count: in
             out.append(base)
         if target == "interpreter":
             continue
+        # split: smaller tiles too: the statistics' tile values (several [BM, BN] tensors
+        # besides the accumulator) spill at 128x256 (scripts/sm90_report.py)
         variants = {"tile": [(128, 256, 64, 8), (64, 128, 64, 4), (128, 64, 64, 4)],
                     "cooperative": [(64, 128, 64, 4), (128, 256, 64, 8)],
-                    "row_in_cta": [], "split": []}[schedule]
+                    "row_in_cta": [], "split": [(128, 128, 64, 4), (64, 128, 64, 4), (128, 64, 64, 4)]}[schedule]
         for bm, bn, bk, warps in variants:
             if schedule == "cooperative":
                 tiles = _cdiv(base.region.sizes.N, bn)
                 if tiles > sm_count:
                     continue
                 extra = dict(tiles_n=tiles)
+            elif schedule == "split":
+                extra = _split_shape(base.region, target, settings, sm_count, (bm, bn))
+                del extra["onepass"]  # the base plan's, unchanged
             else:
                 extra = {}
             variant = dataclasses.replace(base, block_m=bm, block_n=bn, block_k=bk, num_warps=warps,

@@ -567,20 +567,27 @@ class _Emitter:
             self.line("):", -1)
             self.line(f'"""{doc}"""')
 
-        # kernel 1: each program reduces a slice of N for a block of rows to statistics.
-        # (The loop over the slice's tiles spills at sm_90 like the cooperative strip loop
-        # did, but Triton 3.6 lets a noinline function take scalars only, not the running
-        # statistics, so the remedy used there does not apply here.)
+        # kernel 1: each program reduces a slice of N for a block of rows to statistics. One
+        # tile's work is a noinline function called from the loop over the slice's tiles:
+        # inlined, ptxas kept 255 registers and spilled (as in the cooperative strip). A
+        # noinline function takes only scalars, so the running statistics live in the
+        # program's own rows of the workspace between tiles (a few KB, in L2).
+        def fill(i: int, part: str) -> str:
+            kind = op.stats[i].kind
+            if kind == "max" or (kind == "lse" and part == "m"):
+                return 'float("-inf")'
+            return 'float("inf")' if kind == "min" else "0.0"
+
+        def ws_at(j: int) -> str:
+            return f"ws_ptr + ({j} * CHUNKS + chunk) * M + offs_m"
         self.lines = []
-        head(self.name, f"{p.describe()}: statistics of one slice of N")
-        self.line("pid = tl.program_id(0)")
-        self.line("row_blocks = tl.cdiv(M, BLOCK_M)")
-        self.line("pid_m = pid % row_blocks  # row blocks vary fastest: programs in flight share B's tiles")
-        self.line("chunk = pid // row_blocks")
-        for line in stat_init(op.stats):
-            self.line(line)
-        self.line("for t in range(0, TILES_PER_CHUNK):")
-        self.base += 1
+        self.line("@triton.jit(noinline=True)", -1)
+        self.line(f"def {self.name}_tile(", -1)
+        self.lines += sig
+        self.line("pid_m, chunk, t,")
+        self.line(", ".join(f"{c}: tl.constexpr" for c in consts) + ",")
+        self.line("):", -1)
+        self.line('"""Tile t of the slice: its GEMM and tile values, merged into the slice\'s statistics."""')
         self.line("pid_n = chunk * TILES_PER_CHUNK + t")
         self.mainloop()
         needed = set()
@@ -591,21 +598,39 @@ class _Emitter:
                 needed.add(i)
                 todo += list(self.region.nodes[i].src)
         self.line()
+        self.line("# ---- the slice's statistics so far: fresh on its first tile, else from the workspace ----")
+        self.line("tl.debug_barrier()  # the previous tile's stores, by other threads of this program")
+        for line in stat_init(op.stats):
+            self.line(line)
+        self.line("if t > 0:")
+        for j, (i, part) in enumerate(slots):
+            name = f"stat{i}_{part}" if part else f"stat{i}"
+            self.line(f"{name} = tl.load({ws_at(j)}, mask=mask_m, other={fill(i, part)})", 2)
+        self.line()
         self.line("# ---- tile values the statistics reduce ----")
         for i in sorted(needed):
             node = self.region.nodes[i]
             if node.op is not Op.CONST:
                 self.line(f"v{i} = {self.expr(i)}  # {self.comment(i)}")
-        self.line("# ---- this tile's partials, merged into the slice's statistics ----")
+        self.line("# ---- this tile's partials, merged into the slice's statistics, stored ----")
         for line in stat_update(op.stats, self.ref):
             self.line(line)
-        self.base -= 1
-        self.line("# ---- publish the slice's statistics ----")
-        self.line("offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
-        self.line("mask_m = offs_m < M")
         for j, (i, part) in enumerate(slots):
             name = f"stat{i}_{part}" if part else f"stat{i}"
-            self.line(f"tl.store(ws_ptr + ({j} * CHUNKS + chunk) * M + offs_m, {name}, mask=mask_m)")
+            self.line(f"tl.store({ws_at(j)}, {name}, mask=mask_m)")
+        self.line()
+        self.line()
+        head(self.name, f"{p.describe()}: statistics of one slice of N")
+        self.line("pid = tl.program_id(0)")
+        self.line("row_blocks = tl.cdiv(M, BLOCK_M)")
+        self.line("pid_m = pid % row_blocks  # row blocks vary fastest: programs in flight share B's tiles")
+        self.line("chunk = pid // row_blocks")
+        self.line("for t in range(0, TILES_PER_CHUNK):")
+        self.line(f"{self.name}_tile(", 2)
+        self.line(", ".join(q.name for q in self.params) + ",", 3)
+        self.line("pid_m, chunk, t,", 3)
+        self.line(", ".join(consts) + ",", 3)
+        self.line(")", 2)
         first = "\n".join(self.lines)
 
         # kernel 2: merge the slices' statistics per row, then the per-row combine step
