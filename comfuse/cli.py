@@ -119,6 +119,10 @@ def main(argv=None) -> int:
                     from .planner import plan
                     planned = plan(r.found, target="cuda")
                     planned = None if not hasattr(planned, "schedule") else planned
+                elif r.kind == "b2b" and r.found is not None and r.schedule != "sdpa":
+                    from .planner.chain import plan_chain
+                    planned = plan_chain(*r.found, target="cuda")
+                    planned = None if not hasattr(planned, "links") else planned
                 if planned is not None and hasattr(planned, "describe"):
                     print(f"\n-- region {r.index} compiled for sm_90 ({planned.describe()}): "
                           f"{_sm90_summary(planned)}")

@@ -21,7 +21,8 @@ class RegionReport:
     kernel_path: str = ""  # generated source on disk
     forms: list = dataclasses.field(default_factory=list)  # (pass, IR text) per planner step
     planned: object = dataclasses.field(default=None, repr=False)  # the Plan / ChainPlan run
-    found: object = dataclasses.field(default=None, repr=False)  # the Region as found
+    found: object = dataclasses.field(default=None, repr=False)  # the Region as found; for
+    # a b2b chain, (regions, links, writes): what plan_chain takes
 
     def summary(self) -> str:
         status = "fused" if self.fused else "not fused"

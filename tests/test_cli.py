@@ -51,6 +51,21 @@ def test_explain_compiles_for_the_h200(tmp_path, capfd):
     assert main(["explain", f"{src}:f", "--sm90"]) == 0
     out = capfd.readouterr().out
     assert "compiled for sm_90" in out and re.search(r"wgmma [1-9]", out) and "shared memory" in out
+    assert "registers/thread" in out and "bytes/thread of spills" in out
+
+
+def test_explain_compiles_a_b2b_chain_for_the_h200(tmp_path, capfd):
+    """A chain on CPU tensors is not run, but --sm90 still plans it for the H200 and compiles
+    its one kernel."""
+    src = tmp_path / "mlp.py"
+    src.write_text("import torch\n"
+                   "def f(x, w1, w2):\n    return torch.relu(x @ w1) @ w2\n"
+                   "bf = torch.bfloat16\n"
+                   "example_inputs = (torch.randn(256, 64, dtype=bf), torch.randn(64, 128, dtype=bf), "
+                   "torch.randn(128, 64, dtype=bf))\n")
+    assert main(["explain", f"{src}:f", "--sm90"]) == 0
+    out = capfd.readouterr().out
+    assert re.search(r"region 0 compiled for sm_90 \(b2b: 2 GEMMs", out), out[-2000:]
 
 
 def test_explain_errors_are_clear(tmp_path):

@@ -355,6 +355,7 @@ class Specialization:
         target = "cuda" if device.type == "cuda" and not kernel_mod.interpreting() else "interpreter"
         link_nodes = {cands[i + 1].anchor.args[0] for i in range(len(cands) - 1)}
         writes = [[j for j, ob in enumerate(c.outputs) if ob.node not in link_nodes] for c in cands]
+        rep.found = ([c.region for c in cands], links, writes)
         try:
             plan = plan_chain([c.region for c in cands], links, writes, target, settings)
             scale = attention_scale(cands[0].region, cands[1].region, links[0]) if len(cands) == 2 else None
