@@ -78,7 +78,7 @@ def get() -> Settings:
     so the result is remembered per (environment, overrides) snapshot."""
     raw = getattr(os.environ, "_data", None)  # CPython's encoded mapping: no decoding per lookup
     if isinstance(raw, dict):
-        env = tuple(raw.get(name) for name in _ENV_KEYS)
+        env = tuple(map(raw.get, _ENV_KEYS))
     else:
         env = tuple(os.environ.get(name) for name in _ENV_NAMES)
     key = (env,

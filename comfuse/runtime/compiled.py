@@ -55,9 +55,12 @@ class FusedRegion(torch.nn.Module):
         self.tuned: set = set()  # devices whose choice is made
         self.prefer_unfused = False
         self.separate = None  # the unfused ops as autotuning timed them (Inductor on a GPU)
+        self._views: dict = {}  # side input layout -> its canonical view's (size, stride, offset)
+        self._canon_outs = None  # (shape, dtype) of each output in canonical form
 
     def forward(self, *ext):
-        if self.failed or settings_mod.get().disable:
+        settings = settings_mod.get()
+        if self.failed or settings.disable:
             return self.unfused(*ext)
         a, b = ext[self.operands[0]], ext[self.operands[1]]
         why = kernel_mod.can_run_on(a.device)
@@ -72,11 +75,11 @@ class FusedRegion(torch.nn.Module):
                 self.tune(ext, a, b)
             if self.prefer_unfused:
                 return self.separate(*ext)
-            return self.run_kernel(ext, a, b)
+            return self.run_kernel(ext, a, b, check=settings.check)
         except KernelMismatch:
             raise
         except Exception as e:
-            if settings_mod.get().strict:
+            if settings.strict:
                 raise
             self.fail(f"kernel failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
             return self.unfused(*ext)
@@ -139,15 +142,18 @@ class FusedRegion(torch.nn.Module):
         device = a.device
         a3 = a if region.gemm.batched else a.unsqueeze(0)
         b3 = b if region.gemm.batched else b.unsqueeze(0)
-        ins = [self.prepare(ext[bind.ext], bind, device) for bind in self.cand_inputs]
-        outs = [torch.empty(canonical_shape(region, o.axes), dtype=o.dtype, device=device)
-                for o in region.outputs]
+        ins = [self.prepare_cached(j, ext[bind.ext], bind, device) for j, bind in enumerate(self.cand_inputs)]
+        if self._canon_outs is None:
+            self._canon_outs = [(canonical_shape(region, o.axes), o.dtype) for o in region.outputs]
+        outs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self._canon_outs]
         if kernel.plan.transposed:
             kernel.launch(b3.transpose(1, 2), a3.transpose(1, 2),
                           [t.transpose(1, 2) for t in ins], [t.transpose(1, 2) for t in outs])
         else:
             kernel.launch(a3, b3, ins, outs)
-        if check and settings_mod.get().check:
+        if check is True:  # callers that do not know: ask the settings
+            check = settings_mod.get().check
+        if check:
             self.check(a3, b3, ins, outs, kernel)
         return tuple(o.view(shape) for o, shape in zip(outs, self.out_shapes))
 
@@ -169,6 +175,27 @@ class FusedRegion(torch.nn.Module):
         if self.plan.transposed:
             return b3.transpose(1, 2), a3.transpose(1, 2), [t.transpose(1, 2) for t in ins]
         return a3, b3, ins
+
+    def prepare_cached(self, j: int, t, bind, device: torch.device) -> torch.Tensor:
+        """``prepare``, remembered per layout: the canonical view of side input ``j`` is
+        rebuilt with one ``as_strided`` once its sizes, strides and offset are known (when
+        the view shares ``t``'s storage; otherwise the slow path runs every time)."""
+        if not isinstance(t, torch.Tensor) or t.device != device:
+            return self.prepare(t, bind, device)
+        key = (j, t.shape, t.stride(), t.dtype)
+        known = self._views.get(key)
+        if known is None:
+            v = self.prepare(t, bind, device)
+            same = v.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+            known = (tuple(v.shape), v.stride(), v.storage_offset() - t.storage_offset()) if same else False
+            if len(self._views) > 64:
+                self._views.clear()
+            self._views[key] = known
+            return v
+        if known is False:
+            return self.prepare(t, bind, device)
+        size, stride, offset = known
+        return t.as_strided(size, stride, t.storage_offset() + offset)
 
     @staticmethod
     def prepare(t: torch.Tensor, bind, device: torch.device) -> torch.Tensor:
@@ -415,8 +442,9 @@ def _signature(args) -> tuple:
     for a in args:
         if isinstance(a, torch.Tensor):
             # which of the last two dims has unit stride: plans with TMA loads depend on it
-            unit = tuple(a.stride(d) == 1 for d in (-2, -1)) if a.dim() >= 2 else ()
-            key.append(("T", tuple(a.shape), a.dtype, a.device, unit))
+            st = a.stride()
+            unit = (st[-2] == 1, st[-1] == 1) if len(st) >= 2 else ()
+            key.append(("T", a.shape, a.dtype, a.device, unit))
         else:
             try:
                 hash(a)
