@@ -132,9 +132,24 @@ class _Rewriter:
         return self.c(Op.STAT, (), (self.stats.index(s), part))
 
     def add_tile(self, op: Op, src, dtype=F32, arg=None) -> int:
+        """A tile value: an existing identical node when there is one (fewer tile values
+        means fewer [BLOCK_M, BLOCK_N] tensors live in the kernel and fewer statistics)."""
         axes = frozenset().union(*(self.tile[s].axes for s in src))
-        self.tile.append(Node(op, tuple(src), dtype, axes, arg))
+        node = Node(op, tuple(src), dtype, axes, arg)
+        for j, existing in enumerate(self.tile):
+            if existing == node:
+                return j
+        self.tile.append(node)
         return len(self.tile) - 1
+
+    def indicator(self, cond: int) -> int:
+        """The tile value 1.0 where ``cond`` holds, else 0.0: the region's own float cast of
+        the condition when it has one (cross-entropy counts its targets that way), else a new
+        where(cond, 1, 0)."""
+        for j, n in enumerate(self.tile):
+            if n.op is Op.CAST and n.src == (cond,) and n.dtype == F32 and n.arg == F32:
+                return j
+        return self.add_tile(Op.WHERE, (cond, self.tile_const(1.0), self.tile_const(0.0)))
 
     def mul(self, a: int | None, b: int | None) -> int | None:
         if a is None or b is None:
@@ -288,7 +303,7 @@ class _Rewriter:
             form = _Affine(tuple(terms), y.const)
             diff = self.add(x.const, self.mul(y.const, self.const(-1.0)) if y.const is not None else None)
             if diff is not None:  # where(m, cx, cy) = cy + (cx - cy) * where(m, 1, 0)
-                ones = self.add_tile(Op.WHERE, (cond[1], self.tile_const(1.0), zero))
+                ones = self.indicator(cond[1])
                 form = self.plus(form, _Affine(((ones, diff),), None))
             return form
         if op is Op.EXP:
