@@ -81,6 +81,9 @@ def main(argv=None) -> int:
     p_bench.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p_bench.add_argument("--candidates", default="", help="comma-separated subset of candidates")
     p_bench.add_argument("--resume", action="store_true", help="keep the cases already in OUT/results.json")
+    p_bench.add_argument("--repeat", type=int, default=1,
+                         help="time the candidates in this many interleaved rounds; report the median "
+                              "of the rounds' medians and their range (for noisy machines)")
     p_bench.add_argument("--report-only", action="store_true", help="rewrite the report of OUT/results.json")
     p_prof = sub.add_parser("profile", help="DRAM bytes of a fused kernel and its unfused pipeline (ncu)")
     p_prof.add_argument("workload", help="a workload of the bench suites, e.g. ln_postnorm")
@@ -135,8 +138,10 @@ def main(argv=None) -> int:
             results = _json.loads((Path(args.out) / "results.json").read_text())
         else:
             cands = [c for c in args.candidates.split(",") if c] or None
+            if args.repeat < 1:
+                raise SystemExit("--repeat must be at least 1")
             results = runner.run(args.suite, args.quick, args.out, args.device, args.dtype, cands,
-                                 args.resume)
+                                 args.resume, repeat=args.repeat)
         for path in report.write(results, args.out):
             print(f"wrote {path}")
         print(report.markdown(results))

@@ -5,7 +5,8 @@
 # GPU-only tests (cooperative-strip stress, cross-entropy memory at vocabulary 32k and 128k,
 # autotuning, DDP where two GPUs are present). Logs and results go to $OUT; a short table
 # is printed last. Knobs: SUITE, CANDIDATES, BENCH_S, MAINLOOP_S, GPU_TESTS_S, GPU_TESTS_K,
-# MODELS=1, MODEL_CANDIDATES, CE_MEMORY=1 (a *_S of 0 skips that part).
+# REPEAT (interleaved timing rounds), MODELS=1, MODEL_CANDIDATES, CE_MEMORY=1 (a *_S of 0
+# skips that part).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/comfuse-out}
@@ -17,7 +18,7 @@ trap 'mkdir -p "$OUT/tuning"; cp "$COMFUSE_CACHE_DIR"/tuning/*.json "$OUT/tuning
       (cd "$OUT" && tar czf all.tgz --exclude=all.tgz . && find . -mindepth 1 ! -name all.tgz -delete)' EXIT
 
 start=$(date +%s)
-[ "${BENCH_S:-270}" = 0 ] || timeout "${BENCH_S:-270}" python3 -m comfuse.cli bench --suite "${SUITE:-all}" --quick --out "$OUT/bench" \
+[ "${BENCH_S:-270}" = 0 ] || timeout "${BENCH_S:-270}" python3 -m comfuse.cli bench --suite "${SUITE:-all}" --quick --repeat "${REPEAT:-1}" --out "$OUT/bench" \
   --candidates "${CANDIDATES:-comfuse,eager,inductor,gemm,sdpa}" \
   > "$OUT/bench.log" 2>&1
 echo "bench rc=$? in $(( $(date +%s) - start )) s"

@@ -102,6 +102,32 @@ def test_run_case_survives_a_failing_candidate():
     assert row["candidates"]["eager"]["status"] == "ok"
 
 
+def test_repeat_times_checked_candidates_in_interleaved_rounds():
+    """--repeat 3: every candidate that passed its check is timed in three rounds, in the
+    order A B, A B, A B; the median of the round medians is reported with their range."""
+    x, w = torch.randn(8, 16), torch.randn(16, 8)
+    order = []
+
+    def fn(x, w):
+        order.append("eager")
+        return torch.relu(x @ w)
+
+    def gemm():
+        order.append("gemm")
+        return x @ w
+    prog = workloads.Program("paper", "toy", (8, 16, 8), torch.float32, fn, (x, w), 2 * 8 * 16 * 8, 1.0,
+                             gemm=gemm, reference=lambda x, w: torch.relu(x.double() @ w.double()))
+    row = runner.run_case(prog, ["eager", "gemm"], "cpu", progress=lambda s: None, repeat=3)
+    for name in ("eager", "gemm"):
+        c = row["candidates"][name]
+        assert len(c["round_medians_ms"]) == 3
+        assert c["rounds_min_ms"] <= c["median_ms"] <= c["rounds_max_ms"]
+    # after the first (build, check, time) pass, the rounds alternate between candidates
+    switches = sum(1 for a, b in zip(order, order[1:]) if a != b)
+    assert switches >= 4
+    assert "[" in report._fmt(row["candidates"]["eager"])
+
+
 def test_suites_list_the_paper_workloads():
     quick = workloads.cases("all", quick=True)
     assert ("paper", "linear_ce", (8192, 4096, 32768)) in quick

@@ -58,6 +58,8 @@ def _fmt(cand: dict | None) -> str:
         return "-"
     status = cand.get("status")
     if status == "ok":
+        if "rounds_min_ms" in cand:  # --repeat: median of the rounds' medians [their range]
+            return f"{cand['median_ms']:.4f} [{cand['rounds_min_ms']:.4f}..{cand['rounds_max_ms']:.4f}]"
         return f"{cand['median_ms']:.4f} ({cand['iqr_ms']:.4f})"
     if status == "wrong":
         return f"WRONG (err {cand.get('err', float('nan')):.1e})"
@@ -80,7 +82,10 @@ def markdown(results: dict) -> str:
     how = ("`triton.testing.do_bench`, CUDA events, L2 flushed between repetitions"
            if meta.get("device") == "cuda" else
            "wall clock on the CPU through Triton's interpreter: a smoke test, not a measurement")
-    lines.append(f"- times: median (IQR) in ms of >= 20 repetitions ({how}); every candidate's "
+    rounds = meta.get("repeat", 1)
+    shown = ("median of the medians of {0} interleaved rounds [range of the round medians]".format(rounds)
+             if rounds > 1 else "median (IQR)")
+    lines.append(f"- times: {shown} in ms, each round >= 20 repetitions ({how}); every candidate's "
                  "output was checked against float64 PyTorch before it was timed; WRONG results "
                  "are reported, not timed")
     lines.append("")

@@ -10,6 +10,7 @@ be resumed (``--resume``) after an interruption.
 from __future__ import annotations
 
 import json
+import statistics
 import time
 import traceback
 import warnings
@@ -145,11 +146,16 @@ def _candidate(name: str, prog: workloads.Program) -> tuple[Callable | None, dic
 _UNCHECKED = ("gemm", "epilogue")  # they compute something else than the program: floors
 
 
-def run_case(prog: workloads.Program, candidates, device: str, progress) -> dict:
+def run_case(prog: workloads.Program, candidates, device: str, progress, repeat: int = 1) -> dict:
+    """Build, check and time every candidate. With ``repeat`` > 1 the candidates that pass
+    are timed in ``repeat`` interleaved rounds (A B C, A B C, ...), so that a drifting
+    machine affects all of them alike; the reported median is the median of the rounds'
+    medians, with the rounds' range beside it."""
     row = {"suite": prog.suite, "workload": prog.workload, "shape": list(prog.shape),
            "dtype": str(prog.dtype).replace("torch.", ""), "flops": prog.flops,
            "min_bytes": prog.min_bytes, "candidates": {}}
     ref = _as_tuple(prog.reference(*prog.args) if prog.reference else prog.fn(*_double(prog.args)))
+    ready = {}  # name -> callable, checked
     for name in candidates:
         t0 = time.perf_counter()
         try:
@@ -180,6 +186,7 @@ def run_case(prog: workloads.Program, candidates, device: str, progress) -> dict
                     continue
             timing = measure(call, device)
             info.update(status="ok", **timing.as_dict())
+            ready[name] = call
             progress(f"    {name:24s} {timing.median_ms:9.4f} ms  (IQR {timing.iqr_ms:.4f}, "
                      f"{timing.reps} reps, built in {info['compile_s']:.1f} s)")
         except Exception as e:  # a failing candidate must not stop the run
@@ -187,12 +194,26 @@ def run_case(prog: workloads.Program, candidates, device: str, progress) -> dict
                     "traceback": traceback.format_exc()[-2000:]}
             progress(f"    {name:24s} FAILED: {info['reason']}")
         row["candidates"][name] = info
+    if repeat > 1 and ready:
+        rounds = {name: [row["candidates"][name]["median_ms"]] for name in ready}
+        for _ in range(repeat - 1):
+            for name, call in ready.items():
+                try:
+                    rounds[name].append(measure(call, device).median_ms)
+                except Exception as e:  # keep the rounds that ran
+                    progress(f"    {name:24s} a timing round failed: {type(e).__name__}")
+        for name, medians in rounds.items():
+            info = row["candidates"][name]
+            info.update(median_ms=statistics.median(medians), round_medians_ms=medians,
+                        rounds_min_ms=min(medians), rounds_max_ms=max(medians))
+            progress(f"    {name:24s} {info['median_ms']:9.4f} ms  median of {len(medians)} rounds "
+                     f"({min(medians):.4f} .. {max(medians):.4f})")
     return row
 
 
 def run(suite: str = "all", quick: bool = False, out_dir: str | Path = "bench/results/latest",
         device: str = "auto", dtype: str = "bf16", candidates=None, resume: bool = False,
-        progress=print) -> dict:
+        progress=print, repeat: int = 1) -> dict:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and suite not in ("paper", "models"):
@@ -209,7 +230,8 @@ def run(suite: str = "all", quick: bool = False, out_dir: str | Path = "bench/re
     if results is None:
         progress("measuring the machine's ceilings ...")
         results = {"meta": environment(device), "ceilings": ceilings(device), "cases": []}
-        results["meta"].update(suite=suite, quick=quick, dtype=dtype, candidates=list(candidates))
+        results["meta"].update(suite=suite, quick=quick, dtype=dtype, candidates=list(candidates),
+                               repeat=repeat)
     done = {(c["workload"], tuple(c["shape"])) for c in results["cases"]}
     todo = workloads.cases(suite, quick)
     start = time.perf_counter()
@@ -219,7 +241,7 @@ def run(suite: str = "all", quick: bool = False, out_dir: str | Path = "bench/re
             progress(f"[{i}/{len(todo)}] {prog.label}: already measured (resume)")
             continue
         progress(f"[{i}/{len(todo)}] {prog.label} ({time.perf_counter() - start:.0f} s so far)")
-        results["cases"].append(run_case(prog, candidates, device, progress))
+        results["cases"].append(run_case(prog, candidates, device, progress, repeat))
         path.write_text(json.dumps(results, indent=1))
         del prog
         if device == "cuda":
