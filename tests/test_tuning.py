@@ -111,3 +111,24 @@ def test_memory_first_keeps_a_wide_loss_fused_but_not_a_wide_output():
         big = region.replace(sizes=dataclasses.replace(region.sizes, M=8192, N=128256))
         assert tuning.memory_first(region, decision) == ""  # small: speed decides
         assert tuning.memory_first(big, decision) == expect
+
+
+def test_a_chain_times_its_candidate_plans_and_keeps_the_fastest(monkeypatch, fresh_cache):
+    """A back-to-back chain is tuned like a region: its candidate plans (here the other warp
+    count is the second) against its unfused ops; the winner runs and is reported."""
+    import torch.nn.functional as F
+    torch.manual_seed(0)
+    x, w1, w2 = torch.randn(64, 32), torch.randn(32, 48), torch.randn(48, 16)
+
+    def mlp(x, w1, w2):
+        return F.relu(x @ w1) @ w2
+    fake_timer(monkeypatch, [1.0, 0.9, 0.5, 0.8, 0.8])  # unfused, then the candidates in order
+    compiled = comfuse.compile(mlp, (x, w1, w2))
+    out = compiled(x, w1, w2)
+    chain = next(m for m in next(iter(compiled._specs.values())).gm.modules()
+                 if m.__class__.__name__ == "FusedChain")
+    from comfuse.planner.chain import chain_candidates
+    assert len(chain_candidates(chain.plan)) >= 2
+    report = next(r for r in compiled.report.regions if r.kind == "b2b")
+    assert report.fused and "autotuned: 0.5000 ms" in report.plan
+    assert_matches_reference(mlp, (x, w1, w2), out)

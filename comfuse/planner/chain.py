@@ -108,7 +108,23 @@ def plan_chain(regions, links, writes, target: str = "cuda", settings=None) -> C
                      8 if bm * held >= 128 * 128 else 4, 3, onepass)
 
 
-__all__ = ["ChainPlan", "plan_chain"]
+def chain_candidates(plan: ChainPlan) -> list[ChainPlan]:
+    """The chain plans worth timing: the planner's, the other warp count (16-row attention
+    chains spill at 4 warps and not at 8, by ptxas at sm_90), and for a long elementwise
+    GEMM1 the other program height."""
+    out = [plan]
+    out.append(dataclasses.replace(plan, num_warps=8 if plan.num_warps == 4 else 4))
+    if plan.onepass is None and plan.stream_n == 64 and plan.regions[0].sizes.M >= 128:
+        other = 64 if plan.block_m == 128 else 128
+        out.append(dataclasses.replace(plan, block_m=other, num_warps=8))
+    unique = []
+    for p in out:
+        if p not in unique:
+            unique.append(p)
+    return unique
+
+
+__all__ = ["ChainPlan", "chain_candidates", "plan_chain"]
 
 
 def attention_scale(first: Region, second: Region, link: int) -> float | None:

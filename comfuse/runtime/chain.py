@@ -152,11 +152,18 @@ class FusedChain(torch.nn.Module):
             return self.unfused(*ext)
 
     def tune(self, ext, a) -> None:
+        """Time the chain's candidate plans and its ops compiled by Inductor; keep the fastest."""
+        from ..planner.chain import chain_candidates
+        plans = chain_candidates(self.plan)
+        names = [chain_name(p) for p in plans]
         k = tuning.key(self.plan.regions[0], a.device) + "-" + chain_name(self.plan)[-8:]
         decision = tuning.load(k)
-        if decision is None:
+        if decision is None or (decision["choice"] != tuning.UNFUSED and decision["choice"] not in names):
+            def run_fused(i):
+                self.kernel = build_chain(plans[i])
+                return self.run(ext, a, check=False)
             self.separate = tuning.separate(self.unfused, ext)
-            decision = tuning.decide([chain_name(self.plan)], lambda i: self.run(ext, a, check=False),
+            decision = tuning.decide(names, run_fused,
                                      lambda: tuple(self.separate(*ext)), a.device,
                                      max(agreement_tolerance(r) for r in self.regions))
             tuning.store(k, decision)
@@ -170,6 +177,14 @@ class FusedChain(torch.nn.Module):
             fused_ms = min((t for n, t in times.items() if n != tuning.UNFUSED), default=float("inf"))
             self.report.reason = (f"autotune: the unfused ops ({times[tuning.UNFUSED]:.4f} ms) beat the "
                                   f"fused chain ({fused_ms:.4f} ms)")
+            return
+        self.prefer_unfused = False
+        self.plan = plans[names.index(decision["choice"])]
+        self.kernel = build_chain(self.plan)
+        self.report.fused, self.report.reason = True, ""
+        self.report.plan = (f"{self.plan.describe()}, {self.plan.num_warps} warps (autotuned: "
+                            f"{times[decision['choice']]:.4f} ms vs {times[tuning.UNFUSED]:.4f} ms unfused)")
+        self.report.planned, self.report.kernel_path = self.plan, self.kernel.path
 
     def run(self, ext, a, check: bool = True):
         from .compiled import FusedRegion  # (compiled imports this module)
