@@ -91,9 +91,9 @@ def _disagreement(outs, refs, tol: float | None) -> str:
 
 def separate(unfused, ext, on_cpu: bool = False):
     """The region's own ops as the best separate execution comfuse can offer: on a GPU,
-    compiled by Inductor (cuBLAS for the GEMM, a generated kernel for the rest), so that
-    choosing "unfused" never means running decomposed ops one by one. Falls back to the
-    ops themselves when Inductor cannot compile them."""
+    the faster of the ops compiled by Inductor (cuBLAS for the GEMM, a generated kernel for
+    the rest) and the ops run one by one. Falls back to the ops themselves when Inductor
+    cannot compile them."""
     if not on_cpu and not any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in ext):
         return unfused
     try:
@@ -104,6 +104,11 @@ def separate(unfused, ext, on_cpu: bool = False):
         with torch._guards.tracing(None):
             compiled = compile_fx(copy.deepcopy(unfused), list(ext))
             compiled(*ext)
+        if not on_cpu:  # Inductor's code is not always the faster (DLRM's GEMM chain: eager won)
+            inductor_ms = measure(lambda: compiled(*ext), "cuda", warmup_ms=5, rep_ms=25).median_ms
+            plain_ms = measure(lambda: unfused(*ext), "cuda", warmup_ms=5, rep_ms=25).median_ms
+            if plain_ms < inductor_ms:
+                return unfused
         return compiled
     except Exception as e:  # the plain ops still run
         import warnings
