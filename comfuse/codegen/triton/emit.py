@@ -469,20 +469,11 @@ class _Emitter:
             # The work on one strip is a function of its own, called from the persistent
             # loop: inlined into that loop, ptxas kept 255 registers and spilled (0.1-4.5 KB
             # per thread on every paper workload at sm_90); alone it needs ~120 and none.
-            self.line("@triton.jit(noinline=True)", -1)
-            self.line(f"def {self.name}_strip(", -1)
-            self.lines += sig
-            self.line("strip, pid_n, slot, strips_per_batch,")
-            self.line(", ".join(f"{c}: tl.constexpr" for c in consts) + ",")
-            self.line("):", -1)
-            self.line('"""One row strip: this program\'s tile, its stages and exchanges."""')
+            self.function(f"{self.name}_strip", sig, consts,
+                          "One row strip: this program's tile, its stages and exchanges.",
+                          "strip, pid_n, slot, strips_per_batch,", noinline=True)
         else:
-            self.line("@triton.jit", -1)
-            self.line(f"def {self.name}(", -1)
-            self.lines += sig
-            self.line(", ".join(f"{c}: tl.constexpr" for c in consts) + ",")
-            self.line("):", -1)
-            self.line(f'"""{p.describe()}"""')
+            self.function(self.name, sig, consts, p.describe())
         self.program_ids()
         self.mainloop()
         exchanges = 0
@@ -517,28 +508,40 @@ class _Emitter:
         return KernelSource(self.name, header + body + "\n", tuple(self.params), constexprs,
                             p.num_warps, p.num_stages)
 
+    def function(self, name: str, sig: list, consts: list, doc: str, extra: str = "",
+                 noinline: bool = False) -> None:
+        """A @triton.jit function's header: the kernel's parameters, ``extra`` ones, the
+        constexprs and a docstring. ``noinline``: a function of its own in the PTX, so that
+        ptxas allocates its registers apart from the caller's loop."""
+        self.line("@triton.jit(noinline=True)" if noinline else "@triton.jit", -1)
+        self.line(f"def {name}(", -1)
+        self.lines += sig
+        if extra:
+            self.line(extra)
+        self.line(", ".join(f"{c}: tl.constexpr" for c in consts) + ",")
+        self.line("):", -1)
+        self.line(f'"""{doc}"""')
+
+    def call(self, name: str, extra: str, consts: list, indent: int) -> None:
+        """A call of ``name`` with every kernel parameter, ``extra`` ones and the constexprs."""
+        self.line(f"{name}(", indent)
+        self.line(", ".join(p.name for p in self.params) + ",", indent + 1)
+        self.line(extra, indent + 1)
+        self.line(", ".join(consts) + ",", indent + 1)
+        self.line(")", indent)
+
     def persistent_loop(self, sig: list, consts: list) -> None:
         """The cooperative kernel proper: a persistent grid whose programs walk the strips
         of their slot, calling the strip function for each."""
-        names = [p.name for p in self.params]
         self.line()
         self.line()
-        self.line("@triton.jit", -1)
-        self.line(f"def {self.name}(", -1)
-        self.lines += sig
-        self.line(", ".join(f"{c}: tl.constexpr" for c in consts) + ",")
-        self.line("):", -1)
-        self.line(f'"""{self.plan.describe()}"""')
+        self.function(self.name, sig, consts, self.plan.describe())
         self.line("pid = tl.program_id(0)")
         self.line("pid_n = pid % TILES_N  # this program's tile in every strip it works on")
         self.line("slot = pid // TILES_N  # the programs of one slot share strips and exchanges")
         self.line("strips_per_batch = tl.cdiv(M, BLOCK_M)")
         self.line("for strip in range(slot, strips_per_batch * NUM_B, GROUPS):")
-        self.line(f"{self.name}_strip(", 2)
-        self.line(", ".join(names) + ",", 3)
-        self.line("strip, pid_n, slot, strips_per_batch,", 3)
-        self.line(", ".join(consts) + ",", 3)
-        self.line(")", 2)
+        self.call(f"{self.name}_strip", "strip, pid_n, slot, strips_per_batch,", consts, 2)
 
     # ---- the split schedule: statistics over slices of N, then a combine kernel -------------
     def stat_slots(self) -> list:
@@ -560,12 +563,7 @@ class _Emitter:
         slot_of = {key: j for j, key in enumerate(slots)}
 
         def head(name: str, doc: str) -> None:
-            self.line("@triton.jit", -1)
-            self.line(f"def {name}(", -1)
-            self.lines += sig
-            self.line(", ".join(f"{c}: tl.constexpr" for c in consts) + ",")
-            self.line("):", -1)
-            self.line(f'"""{doc}"""')
+            self.function(name, sig, consts, doc)
 
         # kernel 1: each program reduces a slice of N for a block of rows to statistics. One
         # tile's work is a noinline function called from the loop over the slice's tiles:
@@ -581,13 +579,9 @@ class _Emitter:
         def ws_at(j: int) -> str:
             return f"ws_ptr + ({j} * CHUNKS + chunk) * M + offs_m"
         self.lines = []
-        self.line("@triton.jit(noinline=True)", -1)
-        self.line(f"def {self.name}_tile(", -1)
-        self.lines += sig
-        self.line("pid_m, chunk, t,")
-        self.line(", ".join(f"{c}: tl.constexpr" for c in consts) + ",")
-        self.line("):", -1)
-        self.line('"""Tile t of the slice: its GEMM and tile values, merged into the slice\'s statistics."""')
+        self.function(f"{self.name}_tile", sig, consts,
+                      "Tile t of the slice: its GEMM and tile values, merged into the slice's statistics.",
+                      "pid_m, chunk, t,", noinline=True)
         self.line("pid_n = chunk * TILES_PER_CHUNK + t")
         self.mainloop()
         needed = set()
@@ -626,11 +620,7 @@ class _Emitter:
         self.line("pid_m = pid % row_blocks  # row blocks vary fastest: programs in flight share B's tiles")
         self.line("chunk = pid // row_blocks")
         self.line("for t in range(0, TILES_PER_CHUNK):")
-        self.line(f"{self.name}_tile(", 2)
-        self.line(", ".join(q.name for q in self.params) + ",", 3)
-        self.line("pid_m, chunk, t,", 3)
-        self.line(", ".join(consts) + ",", 3)
-        self.line(")", 2)
+        self.call(f"{self.name}_tile", "pid_m, chunk, t,", consts, 2)
         first = "\n".join(self.lines)
 
         # kernel 2: merge the slices' statistics per row, then the per-row combine step
