@@ -5,6 +5,8 @@ For each paper workload at 8192x1024x1024 (bf16) and each of its cooperative can
 this times, in one run:
 
 - ``as is``: the kernel comfuse generates (checked against float64 first);
+- ``inline``: the strip (split: tile) function inlined into the persistent loop;
+- ``mainloop only``: the strip function cut after its mainloop (timing only);
 - ``no wait``: the same kernel with the arrival counter and the spin-wait removed (each tile
   combines whatever partials are in the workspace: wrong results, timing only), which
   prices the wait itself;
@@ -31,6 +33,7 @@ import comfuse  # noqa: E402
 from comfuse import settings  # noqa: E402
 from comfuse.bench.timing import measure  # noqa: E402
 from comfuse.bench.workloads import SUITE  # noqa: E402
+from comfuse.planner import candidates  # noqa: E402
 from comfuse.runtime import cache, compiled  # noqa: E402
 from comfuse.runtime import kernel as kernel_mod  # noqa: E402
 
@@ -57,12 +60,32 @@ def region_of(fn, inputs):
 
 
 def without_wait(kernel: kernel_mod.Kernel) -> kernel_mod.Kernel:
-    name = kernel.source.name + "_nowait"
-    text = kernel.source.text.replace("strip_barrier(counter_ptr + slot, TILES_N)", "tl.debug_barrier()")
+    return variant(kernel, "_nowait", kernel.source.text.replace("strip_barrier(counter_ptr + slot, TILES_N)",
+                                                                 "tl.debug_barrier()"))
+
+
+def variant(kernel: kernel_mod.Kernel, suffix: str, text: str) -> kernel_mod.Kernel:
+    name = kernel.source.name + suffix
     text = text.replace(kernel.source.name, name)
     module = cache.load_source(name, text)
     return kernel_mod.Kernel(kernel.plan, dataclasses.replace(kernel.source, name=name, text=text),
-                             getattr(module, name))
+                             getattr(module, name), kernel.phases, getattr(module, f"{name}_combine", None))
+
+
+def mainloop_only(kernel: kernel_mod.Kernel) -> kernel_mod.Kernel:
+    """The strip (or split tile) function cut after its mainloop: one per-row sum of the
+    accumulator goes to the workspace, so the GEMM is not optimised away."""
+    text = kernel.source.text
+    marker = ("    # ---- stage 0" if kernel.plan.schedule == "cooperative"
+              else "    # ---- the slice's statistics so far")
+    start = text.index(marker)
+    end = text.index("\n\n\n@triton.jit", start)
+    keep = "    tl.store(ws_ptr + offs_m, tl.sum(acc, axis=1), mask=mask_m)  # timing only\n"
+    return variant(kernel, "_mainloop", text[:start] + keep + text[end:])
+
+
+def inline(kernel: kernel_mod.Kernel) -> kernel_mod.Kernel:
+    return variant(kernel, "_inline", kernel.source.text.replace("@triton.jit(noinline=True)", "@triton.jit"))
 
 
 def main() -> None:
@@ -87,8 +110,8 @@ def main() -> None:
         rows.append({"workload": wname, "variant": "torch.compile (whole function)", **inductor.as_dict()})
         print(f"{wname}: cuBLAS {gemm.median_ms:.4f} ms, torch.compile {inductor.median_ms:.4f} ms", flush=True)
         relu_region, relu_ext = region_of(lambda p, q: torch.relu(p @ q), (x, wt))
-        for plan in region.alternatives:
-            if plan.schedule not in ("cooperative", "split"):
+        for plan in candidates(region.region, target="interpreter" if smoke else "cuda"):
+            if plan.schedule not in ("cooperative", "split") or (wname == "linear_ce" and plan.schedule != "split"):
                 continue
             kernel = kernel_mod.build(plan)
             label = plan.describe().split("; ", 2)[-1]
@@ -97,10 +120,12 @@ def main() -> None:
             except Exception as e:
                 rows.append({"workload": wname, "variant": f"as is: {label}", "status": f"{type(e).__name__}: {e}"[:300]})
                 continue
-            forms = [("as is", kernel)]
+            forms = [("as is", kernel), ("inline", inline(kernel)), ("mainloop only", mainloop_only(kernel))]
             if plan.schedule == "cooperative":
                 forms.append(("no wait", without_wait(kernel)))
             for what, k in forms:
+                if what == "inline" and not smoke:  # (the interpreter runs phase kernels only)
+                    region.run_kernel(ext, a, b, k, check=True)
                 t = measure(lambda: region.run_kernel(ext, a, b, k), device=device)
                 rows.append({"workload": wname, "variant": f"{what}: {label}", **t.as_dict(),
                              "x_gemm": t.median_ms / gemm.median_ms})

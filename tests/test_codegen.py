@@ -117,11 +117,13 @@ def test_generated_kernels_compile_for_sm90_with_tensor_cores():
         assert result[name]["tma"] > 0, f"{name}: no cp.async.bulk.tensor in the sm_90 PTX"
 
 
-def test_cooperative_strip_does_not_spill_at_sm90():
-    """The cooperative strip's work is a noinline function called from the persistent loop:
-    inlined, ptxas kept 255 registers and spilled hundreds of bytes per thread on every
-    paper workload. RMSNorm over rows of 1024 (8 tiles of 128, TMA mainloop, 8 warps)
-    must compile with no spills (cuobjdump -res-usage: STACK 0)."""
+def test_cooperative_strip_compiles_pipelined_without_spills_at_sm90():
+    """The ahead-of-time compile specialises as Triton's JIT does at a launch (unit strides
+    constant, 16-divisible pointers and sizes). Without that, every pointer load compiled to
+    scalar 2-byte loads with no cp.async pipelining and ptxas reported 255 registers and
+    spills that the GPU never runs (a wrong lead followed on 2026-11-30). RMSNorm over rows
+    of 1024 (8 tiles of 128, pointer mainloop, 8 warps, 4 stages) must show pipelined
+    cp.async loads and no spills (cuobjdump -res-usage: STACK 0)."""
     script = textwrap.dedent("""
         import dataclasses, json, torch
         from comfuse.frontend.capture import capture
@@ -135,14 +137,16 @@ def test_cooperative_strip_does_not_spill_at_sm90():
         args = (torch.randn(1024, 1024, dtype=bf), torch.randn(1024, 1024, dtype=bf), torch.randn(1024, dtype=bf))
         (cand,) = find_regions(capture(rms, args))
         p = plan(cand.region, target="cuda")
-        p = dataclasses.replace(p, mainloop="tma", block_m=128, block_n=128, block_k=64, num_warps=8,
+        p = dataclasses.replace(p, mainloop="pointer", block_m=128, block_n=128, block_k=64, num_warps=8,
                                 num_stages=4, tiles_n=8)
         info = compile_for_gpu(p)
-        print(json.dumps(dict(resources(info["asm"]["cubin"]), schedule=info["schedule"], wgmma=info["wgmma"])))
+        print(json.dumps(dict(resources(info["asm"]["cubin"]), schedule=info["schedule"], wgmma=info["wgmma"],
+                              cp_async=info["cp_async"])))
     """)
     result = run_compiler_script(script)
     assert result["schedule"] == "cooperative"
     assert result["wgmma"] > 0
+    assert result["cp_async"] > 0, "the pointer mainloop is not pipelined (no cp.async)"
     if "stack" not in result:
         pytest.skip("Triton's cuobjdump is not available to read the cubin's resources")
     assert result["stack"] == 0, f"the cooperative strip spills {result['stack']} bytes per thread"

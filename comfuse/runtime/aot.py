@@ -26,12 +26,29 @@ _PTR = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32",
         torch.uint8: "*u8"}
 
 
-def _compile(kernel, sig: dict, extra: dict, arch: int):
+def _compile(kernel, sig: dict, extra: dict, arch: int, sizes: dict | None = None):
     """triton.compile of a built kernel for CUDA sm_``arch``; ``sig`` types its runtime
-    parameters, the kernel's constexprs (plus ``extra``) complete it."""
+    parameters, the kernel's constexprs (plus ``extra``) complete it.
+
+    ``sizes`` (parameter name -> the value a launch would pass, for strides and sizes)
+    specialises as Triton's JIT does at a launch: an integer equal to 1 becomes a constant,
+    pointers and integers divisible by 16 are marked so. Without it every load is compiled
+    for unknown strides (scalar 2-byte loads, no cp.async pipelining), which is not what
+    runs on the GPU."""
     constexprs = dict(kernel.source.constexprs, **extra)
+    attrs = {}
+    if sizes is not None:
+        names = kernel.fn.arg_names
+        for name, kind in sig.items():
+            if kind.startswith("*"):
+                attrs[(names.index(name),)] = [["tt.divisibility", 16]]
+            elif kind == "i32" and name in sizes:
+                if sizes[name] == 1:
+                    constexprs[name] = 1
+                elif sizes[name] % 16 == 0:
+                    attrs[(names.index(name),)] = [["tt.divisibility", 16]]
     sig = dict(sig, **{name: "constexpr" for name in constexprs})
-    return triton.compile(ASTSource(fn=kernel.fn, signature=sig, constexprs=constexprs),
+    return triton.compile(ASTSource(fn=kernel.fn, signature=sig, constexprs=constexprs, attrs=attrs),
                           target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": kernel.source.num_warps,
                                    "num_stages": kernel.source.num_stages})
@@ -66,14 +83,73 @@ def compile_for_gpu(plan: Plan, arch: int = 90, tf32: bool = False) -> dict:
         else:
             sig[p.name] = "i32"
     compiled = _compile(kernel, sig, dict(UPCAST_OPERANDS=False, DOT_PRECISION="tf32" if tf32 else "ieee",
-                                          WIDE_INDEX=False), arch)
+                                          WIDE_INDEX=False), arch, _launch_values(kernel, plan))
     asm = dict(compiled.asm)
     ptx = asm.get("ptx", "")
     return {"asm": asm, "shared_bytes": compiled.metadata.shared, "name": kernel.source.name,
             "wgmma": ptx.count("wgmma.mma_async"), "mma": ptx.count("mma.sync"),
             "atomics": ptx.count("atom."), "schedule": plan.schedule,
             "tma": ptx.count("cp.async.bulk.tensor"),
+            "cp_async": len(re.findall(r"cp\.async\.c[ag]\.", ptx)),  # pipelined pointer loads
             "registers": getattr(compiled, "n_regs", None)}
+
+
+def _launch_values(kernel, plan: Plan) -> dict:
+    """The sizes and strides a launch on contiguous tensors passes (see ``_compile``)."""
+    r = plan.region
+    s = r.sizes
+    dims = {"B": s.B, "M": s.M, "N": s.N, "K": s.K}
+    values = {"M": s.M, "N": s.N, "K": s.K, "NUM_B": s.B}
+    operand = {"a": (r.gemm.a, ("M", "K")), "b": (r.gemm.b, ("K", "N"))}
+    for p in kernel.source.params:
+        if p.role in ("stride_a", "stride_b"):
+            op, (rows, cols) = operand[p.role[-1]]
+            minor = op.major or cols  # the unit-stride dim; the other one strides by its extent
+            other = rows if minor == cols else cols
+            values[p.name] = 1 if p.axis == minor else (dims[minor] if p.axis == other else dims[rows] * dims[cols])
+        elif p.role in ("stride_in", "stride_out"):
+            spec = (r.inputs if p.role == "stride_in" else r.outputs)[p.index]
+            axes = [a for a in ("B", "M", "N") if a in spec.axes]
+            inner = 1
+            for a in reversed(axes):
+                if a == p.axis:
+                    values[p.name] = inner
+                    break
+                inner *= dims[a]
+    return values
+
+
+def _unit_strides(dims: dict, axes: tuple, minor: str) -> dict:
+    """Axis -> stride of a contiguous tensor over ``axes`` whose unit-stride axis is ``minor``."""
+    order = [a for a in axes if a != minor] + [minor]
+    strides, inner = {}, 1
+    for a in reversed(order):
+        strides[a] = inner
+        inner *= dims[a]
+    return strides
+
+
+def _chain_launch_values(kernel, plan) -> dict:
+    """As ``_launch_values``, for a chain: contiguous operands, side inputs and outputs."""
+    values = {"M": plan.regions[0].sizes.M, "K": plan.regions[0].sizes.K}
+    for p in kernel.source.params:
+        if p.role == "size" and p.index is not None:
+            values[p.name] = plan.regions[p.index].sizes.N
+        elif p.role == "stride_a":
+            r = plan.regions[0]
+            dims = {"B": r.sizes.B, "M": r.sizes.M, "K": r.sizes.K}
+            values[p.name] = _unit_strides(dims, ("B", "M", "K"), r.gemm.a.major or "K")[p.axis]
+        elif p.role == "stride_b":
+            r = plan.regions[p.index]
+            dims = {"B": r.sizes.B, "K": r.sizes.K, "N": r.sizes.N}
+            values[p.name] = _unit_strides(dims, ("B", "K", "N"), r.gemm.b.major or "N")[p.axis]
+        elif p.role in ("stride_in", "stride_out"):
+            r = plan.regions[p.index[0]]
+            spec = (r.inputs if p.role == "stride_in" else r.outputs)[p.index[1]]
+            dims = {"B": r.sizes.B, "M": r.sizes.M, "N": r.sizes.N}
+            axes = tuple(a for a in ("B", "M", "N") if a in spec.axes)
+            values[p.name] = _unit_strides(dims, axes, axes[-1])[p.axis]
+    return values
 
 
 def compile_chain_for_gpu(plan, arch: int = 90) -> dict:
@@ -94,7 +170,10 @@ def compile_chain_for_gpu(plan, arch: int = 90) -> dict:
             sig[p.name] = _PTR[plan.regions[p.index[0]].outputs[p.index[1]].dtype]
         else:
             sig[p.name] = "i32"
-    compiled = _compile(kernel, sig, dict(UPCAST_OPERANDS=False, DOT_PRECISION="ieee"), arch)
+    first = plan.regions[0]
+    compiled = _compile(kernel, sig, dict(UPCAST_OPERANDS=False, DOT_PRECISION="ieee",
+                                          EVEN_M=first.sizes.M % plan.block_m == 0), arch,
+                        _chain_launch_values(kernel, plan))
     ptx = compiled.asm.get("ptx", "")
     return {"asm": dict(compiled.asm), "shared_bytes": compiled.metadata.shared,
             "wgmma": ptx.count("wgmma.mma_async"), "mma": ptx.count("mma.sync")}

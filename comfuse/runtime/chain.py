@@ -41,7 +41,9 @@ def chain_name(plan) -> str:
     params = tuple((f.name, getattr(plan, f.name)) for f in dataclasses.fields(plan)
                    if f.name not in ("regions", "stages"))
     text = "\n".join(structural_text(r) for r in plan.regions)
-    return f"comfuse_b2b_{cache.digest(text, repr(params), CODEGEN_VERSION)}"
+    # the source is specialised to K and every N (loop bounds and masks; see ChainKernel.launch)
+    sizes = (plan.regions[0].sizes.K, *(r.sizes.N for r in plan.regions))
+    return f"comfuse_b2b_{cache.digest(text, repr(params), repr(sizes), CODEGEN_VERSION)}"
 
 
 @dataclasses.dataclass
@@ -79,11 +81,16 @@ class ChainKernel:
                 args.append(outs[p.index].stride({"B": 0, "M": 1, "N": 2}[p.axis]))
             else:  # pragma: no cover
                 raise AssertionError(p)
+        planned = (self.plan.regions[0].sizes.K, *(r.sizes.N for r in self.plan.regions))
+        if (K, *(b.shape[2] for b in b3s)) != planned:  # the source is specialised to them
+            raise RuntimeError(f"chain kernel {self.source.name} was generated for K, N = {planned}; "
+                               f"called with {(K, *(b.shape[2] for b in b3s))}")
         on_cpu = a3.device.type == "cpu" or interpreting()
         low = a3.dtype in (torch.float16, torch.bfloat16)
         tf32 = torch.backends.cuda.matmul.allow_tf32 and not on_cpu
         grid = (triton.cdiv(M, self.plan.block_m), B)
-        self.fn[grid](*args, **dict(self.source.constexprs), UPCAST_OPERANDS=on_cpu and low,
+        self.fn[grid](*args, **dict(self.source.constexprs), EVEN_M=M % self.plan.block_m == 0,
+                      UPCAST_OPERANDS=on_cpu and low,
                       DOT_PRECISION="tf32" if tf32 else "ieee",
                       num_warps=self.source.num_warps, num_stages=self.source.num_stages)
 

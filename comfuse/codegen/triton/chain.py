@@ -87,7 +87,7 @@ class _ChainEmitter:
         batched = p.regions[0].gemm.batched
         self.signature()
         consts = ["BLOCK_M", "BLOCK_K", "STREAM_N"] + [f"WIDTH{k}" for k in range(1, len(p.regions))] + [
-            "UPCAST_OPERANDS", "DOT_PRECISION"]
+            "EVEN_M", "UPCAST_OPERANDS", "DOT_PRECISION"]
         self.line("@triton.jit", 0)
         self.line(f"def {self.name}(", 0)
         self.lines += self.sig
@@ -98,7 +98,7 @@ class _ChainEmitter:
         if batched:
             self.line("pid_b = tl.program_id(1).to(tl.int64)")
         self.line("offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
-        self.line("mask_m = offs_m < M")
+        self.line("mask_m = (offs_m < M) | EVEN_M  # EVEN_M: M is a multiple of BLOCK_M, no row masks")
         a_base = "a_ptr + pid_b * stride_a_b" if batched else "a_ptr"
         b1_base = "r1_b_ptr + pid_b * stride_r1_b_b" if batched else "r1_b_ptr"
         self.line()
@@ -119,7 +119,7 @@ class _ChainEmitter:
             self.line()
             self.line(f"# ---- F{k + 1} over GEMM{k + 1}'s resident output ----")
             self.line(f"offs_n = tl.arange(0, WIDTH{k})")
-            self.line(f"mask_n = offs_n < N{k}")
+            self.line(self.column_mask(f"N{k}", p.regions[k].sizes.N, p.widths[k - 1], f"WIDTH{k}"))
             self.epilogue(k, 1)
             if k + 1 < len(p.regions):
                 nb = f"r{k + 1}_b_ptr + pid_b * stride_r{k + 1}_b_b" if batched else f"r{k + 1}_b_ptr"
@@ -127,8 +127,9 @@ class _ChainEmitter:
                 self.line(f"# ---- GEMM{k + 2}: its A is F{k + 1}'s tile, read from registers ----")
                 self.line(f"offs_w{k + 1} = tl.arange(0, WIDTH{k + 1})")
                 self.line(f"p = {self.operand(k + 1, self.ems[k].ref(p.regions[k].outputs[p.links[k]].node))}")
+                cols = "" if p.regions[k + 1].sizes.N == p.widths[k] else f" & (offs_w{k + 1} < N{k + 1})[None, :]"
                 self.line(f"w = tl.load({nb} + offs_n[:, None] * stride_r{k + 1}_b_k + offs_w{k + 1}[None, :] * "
-                          f"stride_r{k + 1}_b_n, mask=mask_n[:, None] & (offs_w{k + 1} < N{k + 1})[None, :], other=0.0)")
+                          f"stride_r{k + 1}_b_n, mask=mask_n[:, None]{cols}, other=0.0)")
                 self.line(f"acc{k + 1} = tl.zeros((BLOCK_M, WIDTH{k + 1}), dtype=tl.float32)")
                 self.dot(f"acc{k + 1}", "p", "w", 1)
         header = module_header(f"comfuse kernel {self.name}: {p.describe()}", "\n".join(
@@ -141,22 +142,41 @@ class _ChainEmitter:
 
     def chunk_loop_head(self, a_base: str, batched: bool) -> None:
         """``for n0 ...:`` and GEMM1's mainloop for the chunk's columns, into acc0."""
-        self.line("for n0 in range(0, N0, STREAM_N):")
+        p = self.plan
+        n0, k = p.regions[0].sizes.N, p.regions[0].sizes.K
+        if n0 <= p.stream_n:  # one chunk: unrolled, no loop for the compiler to keep
+            self.line("for n0 in tl.static_range(0, STREAM_N, STREAM_N):  # N0 fits one chunk")
+        else:
+            self.line("for n0 in range(0, N0, STREAM_N):")
         self.line("offs_n = n0 + tl.arange(0, STREAM_N)", 2)
-        self.line("mask_n = offs_n < N0", 2)
+        self.line(self.column_mask("N0", n0, p.stream_n, "STREAM_N"), 2)
         self.line("acc0 = tl.zeros((BLOCK_M, STREAM_N), dtype=tl.float32)", 2)
-        self.line("for k0 in range(0, K, BLOCK_K):", 2)
+        if k <= p.block_k:
+            self.line("for k0 in tl.static_range(0, BLOCK_K, BLOCK_K):  # K fits one step", 2)
+        else:
+            self.line("for k0 in range(0, K, BLOCK_K):", 2)
         self.line("offs_k = k0 + tl.arange(0, BLOCK_K)", 3)
+        k_mask = "" if k % p.block_k == 0 else " & (offs_k < K)[None, :]"
         self.line(f"a = tl.load({a_base} + offs_m[:, None] * stride_a_m + offs_k[None, :] * stride_a_k, "
-                  "mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)", 3)
+                  f"mask=mask_m[:, None]{k_mask}, other=0.0)", 3)
         b0_base = "r0_b_ptr + pid_b * stride_r0_b_b" if batched else "r0_b_ptr"
+        k_mask = "" if k % p.block_k == 0 else "(offs_k < K)[:, None] & "
         self.line(f"b = tl.load({b0_base} + offs_k[:, None] * stride_r0_b_k + offs_n[None, :] * stride_r0_b_n, "
-                  "mask=(offs_k < K)[:, None] & mask_n[None, :], other=0.0)", 3)
+                  f"mask={k_mask}mask_n[None, :], other=0.0)", 3)
         self.dot("acc0", "a", "b", 3)
 
+    @staticmethod
+    def column_mask(size_name: str, size: int, block: int, block_name: str) -> str:
+        """``mask_n`` for columns ``offs_n``: all true when the planned size is a multiple of
+        the block (the compiler then drops the masks; the launcher checks the sizes)."""
+        if size % block == 0:
+            return f"mask_n = tl.full(({block_name},), 1, tl.int1)  # {size_name} = {size}: whole blocks"
+        return f"mask_n = offs_n < {size_name}"
+
     def load_w1(self, b1_base: str) -> None:
+        cols = "" if self.plan.regions[1].sizes.N == self.plan.widths[0] else " & (offs_w1 < N1)[None, :]"
         self.line(f"w = tl.load({b1_base} + offs_n[:, None] * stride_r1_b_k + offs_w1[None, :] * stride_r1_b_n, "
-                  "mask=mask_n[:, None] & (offs_w1 < N1)[None, :], other=0.0)", 2)
+                  f"mask=mask_n[:, None]{cols}, other=0.0)", 2)
 
     def deferred_first_link(self, a_base: str, b1_base: str, batched: bool) -> None:
         """F1 reduces over a long N1: gather its statistics chunk by chunk while GEMM2
