@@ -51,14 +51,47 @@ class ChainKernel:
     plan: object
     source: object
     fn: object
+    _bound: dict = dataclasses.field(default_factory=dict)  # tensor layout -> prepared launch
 
     @property
     def path(self) -> str:
         return str(cache.kernel_dir() / f"{self.source.name}.py")
 
     def launch(self, a3, b3s, ins, outs) -> None:
-        """a3 [B, M, K]; b3s[k] [B, K_k, N_k]; ins[k][j] and outs[(k, j)] canonical 3-D."""
+        """a3 [B, M, K]; b3s[k] [B, K_k, N_k]; ins[k][j] and outs[(k, j)] canonical 3-D.
+
+        On a GPU the launch (grid, sizes, strides, options) is worked out once per layout of
+        the tensors and remembered, as in ``Kernel.launch``: a target-attention chain takes
+        ~80 us, and rebuilding its arguments every call left the GPU waiting on Python."""
+        tensors = (a3, *b3s, *(t for group in ins for t in group), *outs.values())
+        on_cpu = a3.device.type == "cpu" or interpreting()
+        layout = None if on_cpu else (torch.backends.cuda.matmul.allow_tf32, tuple(outs),
+                                      *((t.shape, t.stride(), t.dtype, t.device) for t in tensors))
+        bound = self._bound.get(layout) if layout is not None else None
+        if bound is None:
+            run, args, options = self.prepare(a3, b3s, ins, outs, on_cpu)
+            if layout is None:
+                run(*args, **options)
+                return
+            ids = {id(t): i for i, t in enumerate(tensors)}
+            slots = [(j, ids[id(v)]) for j, v in enumerate(args) if id(v) in ids]
+            statics = [None if id(v) in ids else v for v in args]
+            if len(self._bound) > 64:
+                self._bound.clear()
+            bound = self._bound[layout] = (run, statics, slots, options)
+        run, statics, slots, options = bound
+        args = list(statics)
+        for j, i in slots:
+            args[j] = tensors[i]
+        run(*args, **options)
+
+    def prepare(self, a3, b3s, ins, outs, on_cpu: bool):
+        """(kernel[grid], arguments, options) of a launch on these tensors."""
         B, M, K = a3.shape
+        planned = (self.plan.regions[0].sizes.K, *(r.sizes.N for r in self.plan.regions))
+        if (K, *(b.shape[2] for b in b3s)) != planned:  # the source is specialised to them
+            raise RuntimeError(f"chain kernel {self.source.name} was generated for K, N = {planned}; "
+                               f"called with {(K, *(b.shape[2] for b in b3s))}")
         args = []
         for p in self.source.params:
             if p.role == "a":
@@ -81,18 +114,13 @@ class ChainKernel:
                 args.append(outs[p.index].stride({"B": 0, "M": 1, "N": 2}[p.axis]))
             else:  # pragma: no cover
                 raise AssertionError(p)
-        planned = (self.plan.regions[0].sizes.K, *(r.sizes.N for r in self.plan.regions))
-        if (K, *(b.shape[2] for b in b3s)) != planned:  # the source is specialised to them
-            raise RuntimeError(f"chain kernel {self.source.name} was generated for K, N = {planned}; "
-                               f"called with {(K, *(b.shape[2] for b in b3s))}")
-        on_cpu = a3.device.type == "cpu" or interpreting()
         low = a3.dtype in (torch.float16, torch.bfloat16)
         tf32 = torch.backends.cuda.matmul.allow_tf32 and not on_cpu
         grid = (triton.cdiv(M, self.plan.block_m), B)
-        self.fn[grid](*args, **dict(self.source.constexprs), EVEN_M=M % self.plan.block_m == 0,
-                      UPCAST_OPERANDS=on_cpu and low,
-                      DOT_PRECISION="tf32" if tf32 else "ieee",
-                      num_warps=self.source.num_warps, num_stages=self.source.num_stages)
+        options = dict(self.source.constexprs, EVEN_M=M % self.plan.block_m == 0,
+                       UPCAST_OPERANDS=on_cpu and low, DOT_PRECISION="tf32" if tf32 else "ieee",
+                       num_warps=self.source.num_warps, num_stages=self.source.num_stages)
+        return self.fn[grid], args, options
 
 
 _kernels: dict = {}
@@ -128,6 +156,7 @@ class FusedChain(torch.nn.Module):
         self.tuned: set = set()
         self.prefer_unfused = False
         self.separate = None  # the unfused ops as autotuning timed them (Inductor on a GPU)
+        self._out_specs = None  # ((k, j), canonical shape, dtype) per written output
 
     @property
     def output_specs(self) -> list:
@@ -204,9 +233,10 @@ class FusedChain(torch.nn.Module):
         b3s = [ext[i] if first.gemm.batched else ext[i].unsqueeze(0) for i in self.b_ext]
         ins = [[FusedRegion.prepare(ext[e], bind, device) for e, bind in region_inputs]
                for region_inputs in self.inputs]
-        outs = {(k, j): torch.empty(canonical_shape(self.regions[k], self.regions[k].outputs[j].axes),
-                                    dtype=self.regions[k].outputs[j].dtype, device=device)
-                for k, j, _ in self.outputs}
+        if self._out_specs is None:
+            self._out_specs = [((k, j), canonical_shape(self.regions[k], self.regions[k].outputs[j].axes),
+                                self.regions[k].outputs[j].dtype) for k, j, _ in self.outputs]
+        outs = {key: torch.empty(shape, dtype=dtype, device=device) for key, shape, dtype in self._out_specs}
         self.kernel.launch(a3, b3s, ins, outs)
         if check and settings_mod.get().check:
             self.check(a3, b3s, ins, outs)

@@ -101,19 +101,28 @@ def stat_init(stats) -> list[str]:
 
 
 def stat_update(stats, ref) -> list[str]:
-    """Lines that merge this tile's partials (columns mask_n) into the accumulators."""
+    """Lines that merge this tile's partials (columns mask_n) into the accumulators. A max
+    and a log-sum-exp of the same value (cross-entropy has both) share one tile maximum."""
     lines = []
+    tile_max = {}  # node -> the name of its tile maximum, reduced once
+
+    def maximum(st) -> str:
+        if st.node not in tile_max:
+            tile_max[st.node] = f"tile_max{st.node}"
+            lines.append(f'tile_max{st.node} = tl.reduce(tl.where(mask_n[None, :], {ref(st.node)}.to(tl.float32), '
+                         f'float("-inf")), 1, max_propagate_nan)')
+        return tile_max[st.node]
     for i, st in enumerate(stats):
         v = f"{ref(st.node)}.to(tl.float32)"
         if st.kind == "shift":
             continue  # set on the first chunk, where its value is first needed (codegen/triton/chain.py)
         if st.kind == "sum":
             lines.append(f"stat{i} += tl.sum(tl.where(mask_n[None, :], {v}, 0.0), axis=1)")
-        elif st.kind in ("max", "min"):
-            fill, combine, fn = (('float("-inf")', "max_propagate_nan", "tl.maximum") if st.kind == "max"
-                                 else ('float("inf")', "min_propagate_nan", "tl.minimum"))
-            lines.append(f"stat{i} = {fn}(stat{i}, tl.reduce(tl.where(mask_n[None, :], {v}, {fill}), 1, "
-                         f"{combine}), propagate_nan=tl.PropagateNan.ALL)")
+        elif st.kind == "max":
+            lines.append(f"stat{i} = tl.maximum(stat{i}, {maximum(st)}, propagate_nan=tl.PropagateNan.ALL)")
+        elif st.kind == "min":
+            lines.append(f'stat{i} = tl.minimum(stat{i}, tl.reduce(tl.where(mask_n[None, :], {v}, float("inf")), 1, '
+                         f'min_propagate_nan), propagate_nan=tl.PropagateNan.ALL)')
         elif st.kind == "moments":
             lines.append("tile_n = tl.sum(mask_n.to(tl.float32), axis=0) + tl.zeros((BLOCK_M,), dtype=tl.float32)")
             lines.append(f"tile_mean = tl.sum(tl.where(mask_n[None, :], {v}, 0.0), axis=1) / tl.maximum(tile_n, 1.0)")
@@ -122,9 +131,9 @@ def stat_update(stats, ref) -> list[str]:
             lines.append(f"stat{i}_n, stat{i}_mean, stat{i}_m2 = moments_merge(stat{i}_n, stat{i}_mean, "
                          f"stat{i}_m2, tile_n, tile_mean, tile_m2)")
         else:
-            lines.append(f'tile_m = tl.reduce(tl.where(mask_n[None, :], {v}, float("-inf")), 1, max_propagate_nan)')
-            lines.append(f"tile_s = tl.sum(tl.where(mask_n[None, :], tl.exp({v} - tile_m[:, None]), 0.0), axis=1)")
-            lines.append(f"stat{i}_m, stat{i}_s = lse_merge(stat{i}_m, stat{i}_s, tile_m, tile_s)")
+            m = maximum(st)
+            lines.append(f"tile_s = tl.sum(tl.where(mask_n[None, :], tl.exp({v} - {m}[:, None]), 0.0), axis=1)")
+            lines.append(f"stat{i}_m, stat{i}_s = lse_merge(stat{i}_m, stat{i}_s, {m}, tile_s)")
     return lines
 
 
@@ -616,9 +625,11 @@ class _Emitter:
         self.line()
         head(self.name, f"{p.describe()}: statistics of one slice of N")
         self.line("pid = tl.program_id(0)")
-        self.line("row_blocks = tl.cdiv(M, BLOCK_M)")
-        self.line("pid_m = pid % row_blocks  # row blocks vary fastest: programs in flight share B's tiles")
-        self.line("chunk = pid // row_blocks")
+        self.line("# the slices of one row block vary fastest: the programs in flight hold a few row")
+        self.line("# blocks of A, which stay in L2 while each program walks its tiles (row blocks fastest")
+        self.line("# put every row block of A in flight and re-read it from DRAM for every tile)")
+        self.line("chunk = pid % CHUNKS")
+        self.line("pid_m = pid // CHUNKS")
         self.line("for t in range(0, TILES_PER_CHUNK):")
         self.call(f"{self.name}_tile", "pid_m, chunk, t,", consts, 2)
         first = "\n".join(self.lines)
