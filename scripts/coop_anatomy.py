@@ -15,7 +15,9 @@ this times, in one run:
 - for linear + cross-entropy (8192x4096x32768), the split plans: as is and ``relu``;
 - cuBLAS ``x @ w`` alone and the region's ops compiled by Inductor.
 
-Writes $OUT/coop_anatomy.json and prints a table last.
+Knobs: GRAPH=1 times CUDA-graph replays (the GPU's time, no Python); ONLY=rmsnorm,...
+picks workloads; FORMS="as is,no wait" picks forms. Writes $OUT/coop_anatomy.json and prints
+a table last.
 """
 from __future__ import annotations
 
@@ -88,6 +90,20 @@ def inline(kernel: kernel_mod.Kernel) -> kernel_mod.Kernel:
     return variant(kernel, "_inline", kernel.source.text.replace("@triton.jit(noinline=True)", "@triton.jit"))
 
 
+def timed(fn, device: str):
+    """``measure(fn)``; with GRAPH=1, of the replay of a CUDA graph holding one call of ``fn``,
+    so that the time is the GPU's and not Python's (a ~30 us kernel behind ~30-60 us of
+    Python per call times the launch path; TMA plans build their descriptors per call)."""
+    if device != "cuda" or os.environ.get("GRAPH") != "1":
+        return measure(fn, device=device)
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return measure(graph.replay)
+
+
 def main() -> None:
     out_dir = Path(os.environ.get("OUT", "/tmp/comfuse-out"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -95,7 +111,11 @@ def main() -> None:
     device = "cpu" if smoke else "cuda"
     rows = []
     relu_cache = {}
+    only = {w for w in os.environ.get("ONLY", "").split(",") if w}
+    forms_wanted = {f for f in os.environ.get("FORMS", "").split(",") if f}
     for wname, (M, K, N) in WORKLOADS:
+        if only and wname not in only:
+            continue
         if smoke:
             M, K, N = 96, 64, 96
         w = SUITE[wname]
@@ -103,9 +123,9 @@ def main() -> None:
         x, wt = inputs[0], inputs[1]
         region, ext = region_of(w.fn, inputs)
         a, b = ext[region.operands[0]], ext[region.operands[1]]
-        gemm = measure(lambda: x @ wt, device=device)
-        inductor = measure(lambda: w.fn(*inputs), device=device) if smoke else measure(
-            lambda f=torch.compile(w.fn): f(*inputs))
+        gemm = timed(lambda: x @ wt, device)
+        inductor = timed(lambda: w.fn(*inputs), device) if smoke else timed(
+            lambda f=torch.compile(w.fn): f(*inputs), device)
         rows.append({"workload": wname, "variant": "cuBLAS x @ w", **gemm.as_dict()})
         rows.append({"workload": wname, "variant": "torch.compile (whole function)", **inductor.as_dict()})
         print(f"{wname}: cuBLAS {gemm.median_ms:.4f} ms, torch.compile {inductor.median_ms:.4f} ms", flush=True)
@@ -124,9 +144,11 @@ def main() -> None:
             if plan.schedule == "cooperative":
                 forms.append(("no wait", without_wait(kernel)))
             for what, k in forms:
+                if forms_wanted and what not in forms_wanted:
+                    continue
                 if what == "inline" and not smoke:  # (the interpreter runs phase kernels only)
                     region.run_kernel(ext, a, b, k, check=True)
-                t = measure(lambda: region.run_kernel(ext, a, b, k), device=device)
+                t = timed(lambda: region.run_kernel(ext, a, b, k), device)
                 rows.append({"workload": wname, "variant": f"{what}: {label}", **t.as_dict(),
                              "x_gemm": t.median_ms / gemm.median_ms})
                 print(f"  {what:8s} {label:60s} {t.median_ms:.4f} ms", flush=True)
@@ -138,7 +160,7 @@ def main() -> None:
                 rk = kernel_mod.build(rplan)
                 ra, rb = relu_ext[relu_region.operands[0]], relu_ext[relu_region.operands[1]]
                 relu_region.run_kernel(relu_ext, ra, rb, rk, check=True)
-                relu_cache[shape] = measure(lambda: relu_region.run_kernel(relu_ext, ra, rb, rk), device=device)
+                relu_cache[shape] = timed(lambda: relu_region.run_kernel(relu_ext, ra, rb, rk), device)
             t = relu_cache[shape]
             rows.append({"workload": wname, "variant": f"relu tile: {label}", **t.as_dict(),
                          "x_gemm": t.median_ms / gemm.median_ms})
