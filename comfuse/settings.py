@@ -52,6 +52,9 @@ class Settings:
     # COMFUSE_MAINLOOP: force the mainloop's loads: "tma" (tensor descriptors, where the
     # operands allow) or "pointer". Empty: pointer loads unless autotuning picks TMA.
     mainloop: str
+    # COMFUSE_PREFETCH=1: load whole-tile side inputs (residuals) before the mainloop in every
+    # plan (default: only in the autotuner's candidates, where it competes on time).
+    prefetch: bool
     # COMFUSE_AUTOTUNE: "auto" (time the candidate plans and the unfused ops on the first
     # call on a GPU, keep the fastest, remember it on disk), "1" (also under the
     # interpreter, for tests), "0" (use the planner's choice).
@@ -59,16 +62,22 @@ class Settings:
     # COMFUSE_FUEL: cap on the number of regions fused per compiled graph (-1: no cap);
     # lowering it bisects a bad fusion.
     fuel: int
+    # COMFUSE_UNFUSED_MODE: how autotuning compiles a region's unfused ops, its contender:
+    # "default" (Inductor's default mode) or "max-autotune" (max-autotune-no-cudagraphs:
+    # slower first call, tens of seconds per region; on the DLRM chain its Triton GEMMs ran
+    # 0.1355 ms where the default's took 0.1664, H200 2026-11-30).
+    unfused_mode: str
 
 
-CODEGEN_SETTINGS = ("row_budget", "schedule", "mainloop")
+CODEGEN_SETTINGS = ("row_budget", "schedule", "mainloop", "prefetch")
 
 _overrides: dict[str, object] = {}
 
 
 _ENV_NAMES = ("COMFUSE_STRICT", "COMFUSE_DISABLE", "COMFUSE_CACHE_DIR", "XDG_CACHE_HOME", "HOME",
               "COMFUSE_ROW_BUDGET", "COMFUSE_MAX_SPECIALIZATIONS", "COMFUSE_CHECK", "COMFUSE_SCHEDULE",
-              "COMFUSE_AUTOTUNE", "COMFUSE_MAINLOOP", "COMFUSE_FUEL")
+              "COMFUSE_AUTOTUNE", "COMFUSE_MAINLOOP", "COMFUSE_FUEL", "COMFUSE_PREFETCH",
+              "COMFUSE_UNFUSED_MODE")
 _ENV_KEYS = tuple(os.environ.encodekey(n) if hasattr(os.environ, "encodekey") else n for n in _ENV_NAMES)
 _memo: dict[tuple, Settings] = {}
 
@@ -103,7 +112,9 @@ def _read() -> Settings:
         schedule=os.environ.get("COMFUSE_SCHEDULE", ""),
         autotune=os.environ.get("COMFUSE_AUTOTUNE", "auto"),
         mainloop=os.environ.get("COMFUSE_MAINLOOP", ""),
+        prefetch=_flag("COMFUSE_PREFETCH", False),
         fuel=_int("COMFUSE_FUEL", -1),
+        unfused_mode=os.environ.get("COMFUSE_UNFUSED_MODE", "default"),
     )
     values.update(_overrides)
     return Settings(**values)

@@ -239,6 +239,22 @@ def test_tma_mainloop_matches_reference(name):
     assert_matches_reference(wl.fn, args, out)
 
 
+@pytest.mark.parametrize("schedule", ["tile", "row_in_cta", "cooperative"])
+def test_side_inputs_loaded_before_the_mainloop_match_reference(schedule):
+    if schedule == "tile":
+        fn = lambda x, w, r: F.gelu(x @ w) + r  # noqa: E731
+        args = (randn(40, 24), weight(24, 96), randn(40, 96))
+    else:
+        fn, args = SUITE["ln_postnorm"].fn, SUITE["ln_postnorm"].inputs(40, 24, 96, device=DEVICE)
+    with settings.override(prefetch=True, schedule=schedule):
+        compiled, out = compile_and_run(fn, args)
+    (r,) = compiled.report.regions
+    assert r.fused and r.schedule == schedule and "before the mainloop" in r.plan, str(compiled.report)
+    text = open(r.kernel_path).read()
+    assert "loaded before the mainloop" in text
+    assert_matches_reference(fn, args, out)
+
+
 def test_tma_mainloop_with_transposed_weight_and_column_strip():
     lin = lambda x, W, b: F.gelu(F.linear(x, W, b))  # noqa: E731  (W is read K-major)
     col = lambda x, w: torch.softmax(x @ w, 0)  # noqa: E731  (run transposed)

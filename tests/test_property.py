@@ -80,8 +80,9 @@ def _reduce(op: str, v: torch.Tensor, d: int) -> torch.Tensor:
         return v - v.amax(d, keepdim=True)
     if op == "div_abs_sum":
         return v / (v.abs().sum(d, keepdim=True) + 1.0)
-    if op == "mul_mean":
-        return v * torch.tanh(v.mean(d, keepdim=True))
+    if op == "mul_mean":  # + 0.5: after layer_norm the mean is zero up to rounding, and a
+        # factor of tanh(+-1e-17) made where(v > 0, ...) downstream pick by rounding noise
+        return v * torch.tanh(v.mean(d, keepdim=True) + 0.5)
     if op == "sub_logsumexp":
         return v - torch.logsumexp(v, d, keepdim=True)
     raise AssertionError(op)

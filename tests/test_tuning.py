@@ -132,3 +132,23 @@ def test_a_chain_times_its_candidate_plans_and_keeps_the_fastest(monkeypatch, fr
     report = next(r for r in compiled.report.regions if r.kind == "b2b")
     assert report.fused and "autotuned: 0.5000 ms" in report.plan
     assert_matches_reference(mlp, (x, w1, w2), out)
+
+
+@pytest.mark.parametrize("mode, max_autotune", [("default", False), ("max-autotune", True)])
+def test_unfused_contender_compiles_in_the_chosen_inductor_mode(monkeypatch, mode, max_autotune):
+    """COMFUSE_UNFUSED_MODE picks how the unfused contender is compiled (the DLRM chain ran
+    0.79x of max-autotune on Inductor's default code); a bad value is refused clearly."""
+    import torch._inductor.compile_fx as cfx
+    seen = {}
+
+    def fake_compile_fx(gm, inputs, config_patches=None):
+        seen["patches"] = dict(config_patches or {})
+        return gm
+    monkeypatch.setattr(cfx, "compile_fx", fake_compile_fx)
+    gm = torch.fx.symbolic_trace(lambda x: torch.relu(x) + 1)
+    with settings.override(unfused_mode=mode):
+        run = tuning.separate(gm, [torch.randn(4, 4)], on_cpu=True)
+    assert torch.equal(run(torch.ones(2)), torch.full((2,), 2.0))
+    assert bool(seen["patches"].get("max_autotune")) is max_autotune
+    with settings.override(unfused_mode="fastest"), pytest.raises(ValueError, match="COMFUSE_UNFUSED_MODE"):
+        tuning.separate(gm, [torch.randn(4, 4)], on_cpu=True)

@@ -34,6 +34,7 @@ class Plan:
     chunks: int = 0  # split: programs per row block, each reducing a slice of N
     tiles_per_chunk: int = 0  # split: N tiles one program walks
     onepass: object = None  # split: the region's one-pass form (derived from ``region``)
+    prefetch: bool = False  # load whole-tile side inputs (residuals) before the mainloop
 
     def describe(self) -> str:
         strip = "column strip (reductions along M, run transposed)" if self.transposed else \
@@ -46,7 +47,8 @@ class Plan:
                     f"tiles per row block, then a combine")
         return (f"{self.schedule}: {strip}; {len(self.stages)} stage(s){coop}; "
                 f"{self.mainloop} mainloop, tile {self.block_m}x{self.block_n}x{self.block_k}, "
-                f"{self.num_warps} warps, {self.num_stages} pipeline stages")
+                f"{self.num_warps} warps, {self.num_stages} pipeline stages"
+                f"{'; side inputs loaded before the mainloop' if self.prefetch else ''}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -235,8 +237,9 @@ def plan(region: Region, target: str = "cuda", settings=None, sm_count: int = 13
     if schedule == "cooperative":
         extra = dict(tiles_n=_cdiv(region.sizes.N, bn), exchanges=len(ends),
                      exchange_width=max(ends, default=0))
+    prefetch = settings.prefetch and schedule != "split"
     return Plan(region, transposed, schedule, stages, bm, bn, bk, 8, warps, pipe, tuple(forms),
-                mainloop=mainloop, **extra)
+                mainloop=mainloop, prefetch=prefetch, **extra)
 
 
 def candidates(region: Region, target: str = "cuda", settings=None, sm_count: int = 132) -> list:
@@ -283,4 +286,10 @@ def candidates(region: Region, target: str = "cuda", settings=None, sm_count: in
     if target != "interpreter" and not settings.mainloop and not tma_blocker(first.region):
         out += [dataclasses.replace(p, mainloop="tma", num_stages=max(p.num_stages, 3))
                 for p in list(out) if p.schedule != "row_in_cta"]
+    if any({"M", "N"} <= set(i.axes) for i in first.region.inputs) and target != "interpreter" \
+            and not settings.prefetch:
+        # a residual read after the mainloop waits on DRAM with the SM otherwise idle (H200,
+        # 2026-11-30: the epilogue after a cooperative strip's mainloop cost 3-12 us per strip)
+        out += [dataclasses.replace(p, prefetch=True) for p in list(out)
+                if p.schedule in ("cooperative", "row_in_cta", "tile") and p.block_m * p.block_n <= 128 * 128]
     return out

@@ -96,13 +96,17 @@ def separate(unfused, ext, on_cpu: bool = False):
     cannot compile them."""
     if not on_cpu and not any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in ext):
         return unfused
+    mode = settings_mod.get().unfused_mode
+    if mode not in ("default", "max-autotune"):
+        raise ValueError(f"COMFUSE_UNFUSED_MODE={mode!r}: choose default or max-autotune")
     try:
         import copy
         from torch._inductor.compile_fx import compile_fx
         # outside any compilation in progress (the backend tunes while Dynamo compiles):
         # this graph's guards and sizes are its own
+        patches = torch._inductor.list_mode_options("max-autotune-no-cudagraphs") if mode == "max-autotune" else {}
         with torch._guards.tracing(None):
-            compiled = compile_fx(copy.deepcopy(unfused), list(ext))
+            compiled = compile_fx(copy.deepcopy(unfused), list(ext), config_patches=patches)
             compiled(*ext)
         if not on_cpu:  # Inductor's code is not always the faster (DLRM's GEMM chain: eager won)
             inductor_ms = measure(lambda: compiled(*ext), "cuda", warmup_ms=5, rep_ms=25).median_ms

@@ -163,6 +163,7 @@ class _Emitter:
         # names, so that several regions can share one kernel (back-to-back GEMM chains)
         self.vp, self.pp, self.acc = "v", "", "acc"
         self.cooperative = plan.schedule == "cooperative"
+        self.prefetched: set = set()  # nodes loaded before the mainloop (prefetch_inputs)
 
     def line(self, text: str = "", indent: int = 1) -> None:
         self.lines.append("    " * (indent + self.base) + text if text else "")
@@ -389,6 +390,7 @@ class _Emitter:
         self.line("mask_m = offs_m < M")
         self.line("mask_n = offs_n < N")
         self.line()
+        self.prefetch_inputs()
         if self.plan.mainloop == "tma":
             self.tma_mainloop()
             return
@@ -411,6 +413,20 @@ class _Emitter:
         self.line("a = a.to(tl.float32)", 3)
         self.line("b = b.to(tl.float32)", 3)
         self.line("acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)", 2)
+
+    def prefetch_inputs(self) -> None:
+        """Plans with ``prefetch``: load the side inputs that span the whole tile (a residual)
+        before the mainloop, so that their DRAM latency passes while the GEMM runs instead of
+        after it (they stay in registers meanwhile: the autotuner weighs that)."""
+        self.prefetched = set()
+        if not getattr(self.plan, "prefetch", False):
+            return
+        for i, node in enumerate(self.region.nodes):
+            if node.op is Op.INPUT and {"M", "N"} <= set(self.region.inputs[node.arg].axes):
+                self.line(f"{self.vp}{i} = {self.expr(i)}  # {self.comment(i)}, loaded before the mainloop")
+                self.prefetched.add(i)
+        if self.prefetched:
+            self.line()
 
     def tma_mainloop(self) -> None:
         g = self.region.gemm
@@ -476,8 +492,10 @@ class _Emitter:
         self.lines = []
         if self.cooperative:
             # The work on one strip is a function of its own, called from the persistent
-            # loop: inlined into that loop, ptxas kept 255 registers and spilled (0.1-4.5 KB
-            # per thread on every paper workload at sm_90); alone it needs ~120 and none.
+            # loop, so ptxas allocates its registers apart from the loop's (RMSNorm 128x128x64,
+            # 8 warps: 116 registers, 194 inlined; neither spills). Whether that is faster is
+            # not settled: timed through Python (H200, 2026-11-30) the order changed with the
+            # plan; bench/results/h200-2026-11-30-session3.
             self.function(f"{self.name}_strip", sig, consts,
                           "One row strip: this program's tile, its stages and exchanges.",
                           "strip, pid_n, slot, strips_per_batch,", noinline=True)
@@ -491,7 +509,7 @@ class _Emitter:
             self.line(self.stage_title(stage))
             for i in stage.nodes:
                 node = r.nodes[i]
-                if node.op is Op.CONST or (self.cooperative and node.op in REDUCE):
+                if node.op is Op.CONST or (self.cooperative and node.op in REDUCE) or i in self.prefetched:
                     continue
                 self.line(f"v{i} = {self.expr(i)}  # {self.comment(i)}")
             if self.cooperative and stage.reductions:
@@ -575,10 +593,11 @@ class _Emitter:
             self.function(name, sig, consts, doc)
 
         # kernel 1: each program reduces a slice of N for a block of rows to statistics. One
-        # tile's work is a noinline function called from the loop over the slice's tiles:
-        # inlined, ptxas kept 255 registers and spilled (as in the cooperative strip). A
-        # noinline function takes only scalars, so the running statistics live in the
-        # program's own rows of the workspace between tiles (a few KB, in L2).
+        # tile's work is a noinline function called from the loop over the slice's tiles
+        # (cross-entropy, TMA 128x256x64, 8 warps: 209 registers and no spills; inlined 255
+        # and 576 bytes of spills). A noinline function takes only scalars, so the running
+        # statistics live in the program's own rows of the workspace between tiles (a few KB,
+        # in L2).
         def fill(i: int, part: str) -> str:
             kind = op.stats[i].kind
             if kind == "max" or (kind == "lse" and part == "m"):
@@ -613,7 +632,7 @@ class _Emitter:
         self.line("# ---- tile values the statistics reduce ----")
         for i in sorted(needed):
             node = self.region.nodes[i]
-            if node.op is not Op.CONST:
+            if node.op is not Op.CONST and i not in self.prefetched:
                 self.line(f"v{i} = {self.expr(i)}  # {self.comment(i)}")
         self.line("# ---- this tile's partials, merged into the slice's statistics, stored ----")
         for line in stat_update(op.stats, self.ref):
