@@ -110,8 +110,23 @@ def split_backward(region_id: int, tensors: list[torch.Tensor], scalars: list[in
     ext = _arguments(region_id, leaves, scalars)
     canon = [None if g is None else g.reshape(canonical_shape(module.region, o.axes))
              for g, o in zip(grads, module.region.outputs)]
+    def statistics():
+        """The fused statistics kernel's merged statistics, or None (the torch pass runs)."""
+        from .runtime.kernel import can_run_on, notice_once
+        if module.failed or module.region.sizes.B != 1 or settings_mod.get().disable or \
+                can_run_on(ext[module.operands[0]].device):
+            return None
+        try:
+            return module.split_statistics(ext)
+        except Exception as e:  # the backward still has its own first pass
+            if settings_mod.get().strict:
+                raise
+            notice_once(f"split-stats:{region_id}", f"comfuse: the fused statistics kernel failed in a "
+                        f"backward ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
+                        "recomputing the statistics in torch")
+            return None
     with _autograd_below_dispatch():
-        onepass_grad.backward(module.plan.onepass, lambda: module.canonical(ext), canon)
+        onepass_grad.backward(module.plan.onepass, lambda: module.canonical(ext), canon, statistics=statistics)
     return [(t.grad if t.grad is not None else torch.zeros_like(t)) if t.is_floating_point()
             else t.new_empty(0) for t in leaves]
 

@@ -55,6 +55,9 @@ class Settings:
     # COMFUSE_PREFETCH=1: load whole-tile side inputs (residuals) before the mainloop in every
     # plan (default: only in the autotuner's candidates, where it competes on time).
     prefetch: bool
+    # COMFUSE_OVERLAP=1: cooperative plans wait for a strip's first exchange behind the next
+    # strip's mainloop (experimental: not among the autotuner's candidates until timed).
+    overlap: bool
     # COMFUSE_AUTOTUNE: "auto" (time the candidate plans and the unfused ops on the first
     # call on a GPU, keep the fastest, remember it on disk), "1" (also under the
     # interpreter, for tests), "0" (use the planner's choice).
@@ -69,7 +72,7 @@ class Settings:
     unfused_mode: str
 
 
-CODEGEN_SETTINGS = ("row_budget", "schedule", "mainloop", "prefetch")
+CODEGEN_SETTINGS = ("row_budget", "schedule", "mainloop", "prefetch", "overlap")
 
 _overrides: dict[str, object] = {}
 
@@ -77,7 +80,7 @@ _overrides: dict[str, object] = {}
 _ENV_NAMES = ("COMFUSE_STRICT", "COMFUSE_DISABLE", "COMFUSE_CACHE_DIR", "XDG_CACHE_HOME", "HOME",
               "COMFUSE_ROW_BUDGET", "COMFUSE_MAX_SPECIALIZATIONS", "COMFUSE_CHECK", "COMFUSE_SCHEDULE",
               "COMFUSE_AUTOTUNE", "COMFUSE_MAINLOOP", "COMFUSE_FUEL", "COMFUSE_PREFETCH",
-              "COMFUSE_UNFUSED_MODE")
+              "COMFUSE_UNFUSED_MODE", "COMFUSE_OVERLAP")
 _ENV_KEYS = tuple(os.environ.encodekey(n) if hasattr(os.environ, "encodekey") else n for n in _ENV_NAMES)
 _memo: dict[tuple, Settings] = {}
 
@@ -113,6 +116,7 @@ def _read() -> Settings:
         autotune=os.environ.get("COMFUSE_AUTOTUNE", "auto"),
         mainloop=os.environ.get("COMFUSE_MAINLOOP", ""),
         prefetch=_flag("COMFUSE_PREFETCH", False),
+        overlap=_flag("COMFUSE_OVERLAP", False),
         fuel=_int("COMFUSE_FUEL", -1),
         unfused_mode=os.environ.get("COMFUSE_UNFUSED_MODE", "default"),
     )

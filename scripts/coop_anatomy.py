@@ -6,6 +6,8 @@ this times, in one run:
 
 - ``as is``: the kernel comfuse generates (checked against float64 first);
 - ``inline``: the strip (split: tile) function inlined into the persistent loop;
+- ``overlapped``: the plan with ``overlap`` (each strip's first exchange waited for behind
+  the next strip's mainloop; COMFUSE_OVERLAP), checked against float64 first;
 - ``mainloop only``: the strip function cut after its mainloop (timing only);
 - ``no wait``: the same kernel with the arrival counter and the spin-wait removed (each tile
   combines whatever partials are in the workspace: wrong results, timing only), which
@@ -141,12 +143,14 @@ def main() -> None:
                 rows.append({"workload": wname, "variant": f"as is: {label}", "status": f"{type(e).__name__}: {e}"[:300]})
                 continue
             forms = [("as is", kernel), ("inline", inline(kernel)), ("mainloop only", mainloop_only(kernel))]
+            if plan.schedule == "cooperative" and not plan.prefetch:
+                forms.append(("overlapped", kernel_mod.build(dataclasses.replace(plan, overlap=True))))
             if plan.schedule == "cooperative":
                 forms.append(("no wait", without_wait(kernel)))
             for what, k in forms:
                 if forms_wanted and what not in forms_wanted:
                     continue
-                if what == "inline" and not smoke:  # (the interpreter runs phase kernels only)
+                if what in ("inline", "overlapped") and not smoke:  # (the interpreter runs phase kernels)
                     region.run_kernel(ext, a, b, k, check=True)
                 t = timed(lambda: region.run_kernel(ext, a, b, k), device)
                 rows.append({"workload": wname, "variant": f"{what}: {label}", **t.as_dict(),

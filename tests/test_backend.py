@@ -176,13 +176,18 @@ def test_classification_head_softmax_and_lm_head_cross_entropy():
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_cross_entropy_backward_runs_in_slices_of_the_vocabulary(monkeypatch, reduction):
     """The split region's backward recomputes the logits a slice at a time (never all of
-    them) and gives eager's gradients, ignore_index included. (AOT autograd traces the
+    them), takes the row statistics from the fused statistics kernel instead of a first
+    pass in torch, and gives eager's gradients, ignore_index included. (AOT autograd traces the
     backward when it compiles, so its caches are off here: the trace must happen.)"""
     from comfuse.runtime import onepass_grad
     monkeypatch.setattr(onepass_grad, "CHUNK", 96)  # 1000 classes: 11 slices
-    calls = []
+    calls, kernel_stats = [], []
     real = onepass_grad.backward
     monkeypatch.setattr(onepass_grad, "backward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    from comfuse.runtime.compiled import FusedRegion
+    real_stats = FusedRegion.split_statistics
+    monkeypatch.setattr(FusedRegion, "split_statistics",
+                        lambda self, ext: kernel_stats.append(1) or real_stats(self, ext))
     torch.manual_seed(0)
     lm = torch.nn.Linear(64, 1000, bias=False).to(DEVICE)
     x = torch.randn(24, 64, device=DEVICE, requires_grad=True)
@@ -201,6 +206,7 @@ def test_cross_entropy_backward_runs_in_slices_of_the_vocabulary(monkeypatch, re
     lm.zero_grad()
     fn(x, t).sum().backward()
     assert calls, "the sliced backward did not run"
+    assert kernel_stats, "the backward did not take its statistics from the fused kernel"
     torch.testing.assert_close(gx, x.grad, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(gw, lm.weight.grad, rtol=1e-4, atol=1e-6)
 
@@ -233,3 +239,20 @@ def test_compile_time_autotuning_leaves_losing_regions_to_inductor(monkeypatch, 
         out = compiled(model, options={"autotune": "1"})(x, r)
         torch.testing.assert_close(out, model(x, r), rtol=1e-4, atol=1e-5)
     assert seen == [0 if winner == "unfused" else 1]
+
+
+def test_cross_entropy_backward_with_every_target_ignored_gives_zero_gradients():
+    """Every target ignored: the loss's gradient is zero (its mean is NaN, as eager's), no
+    statistic carries a gradient, and every slice of the weight's gradient is still written."""
+    torch.manual_seed(0)
+    lm = torch.nn.Linear(16, 300, bias=False).to(DEVICE)
+    x = torch.randn(8, 16, device=DEVICE, requires_grad=True)
+    t = torch.full((8,), -100, device=DEVICE)
+
+    def fn(x, t):
+        return F.cross_entropy(lm(x), t, reduction="sum")
+    loss = compiled(fn, options={"schedule": "split"})(x, t)
+    assert ("gemm_epilogue", True) in kinds(lower.last_report)
+    loss.backward()
+    assert torch.equal(lm.weight.grad, torch.zeros_like(lm.weight))
+    assert torch.equal(x.grad, torch.zeros_like(x))

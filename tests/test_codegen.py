@@ -152,6 +152,38 @@ def test_cooperative_strip_compiles_pipelined_without_spills_at_sm90():
     assert result["stack"] == 0, f"the cooperative strip spills {result['stack']} bytes per thread"
 
 
+def test_overlapped_strip_compiles_for_sm90():
+    """The overlapped cooperative strip (a tile carried across the persistent loop) is valid
+    Triton for the H200: RMSNorm over rows of 1024, 128x128 tiles, 8 warps, both mainloops,
+    with its atomics and no spills."""
+    script = textwrap.dedent("""
+        import dataclasses, json, torch
+        from comfuse.frontend.capture import capture
+        from comfuse.frontend.regions import find_regions
+        from comfuse.planner import plan
+        from comfuse.runtime.aot import compile_for_gpu, resources
+        bf = torch.bfloat16
+        def rms(x, w, g):
+            y = x @ w
+            return y * torch.rsqrt(y.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(y.dtype) * g
+        args = (torch.randn(1024, 1024, dtype=bf), torch.randn(1024, 1024, dtype=bf), torch.randn(1024, dtype=bf))
+        (cand,) = find_regions(capture(rms, args))
+        out = {}
+        for mainloop in ("pointer", "tma"):
+            p = dataclasses.replace(plan(cand.region, target="cuda"), mainloop=mainloop, block_m=128,
+                                    block_n=128, block_k=64, num_warps=8, num_stages=4, tiles_n=8,
+                                    overlap=True)
+            info = compile_for_gpu(p)
+            out[mainloop] = dict(resources(info["asm"]["cubin"]), wgmma=info["wgmma"], atomics=info["atomics"])
+        print(json.dumps(out))
+    """)
+    result = run_compiler_script(script)
+    for mainloop, info in result.items():
+        assert info["wgmma"] > 0 and info["atomics"] > 0, (mainloop, info)
+        if "stack" in info:
+            assert info["stack"] == 0, f"{mainloop}: the overlapped strip spills {info['stack']} bytes"
+
+
 def test_b2b_chains_compile_for_sm90():
     script = textwrap.dedent("""
         import json, torch

@@ -299,6 +299,35 @@ def test_split_schedule_for_per_row_outputs(name, dtype):
     assert_matches_reference(fn, args, out)
 
 
+@pytest.mark.filterwarnings("ignore::comfuse.ComfuseWarning")
+@pytest.mark.parametrize("name", ["ce_mean", "row_stats", "var_mean_offset"])
+def test_split_kernel_statistics_match_the_torch_pass(monkeypatch, name):
+    """The backward of a split region takes its per-row statistics from the fused kernel's
+    workspace (``merge_slices``); they equal the first pass over slices in torch."""
+    from comfuse.runtime import compiled as compiled_mod
+    from comfuse.runtime import onepass_grad
+    seen = {}
+    real = compiled_mod.FusedRegion.forward
+    monkeypatch.setattr(compiled_mod.FusedRegion, "forward",
+                        lambda self, *ext: seen.setdefault("call", (self, ext)) and real(self, *ext))
+    fn = SPLIT_CASES[name]
+    args = (randn(40, 24), weight(24, 96), torch.randint(0, 96, (40,), device=DEVICE))
+    with settings.override(schedule="split"):
+        comfuse.compile(fn, args)(*args)
+        module, ext = seen["call"]
+        fused = module.split_statistics(ext)
+    op = module.plan.onepass
+    a3, b3, ins = module.canonical(ext)
+    torch_pass = [None] * len(op.stats)
+    for n0 in range(0, 96, 32):
+        values = onepass_grad._tile_values(op, a3, b3, ins, n0, min(96, n0 + 32))
+        torch_pass = [onepass_grad._merge(st.kind, acc, v.float())
+                      for st, acc, v in zip(op.stats, torch_pass, values)]
+    for st, got, want in zip(op.stats, fused, torch_pass):
+        for g, w in zip(got if isinstance(got, tuple) else (got,), want if isinstance(want, tuple) else (want,)):
+            torch.testing.assert_close(g, w.float(), rtol=1e-4, atol=1e-4, msg=lambda m: f"{st.kind}: {m}")
+
+
 def test_split_is_refused_for_full_tile_outputs():
     with settings.override(schedule="split"):
         report = comfuse.explain(SUITE["softmax"].fn, SUITE["softmax"].inputs(8, 16, 40, device=DEVICE))
@@ -345,3 +374,31 @@ def test_integer_and_boolean_side_inputs():
     compiled, out = compile_and_run(f, (x, w, mask, idx))
     assert compiled.report.regions[0].fused
     assert_matches_reference(f, (x, w, mask, idx), out)
+
+
+@pytest.mark.parametrize("name", ["rmsnorm", "softmax", "ln_postnorm", "multi_stage"])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_one_tile_strips_run_the_gpu_form_and_match_reference(name, overlap):
+    """A cooperative strip of one tile never waits for another program, so the interpreter
+    runs the GPU form of the kernel itself (two slots walking four strips each way): the
+    plain persistent loop and the overlapped one (strip j's mainloop before strip j-1's
+    exchange, COMFUSE_OVERLAP=1), including their workspace buffers and counters."""
+    wl = SUITE[name]
+    args = wl.inputs(200, 24, 16, device=DEVICE)
+    with settings.override(schedule="cooperative", overlap=overlap):
+        compiled, out = compile_and_run(wl.fn, args)
+    (r,) = compiled.report.regions
+    assert r.fused and r.schedule == "cooperative", str(compiled.report)
+    assert ("overlapped" in r.plan) is overlap
+    assert_matches_reference(wl.fn, args, out)
+    if overlap:
+        assert "strip_wait(counters" in open(r.kernel_path).read()
+
+
+def test_overlapped_strip_with_a_row_output_matches_reference():
+    fn = lambda x, w: (torch.softmax(x @ w, -1), (x @ w).amax(-1))  # noqa: E731
+    args = (randn(150, 24), weight(24, 16))
+    with settings.override(schedule="cooperative", overlap=True):
+        compiled, out = compile_and_run(fn, args)
+    assert compiled.report.regions[0].fused and "overlapped" in compiled.report.regions[0].plan
+    assert_matches_reference(fn, args, out)

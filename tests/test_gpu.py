@@ -46,14 +46,17 @@ def test_repeated_launches_are_deterministic():
 
 
 @pytest.mark.timeout(300)
-def test_cooperative_strip_stress_many_launches_near_the_resident_limit():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_cooperative_strip_stress_many_launches_near_the_resident_limit(overlap):
     """Strips of 64 tiles (N = 16384 in tiles of 256): as many slots as fit the GPU, 50
-    launches in a row; no hang, and every launch gives the same, correct result."""
+    launches in a row; no hang, and every launch gives the same, correct result. Also with
+    each strip's first exchange overlapped by the next strip's mainloop (COMFUSE_OVERLAP)."""
     wl = SUITE["ln_postnorm"]
     args = wl.inputs(8192, 512, 16384, dtype=torch.bfloat16, device="cuda")
-    with comfuse.settings.override(schedule="cooperative"):
+    with comfuse.settings.override(schedule="cooperative", overlap=overlap):
         compiled = comfuse.compile(wl.fn, args)
     assert "cooperative" in compiled.report.regions[0].plan
+    assert ("overlapped" in compiled.report.regions[0].plan) is overlap
     first = compiled(*args)
     assert_matches_reference(wl.fn, args, first)
     with comfuse.settings.override(check=False):

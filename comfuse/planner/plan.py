@@ -35,6 +35,7 @@ class Plan:
     tiles_per_chunk: int = 0  # split: N tiles one program walks
     onepass: object = None  # split: the region's one-pass form (derived from ``region``)
     prefetch: bool = False  # load whole-tile side inputs (residuals) before the mainloop
+    overlap: bool = False  # cooperative: a strip's first exchange waits behind the next strip's mainloop
 
     def describe(self) -> str:
         strip = "column strip (reductions along M, run transposed)" if self.transposed else \
@@ -48,7 +49,8 @@ class Plan:
         return (f"{self.schedule}: {strip}; {len(self.stages)} stage(s){coop}; "
                 f"{self.mainloop} mainloop, tile {self.block_m}x{self.block_n}x{self.block_k}, "
                 f"{self.num_warps} warps, {self.num_stages} pipeline stages"
-                f"{'; side inputs loaded before the mainloop' if self.prefetch else ''}")
+                f"{'; side inputs loaded before the mainloop' if self.prefetch else ''}"
+                f"{'; exchange overlapped with the next strip' if self.overlap else ''}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -237,9 +239,10 @@ def plan(region: Region, target: str = "cuda", settings=None, sm_count: int = 13
     if schedule == "cooperative":
         extra = dict(tiles_n=_cdiv(region.sizes.N, bn), exchanges=len(ends),
                      exchange_width=max(ends, default=0))
-    prefetch = settings.prefetch and schedule != "split"
+    overlap = settings.overlap and schedule == "cooperative"
+    prefetch = settings.prefetch and schedule != "split" and not overlap
     return Plan(region, transposed, schedule, stages, bm, bn, bk, 8, warps, pipe, tuple(forms),
-                mainloop=mainloop, prefetch=prefetch, **extra)
+                mainloop=mainloop, prefetch=prefetch, overlap=overlap, **extra)
 
 
 def candidates(region: Region, target: str = "cuda", settings=None, sm_count: int = 132) -> list:
@@ -291,5 +294,6 @@ def candidates(region: Region, target: str = "cuda", settings=None, sm_count: in
         # a residual read after the mainloop waits on DRAM with the SM otherwise idle (H200,
         # 2026-11-30: the epilogue after a cooperative strip's mainloop cost 3-12 us per strip)
         out += [dataclasses.replace(p, prefetch=True) for p in list(out)
-                if p.schedule in ("cooperative", "row_in_cta", "tile") and p.block_m * p.block_n <= 128 * 128]
+                if p.schedule in ("cooperative", "row_in_cta", "tile") and p.block_m * p.block_n <= 128 * 128
+                and not p.overlap]
     return out

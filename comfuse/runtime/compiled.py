@@ -165,6 +165,19 @@ class FusedRegion(torch.nn.Module):
             if not result.ok:
                 raise KernelMismatch(f"kernel {kernel.source.name} output {spec.name}: {result}")
 
+    def split_statistics(self, ext) -> list:
+        """A split plan's merged per-row statistics on ``ext``, from its fused statistics
+        kernel (the backward's first pass; runtime/onepass_grad.py)."""
+        from .onepass_grad import merge_slices
+        with torch.no_grad():
+            a3, b3, ins = self.canonical(ext)
+            a3, b3, ins = a3.detach(), b3.detach(), [t.detach() for t in ins]
+            outs = [torch.empty(canonical_shape(self.plan.region, o.axes), dtype=o.dtype, device=a3.device)
+                    for o in self.plan.region.outputs]
+            if self.kernel is None or self.kernel.plan is not self.plan:
+                self.kernel = kernel_mod.build(self.plan)
+            return merge_slices(self.plan.onepass, self.kernel.split_statistics(a3, b3, ins, outs))
+
     def canonical(self, ext):
         """(a3, b3, side inputs) in the plan's orientation, as views of ``ext`` (so autograd
         reaches the original tensors through them)."""

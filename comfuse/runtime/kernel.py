@@ -125,15 +125,35 @@ class Kernel:
             grid = (triton.cdiv(M, plan.block_m) * triton.cdiv(N, plan.block_n), B)
             return [(self.fn, grid, self.arguments(a3, b3, ins, outs, None, None, 0), options)]
         strips = triton.cdiv(M, plan.block_m) * B
+        per_slot = plan.exchanges + 1 if plan.overlap else 1  # counters (see codegen emit_overlapped)
+        if on_cpu and plan.tiles_n == 1:
+            # a strip of one tile never waits for another program: the interpreter can run
+            # the GPU form itself, two slots walking the strips (its persistent loop, its
+            # exchanges through the workspace)
+            groups = min(strips, 2)
+            ws, counters = self.scratch(a3.device, self.workspace_size(groups), groups * per_slot)
+            return [(self.fn, (groups,), self.arguments(a3, b3, ins, outs, ws, counters, groups), options)]
         if on_cpu:
             # interpreter form: one slot per strip, phases as consecutive launches
             ws, counters = self.scratch(a3.device, self.workspace_size(strips), strips)
             args = self.arguments(a3, b3, ins, outs, ws, counters, strips)
             return [(fn, (strips * plan.tiles_n,), args, options) for fn in self.phases]
         groups = min(strips, self.resident_slots(a3.device, a3, b3, ins, outs, options))
-        ws, counters = self.scratch(a3.device, self.workspace_size(groups), groups)
+        ws, counters = self.scratch(a3.device, self.workspace_size(groups), groups * per_slot)
         return [(self.fn, (groups * plan.tiles_n,),
                  self.arguments(a3, b3, ins, outs, ws, counters, groups), options)]
+
+    def split_statistics(self, a3, b3, ins, outs) -> torch.Tensor:
+        """Split plans: run only the statistics kernel and return a copy of its workspace,
+        [statistic arrays (``parts``), CHUNKS, M] fp32 (the backward's statistics pass
+        without the [M, N] intermediate or a second GEMM pass in torch). One batch only."""
+        if self.plan.schedule != "split" or a3.shape[0] != 1:
+            raise ValueError("split_statistics needs a split plan over one batch")
+        fn, grid, args, options = self.launches(a3, b3, ins, outs)[0]
+        fn[grid](*args, **options)
+        slots = sum(len(parts(st)) for st in self.plan.onepass.stats)
+        ws = args[[q.role for q in self.source.params].index("workspace")]
+        return ws[:slots * self.plan.chunks * a3.shape[1]].view(slots, self.plan.chunks, a3.shape[1]).clone()
 
     def options(self, a3, b3, ins, outs, on_cpu: bool) -> dict:
         """Compile-time arguments of a launch (constexprs, warps, stages)."""
@@ -169,7 +189,8 @@ class Kernel:
         """fp32 elements of a cooperative plan's partials for ``slots`` strips in flight."""
         p = self.plan
         pow2 = dict(self.source.constexprs)["TILES_POW2"]
-        return slots * max(p.exchanges, 2) * max(p.exchange_width, 1) * pow2 * p.block_m
+        buffers = p.exchanges * 4 if p.overlap else max(p.exchanges, 2)  # per slot
+        return slots * buffers * max(p.exchange_width, 1) * pow2 * p.block_m
 
     def scratch(self, device, numel: int, counters: int = 1):
         """Workspace (fp32) and arrival counters (int32), kept per device and grown as needed;

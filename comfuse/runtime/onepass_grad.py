@@ -28,6 +28,7 @@ import torch
 from ..ir.interpret import _run
 from ..ir.nodes import Output
 from ..planner.onepass import OnePass, evaluate_combine
+from ..planner.onepass import parts as parts_of
 
 CHUNK = 4096  # widest slice
 SLICE_ELEMENTS = 1 << 23  # an [M, slice] fp32 temporary stays within 32 MB where M allows
@@ -88,19 +89,56 @@ def _merge(kind: str, acc, v):
     return tot, ma + d * n / tot, m2a + m2 + d * d * na * n / tot
 
 
-def backward(op: OnePass, views, grads, chunk: int | None = None) -> None:
+def merge_slices(op: OnePass, ws: torch.Tensor) -> list:
+    """The statistics as the slice loop below merges them, from a split kernel's workspace
+    ``ws`` [statistic arrays, CHUNKS, M] (``Kernel.split_statistics``): each [1, M, 1]
+    (moments: (count, mean, M2))."""
+    acc, j = [], 0
+    for st in op.stats:
+        if st.kind == "sum":
+            acc.append(ws[j].sum(0))
+        elif st.kind == "max":
+            acc.append(ws[j].amax(0))
+        elif st.kind == "min":
+            acc.append(ws[j].amin(0))
+        elif st.kind == "lse":
+            m, s = ws[j], ws[j + 1]
+            row = m.amax(0)
+            scaled = torch.where(m > float("-inf"), s * torch.exp(m - row), torch.zeros_like(s))
+            acc.append(row + torch.log(scaled.sum(0)))
+        elif st.kind == "moments":  # Chan: mean = sum n_c mean_c / n; M2 = sum M2_c + n_c (mean_c - mean)^2
+            n, mean, m2 = ws[j], ws[j + 1], ws[j + 2]
+            total = n.sum(0)
+            row_mean = (n * mean).sum(0) / total.clamp_min(1.0)
+            row_m2 = (m2 + n * (mean - row_mean) ** 2).sum(0)
+            acc.append(tuple(v.view(1, -1, 1) for v in (total, row_mean, row_m2)))
+            j += 3
+            continue
+        else:
+            raise ValueError(f"no workspace merge for a {st.kind} statistic")
+        acc[-1] = acc[-1].view(1, -1, 1)
+        j += len(parts_of(st))
+    return acc
+
+
+def backward(op: OnePass, views, grads, chunk: int | None = None, statistics=None) -> None:
     """Accumulate into the leaves behind ``views()`` (a function returning a3 [B, M, K],
     b3 [B, K, N] and the canonical side inputs, built from tensors that require grad) the
-    gradients of the region's outputs, given ``grads`` (canonical [B, M|1, 1], or None)."""
+    gradients of the region's outputs, given ``grads`` (canonical [B, M|1, 1], or None).
+    ``statistics()``, when given, returns the merged statistics (``merge_slices`` of the
+    fused kernel's workspace) instead of the first pass over the slices in torch, or None
+    to have that pass run."""
     N = op.tile.sizes.N
     rows = op.tile.sizes.B * op.tile.sizes.M
     chunk = chunk or max(min(CHUNK, 256), min(CHUNK, SLICE_ELEMENTS // max(rows, 1) // 128 * 128))
     with torch.no_grad():  # 1. the statistics
         a3, b3, inputs = views()
-        acc = [None] * len(op.stats)
-        for n0 in range(0, N, chunk):
-            values = _tile_values(op, a3, b3, inputs, n0, min(N, n0 + chunk))
-            acc = [_merge(st.kind, a, v.float()) for st, a, v in zip(op.stats, acc, values)]
+        acc = statistics() if statistics is not None else None
+        if acc is None:
+            acc = [None] * len(op.stats)
+            for n0 in range(0, N, chunk):
+                values = _tile_values(op, a3, b3, inputs, n0, min(N, n0 + chunk))
+                acc = [_merge(st.kind, a, v.float()) for st, a, v in zip(op.stats, acc, values)]
     merged, leaves = {}, []
     for i, (st, a) in enumerate(zip(op.stats, acc)):
         parts = {"mean": a[1], "m2": a[2]} if st.kind == "moments" else {"": a}
@@ -117,6 +155,10 @@ def backward(op: OnePass, views, grads, chunk: int | None = None) -> None:
         got = torch.autograd.grad([o for o, _ in pairs], [leaf for _, leaf in leaves],
                                   [g.float().reshape(o.shape) for o, g in pairs], allow_unused=True)
     g_stat = {key: (g if g is not None else torch.zeros_like(leaf)) for (key, leaf), g in zip(leaves, got)}
+    # statistics whose gradient is exactly zero everywhere (cross-entropy's max: the shift
+    # cancels in the combine) cost the slices nothing: one check per statistic, here
+    idle = {i for i, st in enumerate(op.stats)
+            if not any(bool(g_stat[key].any()) for key in g_stat if key[0] == i)}
     # 3. statistics -> slices of the GEMM and the side inputs. Autograd runs from each
     # slice's GEMM product (an fp32 leaf) to the surrogate only; the two gradient GEMMs are
     # explicit, in the operands' dtype, and their results go straight into buffers of the
@@ -141,6 +183,8 @@ def backward(op: OnePass, views, grads, chunk: int | None = None) -> None:
             values = _piece_values(op, None, None, in_pieces, n0, n1, acc=product)
             surrogate = None
             for i, (st, v) in enumerate(zip(op.stats, values)):
+                if not v.requires_grad or i in idle:
+                    continue  # no path to the operands, or a zero gradient (a max that cancels)
                 v = v.float()
                 if st.kind == "sum":
                     term = (g_stat[(i, "")] * v).sum()
@@ -156,6 +200,8 @@ def backward(op: OnePass, views, grads, chunk: int | None = None) -> None:
                     continue
                 surrogate = term if surrogate is None else surrogate + term
             if surrogate is None or not surrogate.requires_grad:
+                if grad_b is not None:  # (an empty_like buffer: every slice must be written)
+                    grad_b[:, :, n0:n1] = 0
                 continue
             side = [p for p in in_pieces if p.requires_grad]
             got = torch.autograd.grad(surrogate, [product, *side], allow_unused=True)

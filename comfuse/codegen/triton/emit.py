@@ -76,8 +76,8 @@ def module_header(title: str, region_text: str) -> str:
         "",
         "from comfuse.codegen.triton.helpers import (expm1, log1p, lse_merge, max_propagate_nan, "
         "min_propagate_nan,",
-        "                                             moments_merge, pow_int, pow_real, strip_barrier,",
-        "                                             tanh)",
+        "                                             moments_merge, pow_int, pow_real, strip_arrive,",
+        "                                             strip_barrier, strip_wait, tanh)",
         "", "", ""])
 
 
@@ -419,7 +419,7 @@ class _Emitter:
         before the mainloop, so that their DRAM latency passes while the GEMM runs instead of
         after it (they stay in registers meanwhile: the autotuner weighs that)."""
         self.prefetched = set()
-        if not getattr(self.plan, "prefetch", False):
+        if not getattr(self.plan, "prefetch", False) or getattr(self.plan, "overlap", False):
             return
         for i, node in enumerate(self.region.nodes):
             if node.op is Op.INPUT and {"M", "N"} <= set(self.region.inputs[node.arg].axes):
@@ -490,6 +490,8 @@ class _Emitter:
         consts = ["BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "UPCAST_OPERANDS", "DOT_PRECISION",
                   "WIDE_INDEX"] + (["TILES_POW2"] if self.cooperative else [])
         self.lines = []
+        if self.cooperative and p.overlap and self.phase is None:
+            return self.emit_overlapped(sig, consts)
         if self.cooperative:
             # The work on one strip is a function of its own, called from the persistent
             # loop, so ptxas allocates its registers apart from the loop's (RMSNorm 128x128x64,
@@ -534,6 +536,129 @@ class _Emitter:
             constexprs += (("TILES_POW2", _pow2(p.tiles_n)),)
         return KernelSource(self.name, header + body + "\n", tuple(self.params), constexprs,
                             p.num_warps, p.num_stages)
+
+    # ---- the cooperative strip with its exchange overlapped by the next strip's mainloop ----
+    def emit_overlapped(self, sig: list, consts: list) -> KernelSource:
+        """One persistent loop, one iteration per strip of the slot plus one: iteration j
+        runs strip j's mainloop and first stage and publishes its partials (no wait), then
+        finishes strip j-1 (waits for its first exchange, which the strip's programs
+        published an entire mainloop earlier, combines, runs the later stages and their
+        exchanges, stores). The finished tile of strip j-1 is the only value carried across
+        an iteration; its first stage is recomputed from it.
+
+        Why it cannot deadlock or read a buffer being rewritten (the programs of a slot are
+        co-resident, as in the plain schedule):
+        - every program of a slot runs the same sequence of arrivals, and waits only for
+          arrivals that the others make before any wait of theirs that could depend on it;
+        - the first exchange alternates two counters by strip parity: a program arrives at
+          strip j+2 only after waiting for strip j, so no generation of a counter starts
+          before the previous one is complete, and ``old // members`` names it;
+        - the first exchange's partials rotate over four buffers: strip j's overwrite strip
+          j-4's, which every program finished reading in iteration j-3, before arriving at
+          strip j-2, for which this program waited in iteration j-1;
+        - later exchanges (2nd, 3rd ...) publish, wait and combine at once, in their own
+          counter and buffers."""
+        p, r = self.plan, self.region
+        width = self.plan.exchange_width
+        counters = p.exchanges + 1
+        self.function(self.name, sig, consts, p.describe() + "; exchange overlapped with the next strip's mainloop")
+        self.line("pid = tl.program_id(0)")
+        self.line("pid_n = pid % TILES_N  # this program's tile in every strip it works on")
+        self.line("slot = pid // TILES_N  # the programs of one slot share strips and exchanges")
+        self.line("strips_per_batch = tl.cdiv(M, BLOCK_M)")
+        self.line("mine = tl.cdiv(strips_per_batch * NUM_B - slot, GROUPS)  # strips of this slot")
+        self.line(f"buffer = {width} * TILES_POW2 * BLOCK_M  # one exchange's partials")
+        self.line(f"counters = counter_ptr + slot * {counters}  # [first exchange, even strips; odd strips; "
+                  "later exchanges]")
+        self.line("ws_rows = tl.arange(0, BLOCK_M)")
+        self.line("prev_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # the tile of the strip to finish")
+        self.line("prev_target = pid * 0  # the count that completes its first exchange")
+        self.line("for it in range(0, mine + 1):")
+        self.line("cur_acc = prev_acc", 2)
+        self.line("cur_target = prev_target", 2)
+        self.line("if it < mine:  # ---- strip it: mainloop, first stage, publish (no wait) ----", 2)
+        self.base = 2
+        self.strip_ids("slot + it * GROUPS")
+        self.mainloop()
+        first = p.stages[0]
+        self.stage_values(first)
+        self.line("ws_base = ws_ptr + ((slot * %d + 0) * 4 + it %% 4) * buffer" % p.exchanges)
+        for k, i in enumerate(first.reductions):
+            node = r.nodes[i]
+            part = self.reduction(node, self.ref(node.src[0]), axis=1, keep=False, mask="mask_n[None, :]")
+            self.line(f"tl.store(ws_base + ({k} * TILES_POW2 + pid_n) * BLOCK_M + ws_rows, {part})")
+        self.line("cur_target = strip_arrive(counters + it % 2, TILES_N)")
+        self.line("cur_acc = acc")
+        self.base = 0
+        self.line("if it > 0:  # ---- strip it - 1: wait for its first exchange, finish, store ----", 2)
+        self.base = 2
+        self.strip_ids("slot + (it - 1) * GROUPS")
+        self.line("offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
+        self.line("offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)")
+        self.line("if WIDE_INDEX:  # some tensor spans more than 2**31 elements")
+        self.line("offs_m = offs_m.to(tl.int64)", 2)
+        self.line("offs_n = offs_n.to(tl.int64)", 2)
+        self.line("mask_m = offs_m < M")
+        self.line("mask_n = offs_n < N")
+        self.line("acc = prev_acc")
+        exchanges = 0
+        for stage in p.stages:
+            self.line()
+            self.line(self.stage_title(stage))
+            self.stage_values(stage)
+            if stage.reductions:
+                self.overlapped_exchange(stage, exchanges)
+                exchanges += 1
+            for k in stage.stores:
+                out = r.outputs[k]
+                mask = self.mask(out.axes)
+                if "N" not in out.axes:
+                    mask = f"{mask} & (pid_n == 0)" if mask else "pid_n == 0"  # one tile writes row values
+                self.line(f"tl.store({self.offsets(f'out{k}', out.axes)}, {self.store_value(out)}, "
+                          f"mask={mask})  # {out.name}")
+        self.base = 0
+        self.line("prev_acc = cur_acc", 2)
+        self.line("prev_target = cur_target", 2)
+        body = "\n".join(self.lines)
+        header = module_header(f"comfuse kernel {self.name}: {p.describe()}", format_region(r))
+        constexprs = (("BLOCK_M", p.block_m), ("BLOCK_N", p.block_n), ("BLOCK_K", p.block_k),
+                      ("GROUP_M", p.group_m), ("TILES_POW2", _pow2(p.tiles_n)))
+        return KernelSource(self.name, header + body + "\n", tuple(self.params), constexprs,
+                            p.num_warps, p.num_stages)
+
+    def strip_ids(self, strip: str) -> None:
+        self.line(f"strip = {strip}")
+        if self.region.gemm.batched:
+            self.line("pid_b = (strip // strips_per_batch).to(tl.int64)")
+        self.line("pid_m = strip % strips_per_batch")
+
+    def stage_values(self, stage) -> None:
+        for i in stage.nodes:
+            node = self.region.nodes[i]
+            if node.op is Op.CONST or node.op in REDUCE:
+                continue
+            self.line(f"v{i} = {self.expr(i)}  # {self.comment(i)}")
+
+    def overlapped_exchange(self, stage, index: int) -> None:
+        """Exchange ``index`` of the strip being finished: the first waits for partials
+        published an iteration ago; later ones publish, wait and combine at once."""
+        r, p = self.region, self.plan
+        self.line(f"ws_base = ws_ptr + ((slot * {p.exchanges} + {index}) * 4 + (it - 1) % 4) * buffer")
+        if index == 0:
+            self.line("strip_wait(counters + (it - 1) % 2, prev_target)  # published a mainloop ago")
+        else:
+            for k, i in enumerate(stage.reductions):
+                node = r.nodes[i]
+                part = self.reduction(node, self.ref(node.src[0]), axis=1, keep=False, mask="mask_n[None, :]")
+                self.line(f"tl.store(ws_base + ({k} * TILES_POW2 + pid_n) * BLOCK_M + ws_rows, {part})")
+            self.line(f"strip_barrier(counters + {1 + index}, TILES_N)")
+        self.line("tiles = tl.arange(0, TILES_POW2)")
+        for k, i in enumerate(stage.reductions):
+            node = r.nodes[i]
+            parts = (f"tl.load(ws_base + ({k} * TILES_POW2 + tiles[:, None]) * BLOCK_M + ws_rows[None, :], "
+                     f"mask=(tiles < TILES_N)[:, None], other=0.0, cache_modifier=\".cg\")")
+            total = self.reduction(node, parts, axis=0, keep=False, mask="(tiles < TILES_N)[:, None]")
+            self.line(f"v{i} = {total}[:, None]  # {self.comment(i)}, whole strip")
 
     def function(self, name: str, sig: list, consts: list, doc: str, extra: str = "",
                  noinline: bool = False) -> None:

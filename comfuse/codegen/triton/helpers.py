@@ -81,6 +81,27 @@ def strip_barrier(counter_ptr, members):
 
 
 @triton.jit
+def strip_arrive(counter_ptr, members):
+    """The arrival half of ``strip_barrier``: count this program in and return the value the
+    counter reaches when its generation is complete (wait for it with ``strip_wait``). A
+    program must not arrive at the next generation of the same counter before waiting for
+    this one: ``old // members`` names the generation only while nobody runs a generation
+    ahead (the overlapped strip alternates two counters for that reason)."""
+    tl.debug_barrier()  # every warp has published its partials
+    old = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    return (old // members + 1) * members
+
+
+@triton.jit
+def strip_wait(counter_ptr, target):
+    """The waiting half of ``strip_barrier``: spin until the counter reaches ``target``."""
+    seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    while seen < target:
+        seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+
+
+@triton.jit
 def lse_merge(m1, s1, m2, s2):
     """Merge two log-sum-exp partials (running max, sum of exp(x - max)); a side whose max
     is -inf (nothing seen yet) contributes nothing instead of exp(-inf - -inf) = NaN."""
