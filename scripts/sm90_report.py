@@ -52,7 +52,8 @@ def main() -> None:
                     info = aot.compile_for_gpu(p)
                     res = aot.resources(info["asm"]["cubin"])
                     print(f"| {name} | {'x'.join(map(str, prog.shape))} | {p.schedule} {p.mainloop} "
-                          f"{p.block_m}x{p.block_n}x{p.block_k} w{p.num_warps} s{p.num_stages} | "
+                          f"{p.block_m}x{p.block_n}x{p.block_k} w{p.num_warps} s{p.num_stages}"
+                          f"{' prefetch' if p.prefetch else ''} | "
                           f"{res.get('reg', '?')} | {res.get('stack', '?')} | {info['shared_bytes']} | "
                           f"{info['wgmma']} | {info['mma']} |", flush=True)
                 except Exception as e:  # report and go on
