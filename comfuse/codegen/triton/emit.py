@@ -380,8 +380,8 @@ class _Emitter:
             self.line("pid_m = first_m + (pid % group) % group_m")
             self.line("pid_n = (pid % group) // group_m")
 
-    def mainloop(self) -> None:
-        batched = self.region.gemm.batched
+    def tile_offsets(self) -> None:
+        """Rows and columns of the tile (pid_m, pid_n), and their masks."""
         self.line("offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
         self.line("offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)")
         self.line("if WIDE_INDEX:  # some tensor spans more than 2**31 elements")
@@ -389,6 +389,10 @@ class _Emitter:
         self.line("offs_n = offs_n.to(tl.int64)", 2)
         self.line("mask_m = offs_m < M")
         self.line("mask_n = offs_n < N")
+
+    def mainloop(self) -> None:
+        batched = self.region.gemm.batched
+        self.tile_offsets()
         self.line()
         self.prefetch_inputs()
         if self.plan.mainloop == "tma":
@@ -548,8 +552,10 @@ class _Emitter:
 
         Why it cannot deadlock or read a buffer being rewritten (the programs of a slot are
         co-resident, as in the plain schedule):
-        - every program of a slot runs the same sequence of arrivals, and waits only for
-          arrivals that the others make before any wait of theirs that could depend on it;
+        - every program of a slot runs the same sequence of arrivals and waits; a wait in
+          iteration j needs only arrivals the others make earlier in their own sequence
+          (strip j-1's first exchange, in their iteration j-1, or the same later exchange
+          of strip j-1, reached without waiting on anything of strip j), so no cycle forms;
         - the first exchange alternates two counters by strip parity: a program arrives at
           strip j+2 only after waiting for strip j, so no generation of a counter starts
           before the previous one is complete, and ``old // members`` names it;
@@ -582,7 +588,7 @@ class _Emitter:
         self.mainloop()
         first = p.stages[0]
         self.stage_values(first)
-        self.line("ws_base = ws_ptr + ((slot * %d + 0) * 4 + it %% 4) * buffer" % p.exchanges)
+        self.line(f"ws_base = ws_ptr + ((slot * {p.exchanges} + 0) * 4 + it % 4) * buffer")
         for k, i in enumerate(first.reductions):
             node = r.nodes[i]
             part = self.reduction(node, self.ref(node.src[0]), axis=1, keep=False, mask="mask_n[None, :]")
@@ -593,13 +599,7 @@ class _Emitter:
         self.line("if it > 0:  # ---- strip it - 1: wait for its first exchange, finish, store ----", 2)
         self.base = 2
         self.strip_ids("slot + (it - 1) * GROUPS")
-        self.line("offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
-        self.line("offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)")
-        self.line("if WIDE_INDEX:  # some tensor spans more than 2**31 elements")
-        self.line("offs_m = offs_m.to(tl.int64)", 2)
-        self.line("offs_n = offs_n.to(tl.int64)", 2)
-        self.line("mask_m = offs_m < M")
-        self.line("mask_n = offs_n < N")
+        self.tile_offsets()
         self.line("acc = prev_acc")
         exchanges = 0
         for stage in p.stages:
