@@ -27,6 +27,26 @@ def test_suite_at_real_shapes(name, shape):
     assert_matches_reference(wl.fn, args, out)
 
 
+@pytest.mark.parametrize("name", ["ln_postnorm", "rmsnorm", "softmax", "multi_stage"])
+@pytest.mark.parametrize("form", ["prefetch", "overlap"])
+@pytest.mark.parametrize("mainloop", ["pointer", "tma"])
+def test_prefetched_and_overlapped_forms_at_the_paper_shape(name, form, mainloop):
+    """The forms added without a GPU (2026-11-30): side inputs loaded before the mainloop,
+    and the cooperative strip whose first exchange waits behind the next strip's mainloop;
+    correct at 8192x1024x1024 with both mainloops."""
+    wl = SUITE[name]
+    args = wl.inputs(8192, 1024, 1024, dtype=torch.bfloat16, device="cuda")
+    with comfuse.settings.override(autotune="0", mainloop=mainloop, schedule="cooperative",
+                                   **{form: True}), warnings.catch_warnings():
+        warnings.simplefilter("ignore", comfuse.ComfuseWarning)
+        compiled = comfuse.compile(wl.fn, args)
+        out = compiled(*args)
+    (r,) = compiled.report.regions
+    assert r.fused, str(compiled.report)
+    assert ("overlapped" if form == "overlap" else "before the mainloop") in r.plan, r.plan
+    assert_matches_reference(wl.fn, args, out)
+
+
 def test_fp32_is_exact_without_tf32():
     assert not torch.backends.cuda.matmul.allow_tf32
     wl = SUITE["ln_postnorm"]
