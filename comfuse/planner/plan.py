@@ -269,7 +269,9 @@ def candidates(region: Region, target: str = "cuda", settings=None, sm_count: in
         # split: smaller tiles too: the statistics' tile values (several [BM, BN] tensors
         # besides the accumulator) spill at 128x256 (scripts/sm90_report.py)
         variants = {"tile": [(128, 256, 64, 8), (64, 128, 64, 4), (128, 64, 64, 4)],
-                    "cooperative": [(64, 128, 64, 4), (128, 256, 64, 8)],
+                    # 128x128 with 3 stages (98 KB): two programs per SM, so one's epilogue
+                    # can run while the other's mainloop does (the planner's 4 stages fit one)
+                    "cooperative": [(64, 128, 64, 4), (128, 256, 64, 8), (128, 128, 64, 8)],
                     "row_in_cta": [], "split": [(128, 128, 64, 4), (64, 128, 64, 4), (128, 64, 64, 4)]}[schedule]
         for bm, bn, bk, warps in variants:
             if schedule == "cooperative":
