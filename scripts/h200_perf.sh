@@ -6,7 +6,8 @@
 # autotuning, DDP where two GPUs are present). Logs and results go to $OUT; a short table
 # is printed last. Knobs: SUITE, CANDIDATES, BENCH_S, MAINLOOP_S, GPU_TESTS_S, GPU_TESTS_K,
 # REPEAT (interleaved timing rounds), MODELS=1, MODEL_CANDIDATES, CE_MEMORY=1, ANATOMY=1
-# (ANATOMY_ONLY, ANATOMY_FORMS) (a *_S of 0 skips that part).
+# (ANATOMY_ONLY, ANATOMY_FORMS), MAINLOOP_GRAPH (1: time the mainloop as CUDA-graph replays)
+# (a *_S of 0 skips that part).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/comfuse-out}
@@ -24,7 +25,7 @@ start=$(date +%s)
 echo "bench rc=$? in $(( $(date +%s) - start )) s"
 [ "${BENCH_S:-270}" = 0 ] || python3 -m comfuse.cli bench --report-only --out "$OUT/bench" > /dev/null 2>&1
 start=$(date +%s)
-[ "${MAINLOOP_S:-120}" = 0 ] || timeout "${MAINLOOP_S:-120}" python3 scripts/mainloop_bench.py --out "$OUT" > "$OUT/mainloop.log" 2>&1
+[ "${MAINLOOP_S:-120}" = 0 ] || GRAPH="${MAINLOOP_GRAPH:-1}" timeout "${MAINLOOP_S:-120}" python3 scripts/mainloop_bench.py --out "$OUT" > "$OUT/mainloop.log" 2>&1
 echo "mainloop rc=$? in $(( $(date +%s) - start )) s"
 
 start=$(date +%s)

@@ -5,7 +5,7 @@ one store), then every (mainloop, tile, warps, stages) variant of its plan; chec
 against torch before timing it; times torch.mm (cuBLAS) and torch.relu(torch.mm) in the
 same run. Writes a JSON log to $OUT (or --out) and prints a table last.
 
-    python scripts/mainloop_bench.py [--shapes 8192x8192x8192,...] [--out DIR]
+    [GRAPH=1] python scripts/mainloop_bench.py [--shapes 8192x8192x8192,...] [--out DIR]
 """
 from __future__ import annotations
 
@@ -30,7 +30,21 @@ SHAPES = "8192x8192x8192,8192x4096x4096,8192x1024x1024"
 TILES = [  # block_m, block_n, block_k, warps, stages
     (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 4, 4), (128, 128, 64, 8, 4),
     (256, 128, 64, 8, 3), (128, 128, 128, 8, 3), (64, 256, 64, 4, 4),
+    (128, 256, 128, 8, 2), (256, 128, 128, 8, 2),  # K = 1024: half the steps per tile
 ]
+
+
+def timed(fn):
+    """``measure(fn)``; with GRAPH=1 the replay of a CUDA graph of one call (the GPU's time:
+    at 8192x1024x1024 a ~30 us kernel is otherwise timed together with its Python launch)."""
+    if os.environ.get("GRAPH") != "1":
+        return measure(fn)
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return measure(graph.replay)
 
 
 def planned(a, b):
@@ -58,8 +72,8 @@ def main() -> None:
         a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(K, N, device="cuda", dtype=torch.bfloat16) / K ** 0.5
         ref = torch.relu(torch.mm(a, b))
-        cublas = measure(lambda: torch.mm(a, b))
-        cublas_relu = measure(lambda: torch.relu(torch.mm(a, b)))
+        cublas = timed(lambda: torch.mm(a, b))
+        cublas_relu = timed(lambda: torch.relu(torch.mm(a, b)))
         flops = 2 * M * N * K
         row = {"shape": [M, N, K], "cublas_ms": cublas.as_dict(), "cublas_relu_ms": cublas_relu.as_dict(),
                "variants": []}
@@ -80,7 +94,7 @@ def main() -> None:
                     if not err <= 2e-2 * scale:
                         v.update(status="wrong", err=err)
                     else:
-                        t = measure(run)
+                        t = timed(run)
                         v.update(status="ok", err=err, **t.as_dict(),
                                  tflops=flops / t.median_ms / 1e9, vs_cublas=cublas.median_ms / t.median_ms)
                 except Exception as e:  # one variant failing must not stop the sweep
@@ -89,7 +103,8 @@ def main() -> None:
                 print(f"{shape:18s} {name:32s} {v.get('median_ms', float('nan')):8.4f} ms  "
                       f"{v.get('vs_cublas', 0):.3f}x cuBLAS  {v['status']}", flush=True)
         rows.append(row)
-    (out_dir / "mainloop.json").write_text(json.dumps({"meta": environment("cuda"), "rows": rows}, indent=1))
+    (out_dir / "mainloop.json").write_text(json.dumps({"meta": environment("cuda"), "timing": "cuda-graph replays" if os.environ.get("GRAPH") == "1"
+                                else "python launches", "rows": rows}, indent=1))
     print("\n| shape | cuBLAS mm ms | mm+relu ms | best comfuse variant | ms | x cuBLAS |")
     print("|---|---|---|---|---|---|")
     for row in rows:
