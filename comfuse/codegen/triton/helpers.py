@@ -9,13 +9,14 @@ import triton.language as tl
 
 @triton.jit
 def max_propagate_nan(a, b):
-    """Combine for a max reduction: NaN wins, as in torch.amax."""
-    return tl.where((a > b) | (a != a), a, b)
+    """Combine for a max reduction: NaN wins, as in torch.amax. One ``max.NaN.f32`` per step
+    at sm_90 (a compare-and-select form took four instructions: setp.gt, setp.nan, or, selp)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
 def min_propagate_nan(a, b):
-    return tl.where((a < b) | (a != a), a, b)
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
