@@ -402,3 +402,18 @@ def test_overlapped_strip_with_a_row_output_matches_reference():
         compiled, out = compile_and_run(fn, args)
     assert compiled.report.regions[0].fused and "overlapped" in compiled.report.regions[0].plan
     assert_matches_reference(fn, args, out)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_layer_norm_exchanges_once_with_tile_moments(overlap):
+    """LayerNorm's mean and variance cross the strip in one exchange: each tile publishes its
+    sum and its own centred sum of squares, merged by Chan's formula; rows far from zero
+    mean (|mean| / std ~ 300) and a last tile of 4 columns (N = 100 in tiles of 32) stay
+    within tolerance of float64."""
+    fn = lambda x, w, g, b: F.layer_norm(x @ w + 300.0, (100,), g, b)  # noqa: E731
+    args = (randn(150, 24), weight(24, 100), randn(100), randn(100))
+    with settings.override(schedule="cooperative", overlap=overlap):
+        compiled, out = compile_and_run(fn, args)
+    (r,) = compiled.report.regions
+    assert r.fused and "exchange 1 time(s)" in r.plan, r.plan
+    assert_matches_reference(fn, args, out)

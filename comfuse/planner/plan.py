@@ -36,6 +36,7 @@ class Plan:
     onepass: object = None  # split: the region's one-pass form (derived from ``region``)
     prefetch: bool = False  # load whole-tile side inputs (residuals) before the mainloop
     overlap: bool = False  # cooperative: a strip's first exchange waits behind the next strip's mainloop
+    moments: tuple = ()  # cooperative: (sum, sum of squared deviations) pairs exchanged at once
 
     def describe(self) -> str:
         strip = "column strip (reductions along M, run transposed)" if self.transposed else \
@@ -61,6 +62,50 @@ class NotFused:
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (max(n, 1) - 1).bit_length())
+
+
+def moment_pairs(region: Region) -> tuple[tuple[int, int], ...]:
+    """(R1, R2) node pairs where R1 = sum[N](x) and R2 = sum[N](d * d) with d = x - R1 / N:
+    a row's sum and its sum of squared deviations from the row mean (LayerNorm's variance).
+    A cooperative strip exchanges both at R1's exchange as tile moments (sum and the tile's
+    own centred sum of squares, merged by Chan's formula), one exchange instead of two."""
+    nodes, n = region.nodes, region.sizes.N
+    pairs = []
+    for j, node in enumerate(nodes):
+        if node.op is not Op.SUM or node.arg != "N" or not node.dtype.is_floating_point:
+            continue
+        sq = nodes[node.src[0]]
+        if sq.op is Op.MUL and sq.src[0] == sq.src[1]:
+            d = sq.src[0]
+        elif sq.op is Op.POW and sq.arg == 2:
+            d = sq.src[0]
+        else:
+            continue
+        if nodes[d].op is not Op.SUB:
+            continue
+        x, mean = nodes[d].src
+        m = nodes[mean]
+        if m.op not in (Op.DIV, Op.MUL) or nodes[m.src[1]].op is not Op.CONST:
+            continue
+        c = float(nodes[m.src[1]].arg)
+        if (m.op is Op.DIV and c != n) or (m.op is Op.MUL and abs(c * n - 1.0) > 1e-12):
+            continue
+        r1 = nodes[m.src[0]]
+        if r1.op is Op.SUM and r1.arg == "N" and r1.src[0] == x and r1.dtype.is_floating_point:
+            pairs.append((m.src[0], j))
+    return tuple(pairs)
+
+
+def _exchange_shape(stages, pairs) -> tuple[int, int]:
+    """(exchanges, most arrays published at one) of a cooperative plan: a paired R2 needs no
+    exchange of its own, a paired R1 publishes two arrays."""
+    r1s, r2s = {a for a, _ in pairs}, {b for _, b in pairs}
+    widths = []
+    for st in stages:
+        live = [i for i in st.reductions if i not in r2s]
+        if live:
+            widths.append(len(live) + sum(1 for i in live if i in r1s))
+    return len(widths), max(widths, default=0)
 
 
 def reduction_axis(region: Region) -> tuple[str | None, str]:
@@ -234,11 +279,12 @@ def plan(region: Region, target: str = "cuda", settings=None, sm_count: int = 13
     if mainloop == "tma" and tma_blocker(region):
         return NotFused(f"forced TMA mainloop: {tma_blocker(region)}", tuple(forms))
     bm, bn, bk, warps, pipe = _blocks(region, schedule, target, settings.row_budget)
-    ends = [len(st.reductions) for st in stages if st.reductions]
     extra = dict(split)
     if schedule == "cooperative":
-        extra = dict(tiles_n=_cdiv(region.sizes.N, bn), exchanges=len(ends),
-                     exchange_width=max(ends, default=0))
+        pairs = moment_pairs(region)
+        exchanges, width = _exchange_shape(stages, pairs)
+        extra = dict(tiles_n=_cdiv(region.sizes.N, bn), exchanges=exchanges, exchange_width=width,
+                     moments=pairs)
     overlap = settings.overlap and schedule == "cooperative"
     prefetch = settings.prefetch and schedule != "split" and not overlap
     return Plan(region, transposed, schedule, stages, bm, bn, bk, 8, warps, pipe, tuple(forms),

@@ -451,14 +451,66 @@ class _Emitter:
         self.line("b = b.to(tl.float32)", 3)
         self.line("acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)", 2)
 
+    def live_reductions(self, stage) -> list:
+        """The reductions of ``stage`` that need an exchange: a sum of squared deviations
+        paired with its row sum (plan.moments) arrives with the sum's exchange instead."""
+        paired = {b for _, b in getattr(self.plan, "moments", ())}
+        return [i for i in stage.reductions if i not in paired]
+
+    def publish(self, stage) -> None:
+        """Store this tile's partials of ``stage``'s exchange at ``ws_base``, one array each;
+        a row sum paired with a sum of squared deviations also stores its tile's own centred
+        sum of squares (the moments that Chan's formula merges)."""
+        r, pairs = self.region, dict(getattr(self.plan, "moments", ()))
+        k = 0
+        for i in self.live_reductions(stage):
+            node = r.nodes[i]
+            x = self.ref(node.src[0])
+            part = self.reduction(node, x, axis=1, keep=False, mask="mask_n[None, :]")
+            self.line(f"part{i} = {part}")
+            self.line(f"tl.store(ws_base + ({k} * TILES_POW2 + pid_n) * BLOCK_M + ws_rows, part{i})")
+            k += 1
+            if i in pairs:
+                self.line("tile_cols = tl.maximum(tl.sum(mask_n.to(tl.float32), axis=0), 1.0)")
+                self.line(f"tile_mean = part{i} / tile_cols")
+                self.line(f"tile_dev = tl.where(mask_n[None, :], {x} - tile_mean[:, None], 0.0)")
+                self.line(f"tl.store(ws_base + ({k} * TILES_POW2 + pid_n) * BLOCK_M + ws_rows, "
+                          "tl.sum(tile_dev * tile_dev, axis=1))  # the tile's centred sum of squares")
+                k += 1
+
+    def combine(self, stage) -> None:
+        """Read the strip's partials of ``stage``'s exchange from ``ws_base`` and reduce them."""
+        r, pairs = self.region, dict(getattr(self.plan, "moments", ()))
+
+        def load(k: int) -> str:
+            return (f"tl.load(ws_base + ({k} * TILES_POW2 + tiles[:, None]) * BLOCK_M + ws_rows[None, :], "
+                    f"mask=(tiles < TILES_N)[:, None], other=0.0, cache_modifier=\".cg\")")
+        self.line("tiles = tl.arange(0, TILES_POW2)")
+        k = 0
+        for i in self.live_reductions(stage):
+            node = r.nodes[i]
+            if i in pairs:
+                j = pairs[i]
+                self.line(f"sums = {load(k)}")
+                self.line(f"m2s = {load(k + 1)}")
+                self.line("cols = tl.minimum(tl.maximum(N - tiles * BLOCK_N, 0), BLOCK_N).to(tl.float32)[:, None]")
+                self.line("row_sum = tl.sum(sums, axis=0)")
+                self.line("dev = tl.where(cols > 0, sums / tl.maximum(cols, 1.0) - (row_sum / N)[None, :], 0.0)")
+                self.line(f"v{i} = row_sum[:, None]  # {self.comment(i)}, whole strip")
+                self.line(f"v{j} = tl.sum(m2s + cols * dev * dev, axis=0)[:, None]  # {self.comment(j)}: the "
+                          f"squared deviations from the row mean, the tiles' moments merged (Chan)")
+                k += 2
+                continue
+            total = self.reduction(node, load(k), axis=0, keep=False, mask="(tiles < TILES_N)[:, None]")
+            self.line(f"v{i} = {total}[:, None]  # {self.comment(i)}, whole strip")
+            k += 1
+
     def exchange(self, stage, index: int) -> bool:
         """The cooperative strip's exchange at the end of ``stage``: publish this tile's
         partials, wait for the strip, combine. Returns False where an interpreter-form
         kernel ends (its phase is this exchange)."""
-        r = self.region
-        reds = stage.reductions
         self.line(f"# exchange {index}: publish this tile's partials, wait for the strip's "
-                  f"{len(reds)} x TILES_N, combine")
+                  f"{len(self.live_reductions(stage))} x TILES_N, combine")
         # GPU: a slot's two buffers alternate between consecutive exchanges, so a fast tile
         # can publish exchange e+1 while a slow one still reads e. Interpreter form: each
         # phase re-publishes the exchanges before it, so every (strip, exchange) has its own.
@@ -466,10 +518,7 @@ class _Emitter:
             f"(strip * {max(self.plan.exchanges, 2)} + {index})"
         self.line(f"ws_base = ws_ptr + {where} * ({self.plan.exchange_width} * TILES_POW2 * BLOCK_M)")
         self.line("ws_rows = tl.arange(0, BLOCK_M)")
-        for k, i in enumerate(reds):
-            node = r.nodes[i]
-            part = self.reduction(node, self.ref(node.src[0]), axis=1, keep=False, mask="mask_n[None, :]")
-            self.line(f"tl.store(ws_base + ({k} * TILES_POW2 + pid_n) * BLOCK_M + ws_rows, {part})")
+        self.publish(stage)
         if self.phase is not None and self.phase == index:
             self.line(f"# interpreter form, phase {index}: the strip's other tiles publish in this "
                       "launch; the next launch combines")
@@ -477,13 +526,7 @@ class _Emitter:
         if self.phase is None:
             self.line("strip_barrier(counter_ptr + slot, TILES_N)")
             self.line("exchange += 1")
-        self.line("tiles = tl.arange(0, TILES_POW2)")
-        for k, i in enumerate(reds):
-            node = r.nodes[i]
-            parts = (f"tl.load(ws_base + ({k} * TILES_POW2 + tiles[:, None]) * BLOCK_M + ws_rows[None, :], "
-                     f"mask=(tiles < TILES_N)[:, None], other=0.0, cache_modifier=\".cg\")")
-            total = self.reduction(node, parts, axis=0, keep=False, mask="(tiles < TILES_N)[:, None]")
-            self.line(f"v{i} = {total}[:, None]  # {self.comment(i)}, whole strip")
+        self.combine(stage)
         return True
 
     def emit(self) -> KernelSource:
@@ -518,7 +561,7 @@ class _Emitter:
                 if node.op is Op.CONST or (self.cooperative and node.op in REDUCE) or i in self.prefetched:
                     continue
                 self.line(f"v{i} = {self.expr(i)}  # {self.comment(i)}")
-            if self.cooperative and stage.reductions:
+            if self.cooperative and self.live_reductions(stage):
                 if not self.exchange(stage, exchanges):
                     break
                 exchanges += 1
@@ -589,10 +632,7 @@ class _Emitter:
         first = p.stages[0]
         self.stage_values(first)
         self.line(f"ws_base = ws_ptr + ((slot * {p.exchanges} + 0) * 4 + it % 4) * buffer")
-        for k, i in enumerate(first.reductions):
-            node = r.nodes[i]
-            part = self.reduction(node, self.ref(node.src[0]), axis=1, keep=False, mask="mask_n[None, :]")
-            self.line(f"tl.store(ws_base + ({k} * TILES_POW2 + pid_n) * BLOCK_M + ws_rows, {part})")
+        self.publish(first)
         self.line("cur_target = strip_arrive(counters + it % 2, TILES_N)")
         self.line("cur_acc = acc")
         self.base = 0
@@ -606,7 +646,7 @@ class _Emitter:
             self.line()
             self.line(self.stage_title(stage))
             self.stage_values(stage)
-            if stage.reductions:
+            if self.live_reductions(stage):
                 self.overlapped_exchange(stage, exchanges)
                 exchanges += 1
             for k in stage.stores:
@@ -642,23 +682,14 @@ class _Emitter:
     def overlapped_exchange(self, stage, index: int) -> None:
         """Exchange ``index`` of the strip being finished: the first waits for partials
         published an iteration ago; later ones publish, wait and combine at once."""
-        r, p = self.region, self.plan
+        p = self.plan
         self.line(f"ws_base = ws_ptr + ((slot * {p.exchanges} + {index}) * 4 + (it - 1) % 4) * buffer")
         if index == 0:
             self.line("strip_wait(counters + (it - 1) % 2, prev_target)  # published a mainloop ago")
         else:
-            for k, i in enumerate(stage.reductions):
-                node = r.nodes[i]
-                part = self.reduction(node, self.ref(node.src[0]), axis=1, keep=False, mask="mask_n[None, :]")
-                self.line(f"tl.store(ws_base + ({k} * TILES_POW2 + pid_n) * BLOCK_M + ws_rows, {part})")
+            self.publish(stage)
             self.line(f"strip_barrier(counters + {1 + index}, TILES_N)")
-        self.line("tiles = tl.arange(0, TILES_POW2)")
-        for k, i in enumerate(stage.reductions):
-            node = r.nodes[i]
-            parts = (f"tl.load(ws_base + ({k} * TILES_POW2 + tiles[:, None]) * BLOCK_M + ws_rows[None, :], "
-                     f"mask=(tiles < TILES_N)[:, None], other=0.0, cache_modifier=\".cg\")")
-            total = self.reduction(node, parts, axis=0, keep=False, mask="(tiles < TILES_N)[:, None]")
-            self.line(f"v{i} = {total}[:, None]  # {self.comment(i)}, whole strip")
+        self.combine(stage)
 
     def function(self, name: str, sig: list, consts: list, doc: str, extra: str = "",
                  noinline: bool = False) -> None:
