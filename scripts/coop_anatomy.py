@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import comfuse  # noqa: E402
 from comfuse import settings  # noqa: E402
-from comfuse.bench.timing import measure  # noqa: E402
+from comfuse.bench.timing import graphed, measure  # noqa: E402
 from comfuse.bench.workloads import SUITE  # noqa: E402
 from comfuse.planner import candidates  # noqa: E402
 from comfuse.runtime import cache, compiled  # noqa: E402
@@ -93,17 +93,11 @@ def inline(kernel: kernel_mod.Kernel) -> kernel_mod.Kernel:
 
 
 def timed(fn, device: str):
-    """``measure(fn)``; with GRAPH=1, of the replay of a CUDA graph holding one call of ``fn``,
-    so that the time is the GPU's and not Python's (a ~30 us kernel behind ~30-60 us of
-    Python per call times the launch path; TMA plans build their descriptors per call)."""
+    """``measure(fn)``; with GRAPH=1 of its CUDA-graph replay (the GPU's time, not Python's:
+    TMA plans build their descriptors per call)."""
     if device != "cuda" or os.environ.get("GRAPH") != "1":
         return measure(fn, device=device)
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return measure(graph.replay)
+    return measure(graphed(fn, warmup_calls=1))
 
 
 def main() -> None:

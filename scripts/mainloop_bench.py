@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import comfuse  # noqa: E402
 from comfuse import settings  # noqa: E402
 from comfuse.bench.env import environment  # noqa: E402
-from comfuse.bench.timing import measure  # noqa: E402
+from comfuse.bench.timing import graphed, measure  # noqa: E402
 from comfuse.runtime import kernel as kernel_mod  # noqa: E402
 
 SHAPES = "8192x8192x8192,8192x4096x4096,8192x1024x1024"
@@ -35,16 +35,9 @@ TILES = [  # block_m, block_n, block_k, warps, stages
 
 
 def timed(fn):
-    """``measure(fn)``; with GRAPH=1 the replay of a CUDA graph of one call (the GPU's time:
-    at 8192x1024x1024 a ~30 us kernel is otherwise timed together with its Python launch)."""
-    if os.environ.get("GRAPH") != "1":
-        return measure(fn)
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return measure(graph.replay)
+    """``measure(fn)``; with GRAPH=1 of its CUDA-graph replay (at 8192x1024x1024 a ~30 us
+    kernel is otherwise timed together with its Python launch)."""
+    return measure(graphed(fn, warmup_calls=1)) if os.environ.get("GRAPH") == "1" else measure(fn)
 
 
 def planned(a, b):

@@ -66,24 +66,8 @@ def per_sample(q_ptr, k_ptr, v_ptr, o_ptr, B, LQ: tl.constexpr, LK: tl.constexpr
 @triton.jit
 def persistent(q_ptr, k_ptr, v_ptr, o_ptr, B, LQ: tl.constexpr, LK: tl.constexpr, D: tl.constexpr,
                STAGES: tl.constexpr, DEFER: tl.constexpr):
-    rows = tl.arange(0, LQ)
-    keys = tl.arange(0, LK)
-    dims = tl.arange(0, D)
     for b in tl.range(tl.program_id(0), B, tl.num_programs(0), num_stages=STAGES):
-        base_q = b * (LQ * D)
-        base_k = b * (LK * D)
-        q = tl.load(q_ptr + base_q + rows[:, None] * D + dims[None, :])
-        kt = tl.load(k_ptr + base_k + keys[None, :] * D + dims[:, None])
-        v = tl.load(v_ptr + base_k + keys[:, None] * D + dims[None, :])
-        s = tl.dot(q, kt)
-        m = tl.max(s, axis=1)
-        p = tl.exp(s - m[:, None])
-        total = tl.sum(p, axis=1)
-        if DEFER:
-            o = tl.dot(p.to(tl.bfloat16), v) / total[:, None]
-        else:
-            o = tl.dot((p / total[:, None]).to(tl.bfloat16), v)
-        tl.store(o_ptr + base_q + rows[:, None] * D + dims[None, :], o.to(tl.bfloat16))
+        _sample(q_ptr, k_ptr, v_ptr, o_ptr, b, LQ, LK, D, True, DEFER)
 
 
 @triton.jit

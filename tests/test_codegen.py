@@ -122,40 +122,9 @@ def test_cooperative_strip_compiles_pipelined_without_spills_at_sm90():
     constant, 16-divisible pointers and sizes). Without that, every pointer load compiled to
     scalar 2-byte loads with no cp.async pipelining and ptxas reported 255 registers and
     spills that the GPU never runs (a wrong lead followed on 2026-11-30). RMSNorm over rows
-    of 1024 (8 tiles of 128, pointer mainloop, 8 warps, 4 stages) must show pipelined
-    cp.async loads and no spills (cuobjdump -res-usage: STACK 0)."""
-    script = textwrap.dedent("""
-        import dataclasses, json, torch
-        from comfuse.frontend.capture import capture
-        from comfuse.frontend.regions import find_regions
-        from comfuse.planner import plan
-        from comfuse.runtime.aot import compile_for_gpu, resources
-        bf = torch.bfloat16
-        def rms(x, w, g):
-            y = x @ w
-            return y * torch.rsqrt(y.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(y.dtype) * g
-        args = (torch.randn(1024, 1024, dtype=bf), torch.randn(1024, 1024, dtype=bf), torch.randn(1024, dtype=bf))
-        (cand,) = find_regions(capture(rms, args))
-        p = plan(cand.region, target="cuda")
-        p = dataclasses.replace(p, mainloop="pointer", block_m=128, block_n=128, block_k=64, num_warps=8,
-                                num_stages=4, tiles_n=8)
-        info = compile_for_gpu(p)
-        print(json.dumps(dict(resources(info["asm"]["cubin"]), schedule=info["schedule"], wgmma=info["wgmma"],
-                              cp_async=info["cp_async"])))
-    """)
-    result = run_compiler_script(script)
-    assert result["schedule"] == "cooperative"
-    assert result["wgmma"] > 0
-    assert result["cp_async"] > 0, "the pointer mainloop is not pipelined (no cp.async)"
-    if "stack" not in result:
-        pytest.skip("Triton's cuobjdump is not available to read the cubin's resources")
-    assert result["stack"] == 0, f"the cooperative strip spills {result['stack']} bytes per thread"
-
-
-def test_overlapped_strip_compiles_for_sm90():
-    """The overlapped cooperative strip (a tile carried across the persistent loop) is valid
-    Triton for the H200: RMSNorm over rows of 1024, 128x128 tiles, 8 warps, both mainloops,
-    with its atomics and no spills."""
+    of 1024 (8 tiles of 128, 8 warps, 4 stages): the plain strip with pointer loads must show
+    pipelined cp.async loads, and it and the overlapped strip (a tile carried across the
+    persistent loop; both mainloops) their atomics and no spills (cuobjdump: STACK 0)."""
     script = textwrap.dedent("""
         import dataclasses, json, torch
         from comfuse.frontend.capture import capture
@@ -169,19 +138,24 @@ def test_overlapped_strip_compiles_for_sm90():
         args = (torch.randn(1024, 1024, dtype=bf), torch.randn(1024, 1024, dtype=bf), torch.randn(1024, dtype=bf))
         (cand,) = find_regions(capture(rms, args))
         out = {}
-        for mainloop in ("pointer", "tma"):
+        for name, mainloop, overlap in (("plain", "pointer", False), ("overlapped", "pointer", True),
+                                        ("overlapped_tma", "tma", True)):
             p = dataclasses.replace(plan(cand.region, target="cuda"), mainloop=mainloop, block_m=128,
                                     block_n=128, block_k=64, num_warps=8, num_stages=4, tiles_n=8,
-                                    overlap=True)
+                                    overlap=overlap)
             info = compile_for_gpu(p)
-            out[mainloop] = dict(resources(info["asm"]["cubin"]), wgmma=info["wgmma"], atomics=info["atomics"])
+            out[name] = dict(resources(info["asm"]["cubin"]), schedule=info["schedule"], wgmma=info["wgmma"],
+                             atomics=info["atomics"], cp_async=info["cp_async"])
         print(json.dumps(out))
     """)
     result = run_compiler_script(script)
-    for mainloop, info in result.items():
-        assert info["wgmma"] > 0 and info["atomics"] > 0, (mainloop, info)
-        if "stack" in info:
-            assert info["stack"] == 0, f"{mainloop}: the overlapped strip spills {info['stack']} bytes"
+    assert result["plain"]["cp_async"] > 0, "the pointer mainloop is not pipelined (no cp.async)"
+    for name, info in result.items():
+        assert info["schedule"] == "cooperative" and info["wgmma"] > 0 and info["atomics"] > 0, (name, info)
+    if any("stack" not in info for info in result.values()):
+        pytest.skip("Triton's cuobjdump is not available to read the cubin's resources")
+    for name, info in result.items():
+        assert info["stack"] == 0, f"{name}: the cooperative strip spills {info['stack']} bytes per thread"
 
 
 def test_b2b_chains_compile_for_sm90():

@@ -24,7 +24,7 @@ from ..planner import SCHEDULES
 from ..runtime.check import compare, tolerance
 from . import workloads
 from .env import ceilings, environment
-from .timing import measure
+from .timing import graphed, measure
 
 BASELINES = ("eager", "inductor", "inductor-max-autotune")
 ALL_CANDIDATES = ("comfuse", "comfuse-graph", "comfuse-backend") + tuple(f"comfuse[{s}]" for s in SCHEDULES) + BASELINES + (
@@ -74,20 +74,7 @@ def _graphed(fn, args):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         compiled = comfuse.compile(fn, args)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                compiled(*args)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = compiled(*args)
-
-    def replay():
-        graph.replay()
-        return out
-    return replay
+        return graphed(lambda: compiled(*args))
 
 
 def _candidate(name: str, prog: workloads.Program) -> tuple[Callable | None, dict]:
