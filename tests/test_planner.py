@@ -106,3 +106,28 @@ def test_rows_no_schedule_holds_are_not_fused():
         result = plan(r, target="cuda", sm_count=2)  # 3 tiles per strip, 2 resident programs
     assert isinstance(result, NotFused) and "no schedule fits" in result.reason
     assert "more than the 2 programs" in result.reason
+
+
+def test_moment_pairs_find_layer_norms_variance_and_nothing_else():
+    """A row sum and the sum of squared deviations from the mean it defines are paired (one
+    exchange for both); a variance around another centre, an unbiased (N - 1) mean, a sum of
+    squares without centring, or a column reduction are not."""
+    from comfuse.planner.plan import moment_pairs
+    F = torch.nn.functional
+    ln = cse(dce(region_of(lambda x, w: F.layer_norm(x @ w, (9,)), *x_w())))
+    pairs = moment_pairs(ln)
+    assert len(pairs) == 1
+    r1, r2 = pairs[0]
+    assert ln.nodes[r1].op is Op.SUM and ln.nodes[r2].op is Op.SUM and r1 < r2
+
+    def centred(v, d, c):
+        return ((v - v.sum(d, keepdim=True) / c) ** 2).sum(d)
+    assert moment_pairs(cse(dce(region_of(lambda x, w: centred(x @ w, -1, 9.0), *x_w())))) != ()
+    for fn in (lambda x, w: centred(x @ w, -1, 8.0),  # mean over N - 1: not the row mean
+               lambda x, w: ((x @ w - (x @ w).amax(-1, keepdim=True)) ** 2).sum(-1),  # around the max
+               lambda x, w: ((x @ w) ** 2).sum(-1),  # uncentred
+               ):
+        assert moment_pairs(cse(dce(region_of(fn, *x_w())))) == ()
+    col = cse(dce(region_of(lambda x, w: centred(x @ w, 0, 6.0), *x_w())))
+    assert moment_pairs(col) == ()  # along M (the planner pairs it after transposing to rows)
+    assert moment_pairs(cse(dce(transpose(col)))) != ()
