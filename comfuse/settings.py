@@ -70,6 +70,10 @@ class Settings:
     # slower first call, tens of seconds per region; on the DLRM chain its Triton GEMMs ran
     # 0.1355 ms where the default's took 0.1664, H200 2026-11-30).
     unfused_mode: str
+    # COMFUSE_TUNE_TIMING: how autotuning times the candidates: "launch" (each call through
+    # Python, what an eager call costs) or "graph" (CUDA-graph replays: the GPU's time, what
+    # a graph-captured model, e.g. torch.compile's reduce-overhead mode, costs).
+    tune_timing: str
 
 
 CODEGEN_SETTINGS = ("row_budget", "schedule", "mainloop", "prefetch", "overlap")
@@ -80,7 +84,7 @@ _overrides: dict[str, object] = {}
 _ENV_NAMES = ("COMFUSE_STRICT", "COMFUSE_DISABLE", "COMFUSE_CACHE_DIR", "XDG_CACHE_HOME", "HOME",
               "COMFUSE_ROW_BUDGET", "COMFUSE_MAX_SPECIALIZATIONS", "COMFUSE_CHECK", "COMFUSE_SCHEDULE",
               "COMFUSE_AUTOTUNE", "COMFUSE_MAINLOOP", "COMFUSE_FUEL", "COMFUSE_PREFETCH",
-              "COMFUSE_UNFUSED_MODE", "COMFUSE_OVERLAP")
+              "COMFUSE_UNFUSED_MODE", "COMFUSE_OVERLAP", "COMFUSE_TUNE_TIMING")
 _ENV_KEYS = tuple(os.environ.encodekey(n) if hasattr(os.environ, "encodekey") else n for n in _ENV_NAMES)
 _memo: dict[tuple, Settings] = {}
 
@@ -119,6 +123,7 @@ def _read() -> Settings:
         overlap=_flag("COMFUSE_OVERLAP", False),
         fuel=_int("COMFUSE_FUEL", -1),
         unfused_mode=os.environ.get("COMFUSE_UNFUSED_MODE", "default"),
+        tune_timing=os.environ.get("COMFUSE_TUNE_TIMING", "launch"),
     )
     values.update(_overrides)
     return Settings(**values)

@@ -152,3 +152,40 @@ def test_unfused_contender_compiles_in_the_chosen_inductor_mode(monkeypatch, mod
     assert bool(seen["patches"].get("max_autotune")) is max_autotune
     with settings.override(unfused_mode="fastest"), pytest.raises(ValueError, match="COMFUSE_UNFUSED_MODE"):
         tuning.separate(gm, [torch.randn(4, 4)], on_cpu=True)
+
+
+def test_graph_timing_times_replays_and_falls_back_to_launches(monkeypatch):
+    """COMFUSE_TUNE_TIMING=graph times each contender as a CUDA-graph replay; when the
+    unfused ops cannot be captured, every contender is timed by its launches instead, and the
+    decision says so. The timing mode is part of the decision's cache key."""
+    captured = []
+
+    def graphed(fn, warmup_calls=1):
+        if getattr(fn, "uncapturable", False):
+            raise RuntimeError("operation not permitted when stream is capturing")
+        captured.append(fn)
+        return fn
+    monkeypatch.setattr(tuning, "graphed", graphed)
+    fake_timer(monkeypatch, [3.0, 1.0, 2.0])
+    run_unfused = lambda: (torch.ones(2),)  # noqa: E731
+    with settings.override(tune_timing="graph"):
+        decision = tuning.decide(["a", "b"], lambda i: (torch.ones(2),), run_unfused, torch.device("cuda"))
+    assert decision["choice"] == "a" and decision["timing"] == "graph" and len(captured) == 3
+
+    def uncapturable():
+        return (torch.ones(2),)
+    uncapturable.uncapturable = True
+    fake_timer(monkeypatch, [3.0, 1.0, 2.0])
+    with settings.override(tune_timing="graph"):
+        decision = tuning.decide(["a", "b"], lambda i: (torch.ones(2),), uncapturable, torch.device("cuda"))
+    assert decision["timing"] == "launch" and "graph capture" in decision["timing_note"]
+    with settings.override(tune_timing="sometimes"), pytest.raises(ValueError, match="COMFUSE_TUNE_TIMING"):
+        tuning.decide(["a"], lambda i: (torch.ones(2),), run_unfused, torch.device("cuda"))
+    region = SUITE["softmax"]
+    from comfuse.frontend.capture import capture
+    from comfuse.frontend.regions import find_regions
+    args = region.inputs(8, 8, 8)
+    (cand,) = find_regions(capture(region.fn, args))
+    with settings.override(tune_timing="graph"):
+        graph_key = tuning.key(cand.region, torch.device("cpu"))
+    assert graph_key != tuning.key(cand.region, torch.device("cpu"))

@@ -17,7 +17,7 @@ import torch
 import triton
 
 from .. import settings as settings_mod
-from ..bench.timing import measure
+from ..bench.timing import graphed, measure
 from ..ir import structural_text
 from . import cache
 from .check import compare, tolerance
@@ -55,11 +55,16 @@ def enabled(device: torch.device) -> bool:
 
 
 def key(region, device: torch.device) -> str:
+    """The decision's cache key: the region, its sizes, the GPU, the versions, and every
+    setting that changes the candidates or how they are timed."""
     from .kernel import CODEGEN_VERSION
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu-interpreter"
     s = region.sizes
+    st = settings_mod.get()
+    chosen = ",".join(f"{name}={getattr(st, name)!r}"
+                      for name in settings_mod.CODEGEN_SETTINGS + ("unfused_mode", "tune_timing"))
     return cache.digest(structural_text(region), f"{s.B},{s.M},{s.N},{s.K}", gpu, torch.__version__,
-                        triton.__version__, CODEGEN_VERSION)
+                        triton.__version__, CODEGEN_VERSION, chosen)
 
 
 def _path(k: str):
@@ -128,8 +133,23 @@ def decide(names: list, run_fused, run_unfused, device: torch.device, tol: float
     {"choice": name or "unfused", "times_ms": {name: median or inf},
     "rejected": {name: why}} (a candidate that disagrees with the unfused result beyond
     ``tol``, by default the outputs' dtype tolerance, or fails)."""
+    timing = settings_mod.get().tune_timing
+    if timing not in ("launch", "graph"):
+        raise ValueError(f"COMFUSE_TUNE_TIMING={timing!r}: choose launch or graph")
+    if device.type != "cuda":
+        timing = "launch"
+
+    def timed(fn) -> float:
+        run = graphed(fn, warmup_calls=1) if timing == "graph" else fn
+        return measure(run, device.type, warmup_ms=5, rep_ms=25).median_ms
     reference = run_unfused()
-    times = {UNFUSED: measure(run_unfused, device.type, warmup_ms=5, rep_ms=25).median_ms}
+    note = ""
+    try:
+        times = {UNFUSED: timed(run_unfused)}
+    except Exception as e:  # e.g. the unfused ops cannot be captured: time every launch instead
+        note = f"graph capture of the unfused ops failed ({type(e).__name__}); timed launches"
+        timing = "launch"
+        times = {UNFUSED: timed(run_unfused)}
     rejected = {}
     for i, name in enumerate(names):
         try:
@@ -138,9 +158,12 @@ def decide(names: list, run_fused, run_unfused, device: torch.device, tol: float
             if bad:
                 times[name], rejected[name] = math.inf, bad
                 continue
-            times[name] = measure(lambda: run_fused(i), device.type, warmup_ms=5, rep_ms=25).median_ms
+            times[name] = timed(lambda: run_fused(i))
         except Exception as e:
             times[name] = math.inf
             rejected[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
     choice = min(times, key=times.get)
-    return {"choice": choice, "times_ms": times, "rejected": rejected}
+    decision = {"choice": choice, "times_ms": times, "rejected": rejected, "timing": timing}
+    if note:
+        decision["timing_note"] = note
+    return decision
