@@ -25,6 +25,25 @@ def _choose_interpreter() -> None:
 
 _choose_interpreter()
 
+
+def _log_handler() -> None:
+    # COMFUSE_LOG=info (or debug): progress of long work (autotuning each region: which
+    # candidates, their times, the choice) on stderr. Without it the "comfuse" logger
+    # follows the application's logging configuration, as a library's should.
+    level = os.environ.get("COMFUSE_LOG", "").strip().upper()
+    if not level:
+        return
+    import logging
+    logger = logging.getLogger("comfuse")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("comfuse: %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(getattr(logging, level, logging.INFO))
+
+
+_log_handler()
+
 from . import settings  # noqa: E402
 from .report import RegionReport, Report  # noqa: E402
 from .runtime.compiled import CompiledFunction, explain  # noqa: E402

@@ -189,3 +189,16 @@ def test_graph_timing_times_replays_and_falls_back_to_launches(monkeypatch):
     with settings.override(tune_timing="graph"):
         graph_key = tuning.key(cand.region, torch.device("cpu"))
     assert graph_key != tuning.key(cand.region, torch.device("cpu"))
+
+
+def test_autotuning_reports_its_progress_on_the_comfuse_logger(monkeypatch, fresh_cache, caplog):
+    """Autotuning a region takes seconds on a GPU; the "comfuse" logger says which region,
+    how many candidates, and the choice (COMFUSE_LOG=info prints it on stderr)."""
+    import logging
+    wl = SUITE["softmax"]
+    args = wl.inputs(16, 8, 16, device=DEVICE)
+    fake_timer(monkeypatch, [5.0] + [1.0] * 50)
+    with caplog.at_level(logging.INFO, logger="comfuse"):
+        comfuse.compile(wl.fn, args)(*args)
+    text = caplog.text
+    assert "autotuning the region at" in text and "candidate plan(s)" in text and "chose" in text

@@ -198,6 +198,7 @@ class FusedChain(torch.nn.Module):
             def run_fused(i):
                 self.kernel = build_chain(plans[i])
                 return self.run(ext, a, check=False)
+            tuning.log.info("autotuning the back-to-back chain at %s", self.report.anchor)
             self.separate = tuning.separate(self.unfused, ext)
             decision = tuning.decide(names, run_fused,
                                      lambda: tuple(self.separate(*ext)), a.device,

@@ -104,6 +104,7 @@ class FusedRegion(torch.nn.Module):
         if decision is None or (decision["choice"] != tuning.UNFUSED and decision["choice"] not in names):
             def run_fused(i):
                 return self.run_kernel(ext, a, b, kernel_mod.build(self.alternatives[i]), check=False)
+            tuning.log.info("autotuning the region at %s", self.report.anchor)
             self.separate = tuning.separate(self.unfused, ext)
             decision = tuning.decide(names, run_fused, lambda: tuple(self.separate(*ext)), a.device,
                                      agreement_tolerance(self.region))

@@ -10,8 +10,10 @@ sizes, the GPU, and the torch, triton and code generator versions.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import time
 
 import torch
 import triton
@@ -21,6 +23,8 @@ from ..bench.timing import graphed, measure
 from ..ir import structural_text
 from . import cache
 from .check import compare, tolerance
+
+log = logging.getLogger("comfuse.tuning")
 
 UNFUSED = "unfused"
 # A split region (a loss or statistic over a vocabulary-wide row) stays fused even when its
@@ -142,6 +146,9 @@ def decide(names: list, run_fused, run_unfused, device: torch.device, tol: float
     def timed(fn) -> float:
         run = graphed(fn, warmup_calls=1) if timing == "graph" else fn
         return measure(run, device.type, warmup_ms=5, rep_ms=25).median_ms
+    start = time.perf_counter()
+    log.info("autotuning: %d candidate plan(s) and the unfused ops, timed by %s", len(names),
+             "CUDA-graph replays" if timing == "graph" else "launches")
     reference = run_unfused()
     note = ""
     try:
@@ -162,7 +169,11 @@ def decide(names: list, run_fused, run_unfused, device: torch.device, tol: float
         except Exception as e:
             times[name] = math.inf
             rejected[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    for name in names:
+        log.debug("  %s: %s", name, f"{times[name]:.4f} ms" if name not in rejected else rejected[name])
     choice = min(times, key=times.get)
+    log.info("autotuning: chose %s (%.4f ms; unfused %.4f ms) in %.1f s", choice, times[choice],
+             times[UNFUSED], time.perf_counter() - start)
     decision = {"choice": choice, "times_ms": times, "rejected": rejected, "timing": timing}
     if note:
         decision["timing_note"] = note
