@@ -100,22 +100,16 @@ def _launch_values(kernel, plan: Plan) -> dict:
     s = r.sizes
     dims = {"B": s.B, "M": s.M, "N": s.N, "K": s.K}
     values = {"M": s.M, "N": s.N, "K": s.K, "NUM_B": s.B}
-    operand = {"a": (r.gemm.a, ("M", "K")), "b": (r.gemm.b, ("K", "N"))}
+    operand = {"stride_a": (("B", "M", "K"), r.gemm.a.major or "K"),
+               "stride_b": (("B", "K", "N"), r.gemm.b.major or "N")}
     for p in kernel.source.params:
-        if p.role in ("stride_a", "stride_b"):
-            op, (rows, cols) = operand[p.role[-1]]
-            minor = op.major or cols  # the unit-stride dim; the other one strides by its extent
-            other = rows if minor == cols else cols
-            values[p.name] = 1 if p.axis == minor else (dims[minor] if p.axis == other else dims[rows] * dims[cols])
+        if p.role in operand:
+            axes, minor = operand[p.role]
+            values[p.name] = _unit_strides(dims, axes, minor)[p.axis]
         elif p.role in ("stride_in", "stride_out"):
             spec = (r.inputs if p.role == "stride_in" else r.outputs)[p.index]
-            axes = [a for a in ("B", "M", "N") if a in spec.axes]
-            inner = 1
-            for a in reversed(axes):
-                if a == p.axis:
-                    values[p.name] = inner
-                    break
-                inner *= dims[a]
+            axes = tuple(a for a in ("B", "M", "N") if a in spec.axes)
+            values[p.name] = _unit_strides(dims, axes, axes[-1])[p.axis]
     return values
 
 

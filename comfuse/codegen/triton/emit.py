@@ -556,11 +556,7 @@ class _Emitter:
         for stage in p.stages:
             self.line()
             self.line(self.stage_title(stage))
-            for i in stage.nodes:
-                node = r.nodes[i]
-                if node.op is Op.CONST or (self.cooperative and node.op in REDUCE) or i in self.prefetched:
-                    continue
-                self.line(f"v{i} = {self.expr(i)}  # {self.comment(i)}")
+            self.stage_values(stage)
             if self.cooperative and self.live_reductions(stage):
                 if not self.exchange(stage, exchanges):
                     break
@@ -673,9 +669,11 @@ class _Emitter:
         self.line("pid_m = strip % strips_per_batch")
 
     def stage_values(self, stage) -> None:
+        """``stage``'s values over the tile; a cooperative strip's reductions come from its
+        exchange instead, and prefetched inputs were loaded before the mainloop."""
         for i in stage.nodes:
             node = self.region.nodes[i]
-            if node.op is Op.CONST or node.op in REDUCE:
+            if node.op is Op.CONST or (self.cooperative and node.op in REDUCE) or i in self.prefetched:
                 continue
             self.line(f"v{i} = {self.expr(i)}  # {self.comment(i)}")
 

@@ -72,13 +72,7 @@ def strip_barrier(counter_ptr, members):
     programs' partials before the reads that follow. Co-residency of the members is the
     launcher's job (a persistent grid no larger than what the GPU holds at once).
     """
-    tl.debug_barrier()  # every warp has published its partials
-    old = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    target = (old // members + 1) * members
-    seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
-    while seen < target:
-        seen = tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
-    tl.debug_barrier()
+    strip_wait(counter_ptr, strip_arrive(counter_ptr, members))
 
 
 @triton.jit
