@@ -5,7 +5,7 @@
 # GPU-only tests (cooperative-strip stress, cross-entropy memory at vocabulary 32k and 128k,
 # autotuning, DDP where two GPUs are present). Logs and results go to $OUT; a short table
 # is printed last. Knobs: SUITE, CANDIDATES, BENCH_S, MAINLOOP_S, GPU_TESTS_S, GPU_TESTS_K,
-# REPEAT (interleaved timing rounds), MODELS=1, MODEL_CANDIDATES, CE_MEMORY=1, ANATOMY=1
+# REPEAT (interleaved timing rounds), MODELS=1, MODEL_CANDIDATES, CE_MEMORY=1, HOST=1, ANATOMY=1
 # (ANATOMY_ONLY, ANATOMY_FORMS), MAINLOOP_GRAPH (1: time the mainloop as CUDA-graph replays)
 # (a *_S of 0 skips that part).
 set -uo pipefail
@@ -43,6 +43,10 @@ if [ -n "${ANATOMY:-}" ]; then  # cooperative strips taken apart as CUDA-graph r
   GRAPH=1 ONLY="${ANATOMY_ONLY:-rmsnorm,softmax,ln_postnorm}" FORMS="${ANATOMY_FORMS:-as is,overlapped,mainloop only}" \
     timeout "${ANATOMY_S:-200}" python3 scripts/coop_anatomy.py > "$OUT/anatomy.log" 2>&1
   echo "anatomy rc=$?"; grep -E "^\|" "$OUT/anatomy.log" | cut -c1-160
+fi
+if [ -n "${HOST:-}" ]; then  # Python time of a fused call against its GPU time (scripts/host_overhead.py)
+  timeout "${HOST_S:-150}" python3 scripts/host_overhead.py > "$OUT/host.log" 2>&1
+  echo "host rc=$?"; grep -E "^\||^whole" "$OUT/host.log" | cut -c1-160
 fi
 if [ -n "${MODELS:-}" ]; then  # Hugging Face blocks: comfuse's backend against Inductor
   timeout "${MODELS_S:-240}" python3 -m comfuse.cli bench --suite models --out "$OUT/models" \

@@ -65,6 +65,30 @@ def test_repeated_launches_are_deterministic():
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("mainloop", ["pointer", "tma"])
+@pytest.mark.parametrize("schedule", ["cooperative", "row_in_cta"])
+def test_later_launches_take_new_tensors_of_the_same_layout(mainloop, schedule):
+    """After the first launch of a layout, comfuse calls the compiled kernel directly
+    (runtime/kernel.py, ``bind``): fresh tensors of the same layout must reach it (TMA
+    descriptors rebuilt), and a view that loses 16-byte alignment is a new layout."""
+    wl = SUITE["rmsnorm"]
+    with comfuse.settings.override(autotune="0", mainloop=mainloop, schedule=schedule), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore", comfuse.ComfuseWarning)
+        args = wl.inputs(2048, 512, 1024, dtype=torch.bfloat16, device="cuda")
+        compiled = comfuse.compile(wl.fn, args)
+        assert compiled.report.regions[0].fused, str(compiled.report)
+        for seed in range(3):
+            torch.manual_seed(seed)
+            fresh = wl.inputs(2048, 512, 1024, dtype=torch.bfloat16, device="cuda")
+            assert_matches_reference(wl.fn, fresh, compiled(*fresh))
+        assert compiled.report.regions[0].fused, str(compiled.report)  # (not a fallback)
+        wide = torch.randn(2048 * 512 + 1, dtype=torch.bfloat16, device="cuda")
+        x = wide[1:].view(2048, 512)  # 2-byte offset: pointer plans take it, TMA falls back
+        shifted = (x, *args[1:])
+        assert_matches_reference(wl.fn, shifted, compiled(*shifted))
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("overlap", [False, True])
 def test_cooperative_strip_stress_many_launches_near_the_resident_limit(overlap):
