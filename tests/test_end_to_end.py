@@ -272,6 +272,22 @@ def test_tma_needs_aligned_rows():
     assert not report.regions[0].fused and "16-byte aligned" in report.regions[0].reason
 
 
+
+def test_a_misaligned_call_runs_unfused_and_the_next_aligned_call_is_fused_again():
+    """A TMA operand at an odd address cannot get a descriptor: that call runs the plain
+    ops (a notice says so) and the region stays fused for the calls after it."""
+    fn = SUITE["rmsnorm"].fn
+    args = SUITE["rmsnorm"].inputs(32, 16, 64, device=DEVICE)
+    with settings.override(mainloop="tma"):
+        compiled, out = compile_and_run(fn, args)
+        x = torch.randn(32 * 16 + 1, device=DEVICE, dtype=args[0].dtype)[1:].view(32, 16)  # 2 bytes off
+        with pytest.warns(comfuse.ComfuseWarning, match="16-byte aligned"):
+            shifted = compiled(x, *args[1:])
+        assert_matches_reference(fn, (x, *args[1:]), shifted)
+        assert compiled.report.regions[0].fused, str(compiled.report)
+        assert_matches_reference(fn, args, compiled(*args))
+        assert compiled.report.regions[0].fused
+
 SPLIT_CASES = {
     "ce_mean": lambda x, w, t: F.cross_entropy(x @ w, t),
     "ce_none_ignore": lambda x, w, t: F.cross_entropy((x @ w).float(), t, ignore_index=3, reduction="none"),

@@ -87,6 +87,7 @@ def test_later_launches_take_new_tensors_of_the_same_layout(mainloop, schedule):
         x = wide[1:].view(2048, 512)  # 2-byte offset: pointer plans take it, TMA falls back
         shifted = (x, *args[1:])
         assert_matches_reference(wl.fn, shifted, compiled(*shifted))
+        assert compiled.report.regions[0].fused, str(compiled.report)  # (that call only ran unfused)
 
 
 @pytest.mark.timeout(300)

@@ -78,6 +78,10 @@ class FusedRegion(torch.nn.Module):
             return self.run_kernel(ext, a, b, check=settings.check)
         except KernelMismatch:
             raise
+        except kernel_mod.UnsupportedLayout as e:  # this call only: the next may fit again
+            notice_once(f"layout:{id(self)}", f"comfuse: region at {self.report.anchor}: {e}; "
+                        "calls with such tensors run unfused")
+            return self.unfused(*ext)
         except Exception as e:
             if settings.strict:
                 raise

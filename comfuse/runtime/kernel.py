@@ -25,6 +25,12 @@ class ComfuseWarning(UserWarning):
     """Something was not fused, or ran on a slower path than asked."""
 
 
+class UnsupportedLayout(RuntimeError):
+    """These tensors cannot go through this kernel (a TMA operand that is not 16-byte aligned
+    or not unit-stride along its rows): the call runs unfused and the kernel stays for the
+    next call."""
+
+
 _notices: set[str] = set()
 
 
@@ -237,9 +243,9 @@ class Kernel:
         from triton.tools.tensor_descriptor import TensorDescriptor
         view = t2 if major == row_major else t2.t()
         if view.stride(-1) != 1:
-            raise RuntimeError(f"TMA plan expects a {major}-major operand; got strides {t2.stride()}")
-        if view.data_ptr() % 16:
-            raise RuntimeError("TMA needs 16-byte aligned operands; this one is not")
+            raise UnsupportedLayout(f"TMA plan expects a {major}-major operand; got strides {t2.stride()}")
+        if view.data_ptr() % 16 or any(st * view.element_size() % 16 for st in view.stride()[:-1]):
+            raise UnsupportedLayout("TMA needs 16-byte aligned operands; this one is not")
         shape = list(block) if major == row_major else list(reversed(block))
         return TensorDescriptor.from_tensor(view, shape)
 
