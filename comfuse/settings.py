@@ -74,6 +74,10 @@ class Settings:
     # Python, what an eager call costs) or "graph" (CUDA-graph replays: the GPU's time, what
     # a graph-captured model, e.g. torch.compile's reduce-overhead mode, costs).
     tune_timing: str
+    # COMFUSE_GRAD_COMPILE: the sliced backward of a split region (linear + cross-entropy)
+    # runs each slice's elementwise work and its gradient as Inductor kernels: "auto" (on
+    # CUDA tensors), "1" (also on the CPU, for tests), "0" (plain torch ops, one kernel each).
+    grad_compile: str
 
 
 CODEGEN_SETTINGS = ("row_budget", "schedule", "mainloop", "prefetch", "overlap")
@@ -84,7 +88,8 @@ _overrides: dict[str, object] = {}
 _ENV_NAMES = ("COMFUSE_STRICT", "COMFUSE_DISABLE", "COMFUSE_CACHE_DIR", "XDG_CACHE_HOME", "HOME",
               "COMFUSE_ROW_BUDGET", "COMFUSE_MAX_SPECIALIZATIONS", "COMFUSE_CHECK", "COMFUSE_SCHEDULE",
               "COMFUSE_AUTOTUNE", "COMFUSE_MAINLOOP", "COMFUSE_FUEL", "COMFUSE_PREFETCH",
-              "COMFUSE_UNFUSED_MODE", "COMFUSE_OVERLAP", "COMFUSE_TUNE_TIMING")
+              "COMFUSE_UNFUSED_MODE", "COMFUSE_OVERLAP", "COMFUSE_TUNE_TIMING",
+              "COMFUSE_GRAD_COMPILE")
 _ENV_KEYS = tuple(os.environ.encodekey(n) if hasattr(os.environ, "encodekey") else n for n in _ENV_NAMES)
 _memo: dict[tuple, Settings] = {}
 
@@ -124,6 +129,7 @@ def _read() -> Settings:
         fuel=_int("COMFUSE_FUEL", -1),
         unfused_mode=os.environ.get("COMFUSE_UNFUSED_MODE", "default"),
         tune_timing=os.environ.get("COMFUSE_TUNE_TIMING", "launch"),
+        grad_compile=os.environ.get("COMFUSE_GRAD_COMPILE", "auto"),
     )
     values.update(_overrides)
     return Settings(**values)

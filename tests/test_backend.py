@@ -211,6 +211,64 @@ def test_cross_entropy_backward_runs_in_slices_of_the_vocabulary(monkeypatch, re
     torch.testing.assert_close(gw, lm.weight.grad, rtol=1e-4, atol=1e-6)
 
 
+
+SLICED_GRADS = {
+    "ce_ignore": lambda x, w, t: F.cross_entropy(x @ w, t, ignore_index=3),
+    "logsumexp": lambda x, w, t: torch.logsumexp(x @ w, -1).sum(),
+    "max_min_sum": lambda x, w, t: ((x @ w).amax(-1) - (x @ w).amin(-1) + (x @ w).relu().sum(-1)).sum(),
+    "var_mean": lambda x, w, t: sum(v.square().sum() for v in torch.var_mean(x @ w + 3.0, -1)),
+}
+
+
+@pytest.mark.parametrize("grad_compile", ["0", "1"], ids=["torch_ops", "inductor"])
+@pytest.mark.parametrize("name", list(SLICED_GRADS))
+def test_sliced_backward_of_every_statistic_matches_eager(monkeypatch, name, grad_compile):
+    """Sums, log-sum-exps, maxima, minima and moments: the split region's backward, a
+    slice of N at a time, as plain torch operations and as Inductor kernels
+    (COMFUSE_GRAD_COMPILE), gives eager's gradients."""
+    from comfuse.runtime import onepass_grad
+    monkeypatch.setattr(onepass_grad, "CHUNK", 64)  # 200 columns: 4 slices, the last narrower
+    calls = []
+    real = onepass_grad.backward
+    monkeypatch.setattr(onepass_grad, "backward", lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    x = torch.randn(24, 32, device=DEVICE, requires_grad=True)
+    w = (torch.randn(32, 200, device=DEVICE) / 6).requires_grad_(True)
+    t = torch.randint(0, 200, (24,), device=DEVICE)
+    fn = SLICED_GRADS[name]
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False), \
+            comfuse.settings.override(grad_compile=grad_compile):
+        compiled(fn, options={"schedule": "split"})(x, w, t).backward()
+    assert calls, "the sliced backward did not run"
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    fn(x, w, t).backward()
+    torch.testing.assert_close(gx, x.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(gw, w.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_sliced_backward_splits_a_maximum_among_ties_in_different_slices(monkeypatch):
+    """Two equal columns hold every row's maximum, in slices far apart: each gets half the
+    gradient, as under eager's amax."""
+    from comfuse.runtime import onepass_grad
+    monkeypatch.setattr(onepass_grad, "CHUNK", 64)
+    torch.manual_seed(0)
+    x = torch.randn(24, 32, device=DEVICE).abs().requires_grad_(True)
+    w0 = torch.randn(32, 200, device=DEVICE) / 6
+    w0[:, 5] = w0[:, 150] = 1.0  # the same column twice, far above the others
+    w = w0.requires_grad_(True)
+    fn = lambda x, w: (x @ w).amax(-1).sum()  # noqa: E731
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        compiled(fn, options={"schedule": "split"})(x, w).backward()
+    gx, gw = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    fn(x, w).backward()
+    assert torch.equal(gw[:, 5], gw[:, 150]) and gw[:, 5].abs().sum() > 0
+    torch.testing.assert_close(gx, x.grad, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(gw, w.grad, rtol=1e-4, atol=1e-5)
+
 @pytest.mark.parametrize("winner", ["unfused", "fused"])
 def test_compile_time_autotuning_leaves_losing_regions_to_inductor(monkeypatch, winner):
     """The backend tunes each region on Dynamo's example inputs while it compiles; a region

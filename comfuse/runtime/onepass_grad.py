@@ -14,10 +14,12 @@ at once. This recomputes them a slice of N at a time:
    for a maximum, ``g * t / n + g2 * (t - mean)^2`` for moments.
 
 Peak extra memory is a few [M, slice] tensors instead of [M, N] (a slice holds up to
-4096 columns, fewer when M is large: 1024 at M = 8192), besides the gradient buffers themselves: each slice's gradient is written
-into a buffer of B's layout, never padded to the full width. Every step is plain torch: the GEMMs run in the operands' dtype on cuBLAS (as
-eager's do; in fp32 they took 20x longer), the rest in fp32 with the IR's reference
-semantics.
+4096 columns, fewer when M is large: 1024 at M = 8192), besides the gradient buffers
+themselves: each slice's gradient is written into a buffer of B's layout, never padded to
+the full width. The GEMMs run in the operands' dtype on cuBLAS (as eager's do; in fp32 they
+took 20x longer); the rest runs in fp32 with the IR's reference semantics, on CUDA through
+``torch.compile`` (a few fused kernels per slice; COMFUSE_GRAD_COMPILE), else as plain
+torch operations.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import dataclasses
 
 import torch
 
+from .. import settings as settings_mod
 from ..ir.interpret import _run
 from ..ir.nodes import Output
 from ..planner.onepass import OnePass, evaluate_combine
@@ -121,6 +124,91 @@ def merge_slices(op: OnePass, ws: torch.Tensor) -> list:
     return acc
 
 
+def _parts(kind: str) -> tuple:
+    return ("mean", "m2") if kind == "moments" else ("",)
+
+
+def _compile_wanted(device: torch.device) -> bool:
+    mode = settings_mod.get().grad_compile
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"COMFUSE_GRAD_COMPILE={mode!r}: choose auto, 0 or 1")
+    return mode == "1" or (mode == "auto" and device.type == "cuda")
+
+
+_SURROGATES: dict = {}  # (id(op), width, idle, compiled) -> (op, function)
+
+
+def _surrogate_fn(op: OnePass, width: int, idle: frozenset, compiled: bool):
+    """f(product, side input slices, statistics' gradients, merged statistics, counts, column
+    offset) -> a scalar whose gradient with respect to the slice's GEMM product (and side
+    inputs) is the region's: ``g * t`` for a sum, ``g * softmax-weight * t`` for a log-sum-exp,
+    ``g * [t == max]`` for a maximum, ``g * t / n + g2 * (t - mean)^2`` for moments, where t
+    are the statistics' tile values on the slice. One function per (region, slice width),
+    kept across calls; ``compiled``: through ``torch.compile``, so the slice's elementwise
+    work and its gradient run as a few fused kernels instead of one kernel per operation
+    (the work the backward spent most of its time on: 262 ms for a 40 ms Inductor step at
+    8192 x 4096 x 128256, H200 2026-11-30)."""
+    key = (id(op), width, idle, compiled)
+    found = _SURROGATES.get(key)
+    if found is not None and found[0] is op:
+        return found[1]
+    r = op.tile
+    piece = r.replace(sizes=dataclasses.replace(r.sizes, N=width),
+                      outputs=tuple(Output(st.node, torch.float32, r.nodes[st.node].axes) for st in op.stats))
+    shifts = {i: st.node for i, st in enumerate(op.stats) if st.kind == "shift"}
+    kinds = [st.kind for st in op.stats]
+
+    def surrogate(product, in_pieces, g_list, m_list, counts, offset):
+        values = _run(piece, None, None, in_pieces, torch.float32, shifts=shifts, iota_offset=offset,
+                      acc=product.float())[0]
+        total, j = None, 0
+        for i, (kind, v) in enumerate(zip(kinds, values)):
+            g, m = g_list[j], m_list[j]  # moments: the mean's; the M2's follow
+            j += len(_parts(kind))
+            if i in idle or not v.requires_grad:
+                continue  # no path to the operands, or a zero gradient (a max that cancels)
+            v = v.float()
+            if kind == "sum":
+                term = (g * v).sum()
+            elif kind == "lse":
+                term = (g * torch.exp(v.detach() - m) * v).sum()
+            elif kind in ("max", "min"):  # the gradient goes to the extreme element(s)
+                term = (g / counts[i] * (v.detach() == m).float() * v).sum()
+            elif kind == "moments":
+                term = (g * v / counts[i]).sum() + (g_list[j - 1] * (v - m) ** 2).sum()
+            else:
+                continue
+            total = term if total is None else total + term
+        return total
+    fn = torch.compile(surrogate, dynamic=False) if compiled else surrogate
+    if len(_SURROGATES) > 64:
+        _SURROGATES.clear()
+    _SURROGATES[key] = (op, fn)
+    return fn
+
+
+def _extremes(op: OnePass, which: list, a_op, b3, inputs, dt, N: int, chunk: int) -> dict:
+    """{statistic: (its value, how many elements equal it)} per row, [B, M, 1] each, for the
+    max/min statistics ``which``, from the slices as the gradient pass computes them."""
+    found = {}
+    with torch.no_grad():
+        for n0 in range(0, N, chunk):
+            n1 = min(N, n0 + chunk)
+            product = torch.matmul(a_op, b3[:, :, n0:n1].detach().to(dt))
+            pieces = [p.detach() for p in _slice_inputs(op, inputs, n0, n1)]
+            values = _piece_values(op, None, None, pieces, n0, n1, acc=product.float())
+            for i in which:
+                v = values[i].float()
+                m = v.amax(2, keepdim=True) if op.stats[i].kind == "max" else v.amin(2, keepdim=True)
+                c = (v == m).sum(2, keepdim=True).float()
+                if i in found:
+                    pm, pc = found[i]
+                    best = torch.maximum(pm, m) if op.stats[i].kind == "max" else torch.minimum(pm, m)
+                    m, c = best, pc * (pm == best) + c * (m == best)
+                found[i] = (m, c)
+    return found
+
+
 def backward(op: OnePass, views, grads, chunk: int | None = None, statistics=None) -> None:
     """Accumulate into the leaves behind ``views()`` (a function returning a3 [B, M, K],
     b3 [B, K, N] and the canonical side inputs, built from tensors that require grad) the
@@ -160,7 +248,7 @@ def backward(op: OnePass, views, grads, chunk: int | None = None, statistics=Non
     idle = {i for i, st in enumerate(op.stats)
             if not any(bool(g_stat[key].any()) for key in g_stat if key[0] == i)}
     # 3. statistics -> slices of the GEMM and the side inputs. Autograd runs from each
-    # slice's GEMM product (an fp32 leaf) to the surrogate only; the two gradient GEMMs are
+    # slice's GEMM product (a leaf in the GEMM's dtype) to the surrogate only; the two gradient GEMMs are
     # explicit, in the operands' dtype, and their results go straight into buffers of the
     # full operands' layout (autograd through a slice view would pad every slice's
     # gradient to the full [K, N]). The buffers are pushed back through the canonical
@@ -173,32 +261,32 @@ def backward(op: OnePass, views, grads, chunk: int | None = None, statistics=Non
     grad_b = torch.empty_like(b3) if b3.requires_grad else None
     grad_in = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) if t.requires_grad else None
                for t in inputs]
+    g_list = [g_stat.get((i, p)) for i, st in enumerate(op.stats) for p in _parts(st.kind)]
+    m_list = [merged[(i, p)].detach() for i, st in enumerate(op.stats) for p in _parts(st.kind)]
+    counts = [a[0] if st.kind == "moments" else None for st, a in zip(op.stats, acc)]
+    compile_slices = _compile_wanted(a3.device)
+    extremes = [i for i, st in enumerate(op.stats) if st.kind in ("max", "min") and i not in idle]
+    if extremes:
+        # a maximum's gradient goes to the elements equal to it, split among ties (as eager's
+        # amax): equality needs the very values the gradient pass computes, not the fused
+        # kernel's (its sums differ in the last bits), so those are found again here, with
+        # the same torch operations (the slices then run uncompiled: Inductor may round
+        # differently)
+        compile_slices = False
+        found = _extremes(op, extremes, a_op, b3, inputs, dt, N, chunk)
+        slot = {i: j for j, (i, p) in enumerate((i, p) for i, st in enumerate(op.stats) for p in _parts(st.kind))}
+        for i, (value, ties) in found.items():
+            m_list[slot[i]], counts[i] = value, ties
     for n0 in range(0, N, chunk):
         n1 = min(N, n0 + chunk)
         b_op = b3[:, :, n0:n1].detach().to(dt)
         in_pieces = [p.detach().requires_grad_(t.requires_grad)
                      for p, t in zip(_slice_inputs(op, inputs, n0, n1), inputs)]
-        product = torch.matmul(a_op, b_op).float().requires_grad_(True)
+        product = torch.matmul(a_op, b_op).requires_grad_(True)  # (its gradient comes back in dt)
+        surrogate_of = _surrogate_fn(op, n1 - n0, frozenset(idle), compile_slices)
+        offset = torch.full((), n0, dtype=torch.int64, device=a3.device)  # (a tensor: one compile)
         with torch.enable_grad():
-            values = _piece_values(op, None, None, in_pieces, n0, n1, acc=product)
-            surrogate = None
-            for i, (st, v) in enumerate(zip(op.stats, values)):
-                if not v.requires_grad or i in idle:
-                    continue  # no path to the operands, or a zero gradient (a max that cancels)
-                v = v.float()
-                if st.kind == "sum":
-                    term = (g_stat[(i, "")] * v).sum()
-                elif st.kind == "lse":
-                    w = torch.exp(v.detach() - merged[(i, "")].detach())
-                    term = (g_stat[(i, "")] * w * v).sum()
-                elif st.kind in ("max", "min"):  # the gradient goes to the extreme element(s)
-                    term = (g_stat[(i, "")] * (v.detach() == merged[(i, "")].detach()).float() * v).sum()
-                elif st.kind == "moments":
-                    mean = merged[(i, "mean")].detach()
-                    term = (g_stat[(i, "mean")] * v / acc[i][0]).sum() + (g_stat[(i, "m2")] * (v - mean) ** 2).sum()
-                else:
-                    continue
-                surrogate = term if surrogate is None else surrogate + term
+            surrogate = surrogate_of(product, in_pieces, g_list, m_list, counts, offset)
             if surrogate is None or not surrogate.requires_grad:
                 if grad_b is not None:  # (an empty_like buffer: every slice must be written)
                     grad_b[:, :, n0:n1] = 0
@@ -208,7 +296,7 @@ def backward(op: OnePass, views, grads, chunk: int | None = None, statistics=Non
         g_product, g_side = got[0], iter(got[1:])
         if g_product is not None:
             d = g_product.to(dt)
-            del g_product, product, values
+            del g_product, product, surrogate
             if grad_a is not None:
                 grad_a.add_(torch.matmul(d, b_op.transpose(1, 2)))
             if grad_b is not None:
