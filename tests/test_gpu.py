@@ -63,6 +63,7 @@ def test_repeated_launches_are_deterministic():
     for _ in range(5):
         for a, b in zip(first, as_tuple(compiled(*args))):
             assert torch.equal(a, b)
+    assert all(r.fused for r in compiled.report.regions), str(compiled.report)  # (no fallback)
 
 
 @pytest.mark.parametrize("mainloop", ["pointer", "tma"])
