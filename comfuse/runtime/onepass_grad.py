@@ -56,13 +56,19 @@ def _gemm_dtype(a3, b3):
     return a3.dtype if a3.dtype in (torch.float16, torch.bfloat16) and a3.dtype == b3.dtype else torch.float32
 
 
+def _piece(op: OnePass, width: int):
+    """The tile graph on a slice of ``width`` columns, its outputs the statistics' tile
+    values in fp32, and the shift statistics {index: node} the interpreter needs."""
+    r = op.tile
+    piece = r.replace(sizes=dataclasses.replace(r.sizes, N=width),
+                      outputs=tuple(Output(st.node, torch.float32, r.nodes[st.node].axes) for st in op.stats))
+    return piece, {i: st.node for i, st in enumerate(op.stats) if st.kind == "shift"}
+
+
 def _piece_values(op: OnePass, a3, b_piece, in_pieces, n0: int, n1: int, acc=None) -> list:
     """As ``_tile_values``, given B's and the side inputs' slices already cut (or the
     slice's GEMM product ``acc``, fp32)."""
-    r = op.tile
-    piece = r.replace(sizes=dataclasses.replace(r.sizes, N=n1 - n0),
-                      outputs=tuple(Output(st.node, torch.float32, r.nodes[st.node].axes) for st in op.stats))
-    shifts = {i: st.node for i, st in enumerate(op.stats) if st.kind == "shift"}
+    piece, shifts = _piece(op, n1 - n0)
     low = None if acc is not None else _gemm_dtype(a3, b_piece)
     return _run(piece, a3, b_piece, in_pieces, torch.float32, gemm_dtype=low,
                 shifts=shifts, iota_offset=n0, acc=acc)[0]
@@ -153,10 +159,7 @@ def _surrogate_fn(op: OnePass, width: int, idle: frozenset, compiled: bool):
     found = _SURROGATES.get(key)
     if found is not None and found[0] is op:
         return found[1]
-    r = op.tile
-    piece = r.replace(sizes=dataclasses.replace(r.sizes, N=width),
-                      outputs=tuple(Output(st.node, torch.float32, r.nodes[st.node].axes) for st in op.stats))
-    shifts = {i: st.node for i, st in enumerate(op.stats) if st.kind == "shift"}
+    piece, shifts = _piece(op, width)
     kinds = [st.kind for st in op.stats]
 
     def surrogate(product, in_pieces, g_list, m_list, counts, offset):
