@@ -123,12 +123,12 @@ class Kernel:
         desc_roles = {"a_desc": (0, gemm.a.major, "K", (self.plan.block_m, self.plan.block_k)),
                       "b_desc": (1, gemm.b.major, "N", (self.plan.block_k, self.plan.block_n))}
         bound = []
-        roles = [q.role for q in self.source.params]  # every launch takes ``arguments``
+        # every launch takes the arguments of ``arguments``, one per source parameter
+        descriptors = [(j, *desc_roles[q.role]) for j, q in enumerate(self.source.params) if q.role in desc_roles]
         for fn, grid, args, options in self.launches(a3, b3, ins, outs):
             compiled = fn[grid](*args, **options)
             names = fn.arg_names[len(args):]
             slots = [(j, ids[id(v)]) for j, v in enumerate(args) if id(v) in ids]
-            descriptors = [(j, *desc_roles[r]) for j, r in enumerate(roles) if r in desc_roles]
             fresh = {j for j, _ in slots} | {d[0] for d in descriptors}
             if compiled is None or any(n not in options for n in names):  # pragma: no cover
                 run = lambda *a, fn=fn, grid=grid, o=options: fn[grid](*a, **o)

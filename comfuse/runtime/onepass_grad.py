@@ -233,7 +233,7 @@ def backward(op: OnePass, views, grads, chunk: int | None = None, statistics=Non
                 acc = [_merge(st.kind, a, v.float()) for st, a, v in zip(op.stats, acc, values)]
     merged, leaves = {}, []
     for i, (st, a) in enumerate(zip(op.stats, acc)):
-        parts = {"mean": a[1], "m2": a[2]} if st.kind == "moments" else {"": a}
+        parts = dict(zip(_parts(st.kind), a[1:])) if st.kind == "moments" else {"": a}
         for part, value in parts.items():
             leaf = value.detach().requires_grad_(True)
             merged[(i, part)] = leaf
@@ -268,8 +268,9 @@ def backward(op: OnePass, views, grads, chunk: int | None = None, statistics=Non
     grad_b = torch.empty_like(b3) if b3.requires_grad else None
     grad_in = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) if t.requires_grad else None
                for t in inputs]
-    g_list = [g_stat.get((i, p)) for i, st in enumerate(op.stats) for p in _parts(st.kind)]
-    m_list = [merged[(i, p)].detach() for i, st in enumerate(op.stats) for p in _parts(st.kind)]
+    flat = [(i, p) for i, st in enumerate(op.stats) for p in _parts(st.kind)]  # the surrogate's order
+    g_list = [g_stat[key] for key in flat]
+    m_list = [merged[key].detach() for key in flat]
     counts = [a[0] if st.kind == "moments" else None for st, a in zip(op.stats, acc)]
     compile_slices = _compile_wanted(a3.device)
     extremes = [i for i, st in enumerate(op.stats) if st.kind in ("max", "min") and i not in idle]
@@ -281,16 +282,16 @@ def backward(op: OnePass, views, grads, chunk: int | None = None, statistics=Non
         # differently)
         compile_slices = False
         found = _extremes(op, extremes, a_op, b3, inputs, dt, N, chunk)
-        slot = {i: j for j, (i, p) in enumerate((i, p) for i, st in enumerate(op.stats) for p in _parts(st.kind))}
         for i, (value, ties) in found.items():
-            m_list[slot[i]], counts[i] = value, ties
+            m_list[flat.index((i, ""))], counts[i] = value, ties
+    idle = frozenset(idle)
     for n0 in range(0, N, chunk):
         n1 = min(N, n0 + chunk)
         b_op = b3[:, :, n0:n1].detach().to(dt)
         in_pieces = [p.detach().requires_grad_(t.requires_grad)
                      for p, t in zip(_slice_inputs(op, inputs, n0, n1), inputs)]
         product = torch.matmul(a_op, b_op).requires_grad_(True)  # (its gradient comes back in dt)
-        surrogate_of = _surrogate_fn(op, n1 - n0, frozenset(idle), compile_slices)
+        surrogate_of = _surrogate_fn(op, n1 - n0, idle, compile_slices)
         offset = torch.full((), n0, dtype=torch.int64, device=a3.device)  # (a tensor: one compile)
         with torch.enable_grad():
             surrogate = surrogate_of(product, in_pieces, g_list, m_list, counts, offset)
