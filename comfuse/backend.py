@@ -31,56 +31,79 @@ import torch.fx as fx
 from . import settings as settings_mod
 from .runtime.kernel import ComfuseWarning
 
-_REGISTRY: dict = {}  # id -> (module that runs the region, which arguments are tensors)
+_REGISTRY: dict = {}  # id -> (module that runs the region, which arguments are tensors, statistic rows carried)
 _ids = itertools.count()
 _lock = threading.Lock()
 
 
 def _register(module, is_tensor: list) -> int:
+    rows = module.carries_statistics() if hasattr(module, "carries_statistics") else 0
     with _lock:
         i = next(_ids)
-        _REGISTRY[i] = (module, tuple(is_tensor))
+        _REGISTRY[i] = (module, tuple(is_tensor), rows)
         return i
 
 
 def _arguments(region_id: int, tensors, scalars) -> list:
     """The region's arguments in their original order (tensors and sizes interleaved)."""
-    _, is_tensor = _REGISTRY[region_id]
+    is_tensor = _REGISTRY[region_id][1]
     t, s = iter(tensors), iter(scalars)
     return [next(t) if flag else next(s) for flag in is_tensor]
 
 
 @torch.library.custom_op("comfuse::region", mutates_args=())
 def region_op(region_id: int, tensors: list[torch.Tensor], scalars: list[int]) -> list[torch.Tensor]:
-    """Run fused region ``region_id`` (its kernel, or its original ops on fallback)."""
-    outs = _REGISTRY[region_id][0](*_arguments(region_id, tensors, scalars))
+    """Run fused region ``region_id`` (its kernel, or its original ops on fallback). A split
+    region (a loss over a wide row) returns one more tensor, last: its merged per-row
+    statistics for the backward ([rows, M] fp32; NaN when this call ran something else)."""
+    module = _REGISTRY[region_id][0]
+    outs = module(*_arguments(region_id, tensors, scalars))
     # a custom op's outputs must not alias its inputs
-    return [o.clone() if o._base is not None and any(o._base is x or o._base is x._base for x in tensors)
+    outs = [o.clone() if o._base is not None and any(o._base is x or o._base is x._base for x in tensors)
             else o for o in outs]
+    rows = _statistic_rows(region_id)
+    if rows:
+        stats = module.take_statistics()
+        outs.append(stats if stats is not None else
+                    torch.full((rows, module.region.sizes.M), float("nan"), device=tensors[0].device))
+    return outs
+
+
+def _statistic_rows(region_id: int) -> int:
+    return _REGISTRY[region_id][2]
 
 
 @region_op.register_fake
 def _region_fake(region_id: int, tensors: list[torch.Tensor], scalars: list[int]) -> list[torch.Tensor]:
     module = _REGISTRY[region_id][0]
     device = tensors[0].device
-    return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in module.output_specs]
+    outs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in module.output_specs]
+    rows = _statistic_rows(region_id)
+    if rows:
+        outs.append(torch.empty((rows, module.region.sizes.M), dtype=torch.float32, device=device))
+    return outs
 
 
 def _setup_context(ctx, inputs, output):
     region_id, tensors, scalars = inputs
     ctx.region_id, ctx.scalars = region_id, list(scalars)
-    ctx.save_for_backward(*tensors)
+    carried = list(output[-1:]) if _statistic_rows(region_id) else []
+    ctx.save_for_backward(*tensors, *carried)
 
 
 def _backward(ctx, grads):
     """Recompute the region unfused under autograd and pull the gradients through it; a
     split region (a loss over a wide row) recomputes one slice of N at a time instead, so
     the backward never holds its full-width intermediate (runtime/onepass_grad.py)."""
-    tensors = [t.detach().requires_grad_(t.is_floating_point()) for t in ctx.saved_tensors]
+    saved = list(ctx.saved_tensors)
+    carried = saved.pop() if _statistic_rows(ctx.region_id) else None
+    if carried is not None:
+        grads = grads[:-1]  # (the statistics' own: nothing reads them)
+    tensors = [t.detach().requires_grad_(t.is_floating_point()) for t in saved]
     module = _REGISTRY[ctx.region_id][0]
     plan = getattr(module, "plan", None)
     if getattr(plan, "schedule", "") == "split" and not plan.transposed:
-        got = split_backward(ctx.region_id, list(ctx.saved_tensors), ctx.scalars, list(grads))
+        got = split_backward(ctx.region_id, saved, ctx.scalars, list(grads), carried)
         return None, [g if t.is_floating_point() else None for t, g in zip(tensors, got)], \
             [None] * len(ctx.scalars)
     with torch.enable_grad():
@@ -97,11 +120,12 @@ region_op.register_autograd(_backward, setup_context=_setup_context)
 
 @torch.library.custom_op("comfuse::split_backward", mutates_args=())
 def split_backward(region_id: int, tensors: list[torch.Tensor], scalars: list[int],
-                   grads: list[torch.Tensor | None]) -> list[torch.Tensor]:
+                   grads: list[torch.Tensor | None], carried: torch.Tensor | None = None) -> list[torch.Tensor]:
     """The gradients of a split region's inputs, a slice of N at a time
     (runtime/onepass_grad.py): one opaque operator, so that the compiled backward runs it
     with eager memory behaviour (each slice's gradient written into place) rather than
-    as an unrolled graph whose slices the compiler may keep alive together. Integer
+    as an unrolled graph whose slices the compiler may keep alive together. ``carried``:
+    the forward's merged statistics (``region_op``'s last output), used unless NaN. Integer
     inputs get an empty tensor."""
     from .ir import canonical_shape
     from .runtime import onepass_grad
@@ -111,8 +135,11 @@ def split_backward(region_id: int, tensors: list[torch.Tensor], scalars: list[in
     canon = [None if g is None else g.reshape(canonical_shape(module.region, o.axes))
              for g, o in zip(grads, module.region.outputs)]
     def statistics():
-        """The fused statistics kernel's merged statistics, or None (the torch pass runs)."""
+        """The forward's merged statistics, else the fused statistics kernel's, else None
+        (the torch pass runs)."""
         from .runtime.kernel import can_run_on, notice_once
+        if carried is not None and not bool(torch.isnan(carried[0, 0])):  # (one sync a backward)
+            return onepass_grad.unpack_statistics(module.plan.onepass, carried)
         if module.failed or module.region.sizes.B != 1 or settings_mod.get().disable or \
                 can_run_on(ext[module.operands[0]].device):
             return None
@@ -145,7 +172,7 @@ def _autograd_below_dispatch():
 
 
 @split_backward.register_fake
-def _split_backward_fake(region_id, tensors, scalars, grads):
+def _split_backward_fake(region_id, tensors, scalars, grads, carried=None):
     return [torch.empty_like(t) if t.is_floating_point() else t.new_empty(0) for t in tensors]
 
 

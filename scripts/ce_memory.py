@@ -80,7 +80,7 @@ def main() -> None:
                               for r in (report.regions if report else [])]
             row["registry"] = [{"plan": getattr(getattr(m, "plan", None), "schedule", None),
                                 "prefer_unfused": getattr(m, "prefer_unfused", None)}
-                               for m, _ in backend._REGISTRY.values()]
+                               for m, *_ in backend._REGISTRY.values()]
             ours = (gx, gw)
         else:
             row["grad_max_abs_diff"] = [(a.float() - b.float()).abs().max().item() for a, b in zip(ours, (gx, gw))]

@@ -64,6 +64,35 @@ def test_target_attention_softmax_stays_resident(dtype):
     assert_matches_reference(attn, args, out)
 
 
+def _attention(q, k, v):
+    return torch.softmax(q @ k.transpose(-1, -2) / 4.0, dim=-1) @ v
+
+
+@pytest.mark.parametrize("case", ["attention", "dlrm_k_loop"])
+def test_every_chain_candidate_matches_the_reference(case):
+    """Each plan autotuning may pick (warps, program height) computes the same chain: one
+    chunk and one K step (attention), and several chunks with a K loop (a three-GEMM MLP)."""
+    from comfuse.planner.chain import chain_candidates
+    from comfuse.runtime.chain import build_chain
+    if case == "attention":
+        fn, args = _attention, (randn(2, 3, 5, 16), randn(2, 3, 20, 16), randn(2, 3, 20, 16))
+    else:
+        fn, args = dlrm, (randn(40, 80), weight(80, 72), weight(72, 24), weight(24, 16))
+    compiled, _ = run(fn, args)
+    chain = next(m for m in next(iter(compiled._specs.values())).gm.modules()
+                 if m.__class__.__name__ == "FusedChain")
+    plans = chain_candidates(chain.plan)
+    assert len(plans) >= 2
+    seen, forward = [], chain.forward  # the chain's own arguments (views, constants)
+    chain.forward = lambda *ext: seen.append(ext) or forward(*ext)
+    compiled(*args)
+    ext = seen[-1]
+    for plan in plans:
+        chain.kernel = build_chain(plan)
+        (out,) = chain.run(ext, ext[chain.a_ext], check=False)
+        assert_matches_reference(fn, args, out)
+
+
 def test_an_intermediate_read_elsewhere_is_not_a_link():
     def f(x, w1, w2):
         h = torch.relu(x @ w1)

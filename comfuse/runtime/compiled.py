@@ -57,9 +57,11 @@ class FusedRegion(torch.nn.Module):
         self.separate = None  # the unfused ops as autotuning timed them (Inductor on a GPU)
         self._views: dict = {}  # side input layout -> its canonical view's (size, stride, offset)
         self._canon_outs = None  # (shape, dtype) of each output in canonical form
+        self._split_ran = None  # (kernel, device, M) of this call's split launch, for its statistics
 
     def forward(self, *ext):
         settings = settings_mod.get()
+        self._split_ran = None
         if self.failed or settings.disable:
             return self.unfused(*ext)
         a, b = ext[self.operands[0]], ext[self.operands[1]]
@@ -74,6 +76,7 @@ class FusedRegion(torch.nn.Module):
             if a.device not in self.tuned and tuning.enabled(a.device):
                 self.tune(ext, a, b)
             if self.prefer_unfused:
+                self._split_ran = None  # (autotuning's launches do not count)
                 return self.separate(*ext)
             return self.run_kernel(ext, a, b, check=settings.check)
         except KernelMismatch:
@@ -158,6 +161,8 @@ class FusedRegion(torch.nn.Module):
                           [t.transpose(1, 2) for t in ins], [t.transpose(1, 2) for t in outs])
         else:
             kernel.launch(a3, b3, ins, outs)
+            if kernel.plan.schedule == "split" and a3.shape[0] == 1:
+                self._split_ran = (kernel, device, a3.shape[1])
         if check:
             self.check(a3, b3, ins, outs, kernel)
         return tuple(o.view(shape) for o, shape in zip(outs, self.out_shapes))
@@ -182,6 +187,28 @@ class FusedRegion(torch.nn.Module):
             if self.kernel is None or self.kernel.plan is not self.plan:
                 self.kernel = kernel_mod.build(self.plan)
             return merge_slices(self.plan.onepass, self.kernel.split_statistics(a3, b3, ins, outs))
+
+    def carries_statistics(self) -> int:
+        """How many per-row statistic rows a call hands its backward (``take_statistics``):
+        those of a split plan over one batch in the found orientation, else 0."""
+        plan = self.plan
+        if plan.schedule != "split" or plan.transposed or self.region.sizes.B != 1:
+            return 0
+        from .onepass_grad import packed_rows
+        return packed_rows(plan.onepass)
+
+    def take_statistics(self):
+        """The merged per-row statistics of the split kernel this call just ran, packed
+        [rows, M] fp32 (``onepass_grad.pack_statistics``), or None when the call ran
+        something else (unfused ops, another plan): the forward's first pass, kept so the
+        backward need not run it again."""
+        ran, self._split_ran = self._split_ran, None
+        if ran is None or ran[0] is not self.kernel:
+            return None
+        from .onepass_grad import merge_slices, pack_statistics
+        kernel, device, M = ran
+        with torch.no_grad():
+            return pack_statistics(self.plan.onepass, merge_slices(self.plan.onepass, kernel.split_workspace(device, M)))
 
     def canonical(self, ext):
         """(a3, b3, side inputs) in the plan's orientation, as views of ``ext`` (so autograd

@@ -184,9 +184,14 @@ class Kernel:
             raise ValueError("split_statistics needs a split plan over one batch")
         fn, grid, args, options = self.launches(a3, b3, ins, outs)[0]
         fn[grid](*args, **options)
+        return self.split_workspace(a3.device, a3.shape[1]).clone()
+
+    def split_workspace(self, device, M: int) -> torch.Tensor:
+        """A split plan's workspace as its last launch on ``device`` over M rows left it:
+        [statistic arrays, CHUNKS, M] fp32, a view valid until this kernel runs again."""
         slots = sum(len(parts(st)) for st in self.plan.onepass.stats)
-        ws = args[[q.role for q in self.source.params].index("workspace")]
-        return ws[:slots * self.plan.chunks * a3.shape[1]].view(slots, self.plan.chunks, a3.shape[1]).clone()
+        ws, _ = self.scratch(device, slots * self.plan.chunks * M)
+        return ws[:slots * self.plan.chunks * M].view(slots, self.plan.chunks, M)
 
     def options(self, a3, b3, ins, outs, on_cpu: bool) -> dict:
         """Compile-time arguments of a launch (constexprs, warps, stages)."""

@@ -14,7 +14,7 @@ at once. This recomputes them a slice of N at a time:
    for a maximum, ``g * t / n + g2 * (t - mean)^2`` for moments.
 
 Peak extra memory is a few [M, slice] tensors instead of [M, N] (a slice holds up to
-4096 columns, fewer when M is large: 1024 at M = 8192), besides the gradient buffers
+4096 columns, fewer when M is large: 2048 at M = 8192), besides the gradient buffers
 themselves: each slice's gradient is written into a buffer of B's layout, never padded to
 the full width. The GEMMs run in the operands' dtype on cuBLAS (as eager's do; in fp32 they
 took 20x longer); the rest runs in fp32 with the IR's reference semantics, on CUDA through
@@ -35,7 +35,9 @@ from ..planner.onepass import parts as parts_of
 
 CHUNK = 4096  # widest slice
 IDLE_GRADIENT = 1e-6  # a statistic whose gradient is this small beside the largest one's is dropped
-SLICE_ELEMENTS = 1 << 23  # an [M, slice] fp32 temporary stays within 32 MB where M allows
+SLICE_ELEMENTS = 1 << 24  # an [M, slice] fp32 temporary stays within 64 MB where M allows (2048
+# columns at M = 8192: half the slices of 1 << 23, whose per-slice Python and fp32 gradient
+# accumulation bounded the step)
 
 
 def _slice_inputs(op: OnePass, inputs, n0: int, n1: int) -> list:
@@ -142,53 +144,97 @@ def _compile_wanted(device: torch.device) -> bool:
     return mode == "1" or (mode == "auto" and device.type == "cuda")
 
 
-_SURROGATES: dict = {}  # (id(op), width, idle, compiled) -> (op, function)
+_SURROGATES: dict = {}  # (id(op), width, idle, compiled, wanted) -> (op, function)
 
 
-def _surrogate_fn(op: OnePass, width: int, idle: frozenset, compiled: bool):
+def _surrogate_fn(op: OnePass, width: int, idle: frozenset, compiled: bool, wanted: tuple):
     """f(product, side input slices, statistics' gradients, merged statistics, counts, column
-    offset) -> a scalar whose gradient with respect to the slice's GEMM product (and side
-    inputs) is the region's: ``g * t`` for a sum, ``g * softmax-weight * t`` for a log-sum-exp,
-    ``g * [t == max]`` for a maximum, ``g * t / n + g2 * (t - mean)^2`` for moments, where t
-    are the statistics' tile values on the slice. One function per (region, slice width),
-    kept across calls; ``compiled``: through ``torch.compile``, so the slice's elementwise
-    work and its gradient run as a few fused kernels instead of one kernel per operation
-    (the work the backward spent most of its time on: 262 ms for a 40 ms Inductor step at
-    8192 x 4096 x 128256, H200 2026-11-30)."""
-    key = (id(op), width, idle, compiled)
+    offset) -> (gradient of the slice's GEMM product, in its dtype; gradients of the side
+    input slices flagged in ``wanted``). The gradients are those of a surrogate scalar whose
+    gradient with respect to the slice's tile values is the region's: ``g * t`` for a sum,
+    ``g * softmax-weight * t`` for a log-sum-exp, ``g * [t == max]`` for a maximum,
+    ``g * t / n + g2 * (t - mean)^2`` for moments, where t are the statistics' tile values on
+    the slice. The gradient is taken functionally (``torch.func.grad``), so one call does the
+    slice's elementwise work and its gradient without the autograd engine; ``compiled``:
+    through ``torch.compile``, as a few fused kernels (the work the backward spent most of its
+    time on: 262 ms for a 40 ms Inductor step at 8192 x 4096 x 128256, H200 2026-11-30). One
+    function per (region, slice width, idle statistics, wanted side inputs), kept across calls."""
+    key = (id(op), width, idle, compiled, wanted)
     found = _SURROGATES.get(key)
     if found is not None and found[0] is op:
         return found[1]
     piece, shifts = _piece(op, width)
     kinds = [st.kind for st in op.stats]
 
-    def surrogate(product, in_pieces, g_list, m_list, counts, offset):
+    def scalar(product, grad_pieces, fixed_pieces, g_list, m_list, counts, offset):
+        taken, kept = iter(grad_pieces), iter(fixed_pieces)
+        in_pieces = [next(taken) if w else next(kept) for w in wanted]
         values = _run(piece, None, None, in_pieces, torch.float32, shifts=shifts, iota_offset=offset,
                       acc=product.float())[0]
-        total, j = None, 0
+        total, j = (product.float() * 0).sum(), 0  # (a statistic may have no path to the operands)
         for i, (kind, v) in enumerate(zip(kinds, values)):
             g, m = g_list[j], m_list[j]  # moments: the mean's; the M2's follow
             j += len(_parts(kind))
-            if i in idle or not v.requires_grad:
-                continue  # no path to the operands, or a zero gradient (a max that cancels)
+            if i in idle:
+                continue  # a zero gradient (a max that cancels)
             v = v.float()
             if kind == "sum":
-                term = (g * v).sum()
+                total = total + (g * v).sum()
             elif kind == "lse":
-                term = (g * torch.exp(v.detach() - m) * v).sum()
+                total = total + (g * torch.exp(v.detach() - m) * v).sum()
             elif kind in ("max", "min"):  # the gradient goes to the extreme element(s)
-                term = (g / counts[i] * (v.detach() == m).float() * v).sum()
+                total = total + (g / counts[i] * (v.detach() == m).float() * v).sum()
             elif kind == "moments":
-                term = (g * v / counts[i]).sum() + (g_list[j - 1] * (v - m) ** 2).sum()
-            else:
-                continue
-            total = term if total is None else total + term
+                total = total + (g * v / counts[i]).sum() + (g_list[j - 1] * (v - m) ** 2).sum()
         return total
-    fn = torch.compile(surrogate, dynamic=False) if compiled else surrogate
+
+    gradient = torch.func.grad(scalar, argnums=(0, 1))
+    fn = torch.compile(gradient, dynamic=False) if compiled else gradient
     if len(_SURROGATES) > 64:
         _SURROGATES.clear()
     _SURROGATES[key] = (op, fn)
     return fn
+
+
+def _accumulate_product(acc: torch.Tensor, d: torch.Tensor, b_op: torch.Tensor) -> None:
+    """acc (fp32) += d @ b_op^T. On CUDA, one GEMM that adds into fp32 (cuBLAS with beta = 1,
+    ``out_dtype``) where this torch has it; else a GEMM in d's dtype and an add (a pass over
+    the fp32 [M, K] buffer per slice: 15 ms of a 150 ms step at vocabulary 128256)."""
+    global _FP32_ADDMM
+    if _FP32_ADDMM and acc.is_cuda and acc.shape[0] == 1 and d.dtype != acc.dtype:
+        try:
+            torch.addmm(acc[0], d[0], b_op[0].transpose(0, 1), out_dtype=acc.dtype, out=acc[0])
+            return
+        except (RuntimeError, TypeError):  # not in this build: the two-step form from now on
+            _FP32_ADDMM = False
+    acc.add_(torch.matmul(d, b_op.transpose(1, 2)))
+
+
+_FP32_ADDMM = True
+
+
+def pack_statistics(op: OnePass, acc: list) -> torch.Tensor:
+    """Merged statistics (``merge_slices``'s list) as one [parts, M] fp32 tensor, for a
+    forward to hand to its backward."""
+    rows = []
+    for st, a in zip(op.stats, acc):
+        rows.extend(v.reshape(-1) for v in (a if st.kind == "moments" else (a,)))
+    return torch.stack(rows).float()
+
+
+def packed_rows(op: OnePass) -> int:
+    return sum(3 if st.kind == "moments" else 1 for st in op.stats)
+
+
+def unpack_statistics(op: OnePass, packed: torch.Tensor) -> list:
+    """The inverse of ``pack_statistics``: each [1, M, 1] (moments: (count, mean, M2))."""
+    acc, j = [], 0
+    for st in op.stats:
+        n = 3 if st.kind == "moments" else 1
+        views = tuple(packed[j + k].view(1, -1, 1) for k in range(n))
+        acc.append(views if st.kind == "moments" else views[0])
+        j += n
+    return acc
 
 
 def _extremes(op: OnePass, which: list, a_op, b3, inputs, dt, N: int, chunk: int) -> dict:
@@ -254,9 +300,9 @@ def backward(op: OnePass, views, grads, chunk: int | None = None, statistics=Non
             for i in range(len(op.stats))}
     largest = max(size.values(), default=0.0)
     idle = {i for i, v in size.items() if v <= IDLE_GRADIENT * largest}
-    # 3. statistics -> slices of the GEMM and the side inputs. Autograd runs from each
-    # slice's GEMM product (a leaf in the GEMM's dtype) to the surrogate only; the two gradient GEMMs are
-    # explicit, in the operands' dtype, and their results go straight into buffers of the
+    # 3. statistics -> slices of the GEMM and the side inputs. A functional gradient runs
+    # from each slice's GEMM product (in the GEMM's dtype) to the surrogate only; the two
+    # gradient GEMMs are explicit, in the operands' dtype, and their results go straight into buffers of the
     # full operands' layout (autograd through a slice view would pad every slice's
     # gradient to the full [K, N]). The buffers are pushed back through the canonical
     # views once at the end.
@@ -285,38 +331,35 @@ def backward(op: OnePass, views, grads, chunk: int | None = None, statistics=Non
         for i, (value, ties) in found.items():
             m_list[flat.index((i, ""))], counts[i] = value, ties
     idle = frozenset(idle)
+    wanted = tuple(t.requires_grad for t in inputs)
+    live = any(i not in idle for i in range(len(op.stats)))
     for n0 in range(0, N, chunk):
         n1 = min(N, n0 + chunk)
+        if not live:  # every statistic's gradient is zero: so is every slice's
+            if grad_b is not None:  # (an empty_like buffer: every slice must be written)
+                grad_b[:, :, n0:n1] = 0
+            continue
         b_op = b3[:, :, n0:n1].detach().to(dt)
-        in_pieces = [p.detach().requires_grad_(t.requires_grad)
-                     for p, t in zip(_slice_inputs(op, inputs, n0, n1), inputs)]
-        product = torch.matmul(a_op, b_op).requires_grad_(True)  # (its gradient comes back in dt)
-        surrogate_of = _surrogate_fn(op, n1 - n0, idle, compile_slices)
+        pieces = [p.detach() for p in _slice_inputs(op, inputs, n0, n1)]
+        product = torch.matmul(a_op, b_op)
+        gradient_of = _surrogate_fn(op, n1 - n0, idle, compile_slices, wanted)
         offset = torch.full((), n0, dtype=torch.int64, device=a3.device)  # (a tensor: one compile)
-        with torch.enable_grad():
-            surrogate = surrogate_of(product, in_pieces, g_list, m_list, counts, offset)
-            if surrogate is None or not surrogate.requires_grad:
-                if grad_b is not None:  # (an empty_like buffer: every slice must be written)
-                    grad_b[:, :, n0:n1] = 0
-                continue
-            side = [p for p in in_pieces if p.requires_grad]
-            got = torch.autograd.grad(surrogate, [product, *side], allow_unused=True)
-        g_product, g_side = got[0], iter(got[1:])
-        if g_product is not None:
-            d = g_product.to(dt)
-            del g_product, product, surrogate
-            if grad_a is not None:
-                grad_a.add_(torch.matmul(d, b_op.transpose(1, 2)))
-            if grad_b is not None:
-                grad_b[:, :, n0:n1] = torch.matmul(a_op.transpose(1, 2), d).sum(0, keepdim=True) \
-                    if grad_b.shape[0] == 1 and d.shape[0] > 1 else torch.matmul(a_op.transpose(1, 2), d)
+        d, g_side = gradient_of(product, [p for p, w in zip(pieces, wanted) if w],
+                                [p for p, w in zip(pieces, wanted) if not w], g_list, m_list, counts, offset)
+        del product
+        d = d.to(dt)  # (the gradient of a product in dt comes back in dt)
+        if grad_a is not None:
+            _accumulate_product(grad_a, d, b_op)
+        if grad_b is not None and grad_b.shape[0] == 1 and d.shape[0] == 1 and grad_b.dtype == dt:
+            # straight into the buffer's columns (cuBLAS writes a strided slice; no copy)
+            torch.mm(a_op[0].transpose(0, 1), d[0], out=grad_b[0, :, n0:n1])
         elif grad_b is not None:
-            grad_b[:, :, n0:n1] = 0
-        for j, (piece, t) in enumerate(zip(in_pieces, inputs)):
-            if piece.requires_grad:
+            grad_b[:, :, n0:n1] = torch.matmul(a_op.transpose(1, 2), d).sum(0, keepdim=True) \
+                if grad_b.shape[0] == 1 and d.shape[0] > 1 else torch.matmul(a_op.transpose(1, 2), d)
+        g_side = iter(g_side)
+        for j, t in enumerate(inputs):
+            if wanted[j]:
                 g = next(g_side)
-                if g is None:
-                    continue
                 if "N" in op.tile.inputs[j].axes and t.shape[2] > 1:
                     grad_in[j][:, :, n0:n1] += g.float()
                 else:
