@@ -297,7 +297,9 @@ def test_compile_time_autotuning_leaves_losing_regions_to_inductor(monkeypatch, 
     with torch.no_grad():
         out = compiled(model, options={"autotune": "1"})(x, r)
         torch.testing.assert_close(out, model(x, r), rtol=1e-4, atol=1e-5)
-    assert seen == [0 if winner == "unfused" else 1]
+    # (on a GPU, autotuning compiles the region's ops with Inductor first: the backend's own
+    # graph is the last one Inductor gets)
+    assert seen and seen[-1] == (0 if winner == "unfused" else 1)
 
 
 def test_cross_entropy_backward_with_every_target_ignored_gives_zero_gradients():
