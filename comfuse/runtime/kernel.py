@@ -25,6 +25,24 @@ class ComfuseWarning(UserWarning):
     """Something was not fused, or ran on a slower path than asked."""
 
 
+def launch_direct(fn, grid, args: list, options: dict, fresh: set):
+    """Launch ``fn[grid](*args, **options)`` through Triton's JIT once; return (run,
+    statics): ``run(*full)`` launches the compiled kernel directly, ``statics`` its full
+    argument list with None at the positions in ``fresh`` (each call's own tensors). Later
+    calls with the same layout skip the JIT's argument binding and specialisation (about
+    half the Python time of a launch, measured on the H200). The layout must include each
+    tensor's 16-byte alignment, which Triton specialises on."""
+    compiled = fn[grid](*args, **options)
+    names = fn.arg_names[len(args):]
+    if compiled is None or any(n not in options for n in names):  # pragma: no cover
+        run = lambda *a: fn[grid](*a, **options)  # noqa: E731
+        full = list(args)
+    else:
+        run = compiled[(*grid, 1, 1)[:3]]  # (its launcher takes three grid sizes)
+        full = list(args) + [options[n] for n in names]  # the launcher takes constexprs too
+    return run, [None if j in fresh else v for j, v in enumerate(full)]  # scratch stays referenced
+
+
 class UnsupportedLayout(RuntimeError):
     """These tensors cannot go through this kernel (a TMA operand that is not 16-byte aligned
     or not unit-stride along its rows): the call runs unfused and the kernel stays for the
@@ -126,17 +144,8 @@ class Kernel:
         # every launch takes the arguments of ``arguments``, one per source parameter
         descriptors = [(j, *desc_roles[q.role]) for j, q in enumerate(self.source.params) if q.role in desc_roles]
         for fn, grid, args, options in self.launches(a3, b3, ins, outs):
-            compiled = fn[grid](*args, **options)
-            names = fn.arg_names[len(args):]
             slots = [(j, ids[id(v)]) for j, v in enumerate(args) if id(v) in ids]
-            fresh = {j for j, _ in slots} | {d[0] for d in descriptors}
-            if compiled is None or any(n not in options for n in names):  # pragma: no cover
-                run = lambda *a, fn=fn, grid=grid, o=options: fn[grid](*a, **o)
-                full = list(args)
-            else:
-                run = compiled[(*grid, 1, 1)[:3]]  # (its launcher takes three grid sizes)
-                full = list(args) + [options[n] for n in names]  # the launcher takes constexprs too
-            statics = [None if j in fresh else v for j, v in enumerate(full)]  # scratch stays referenced
+            run, statics = launch_direct(fn, grid, args, options, {j for j, _ in slots} | {d[0] for d in descriptors})
             bound.append((run, statics, slots, descriptors))
         return bound
 
