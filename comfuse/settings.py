@@ -78,6 +78,13 @@ class Settings:
     # runs each slice's elementwise work and its gradient as Inductor kernels: "auto" (on
     # CUDA tensors), "1" (also on the CPU, for tests), "0" (plain torch ops, one kernel each).
     grad_compile: str
+    # COMFUSE_VALIDATE: a region whose plan autotuning did not compare with its own ops
+    # (autotuning off, or a plan forced) is compared on its first call per device: "auto" (on
+    # a GPU), "1" (also under the interpreter), "0" (never). A disagreement beyond the
+    # operands' tolerance turns the region off (unfused, with a warning; COMFUSE_STRICT=1
+    # raises). Skipped where the region's ops would hold an intermediate of
+    # COMFUSE_MEMORY_FIRST_MB or more (linear + cross-entropy over a vocabulary).
+    validate: str
 
 
 CODEGEN_SETTINGS = ("row_budget", "schedule", "mainloop", "prefetch", "overlap")
@@ -89,7 +96,7 @@ _ENV_NAMES = ("COMFUSE_STRICT", "COMFUSE_DISABLE", "COMFUSE_CACHE_DIR", "XDG_CAC
               "COMFUSE_ROW_BUDGET", "COMFUSE_MAX_SPECIALIZATIONS", "COMFUSE_CHECK", "COMFUSE_SCHEDULE",
               "COMFUSE_AUTOTUNE", "COMFUSE_MAINLOOP", "COMFUSE_FUEL", "COMFUSE_PREFETCH",
               "COMFUSE_UNFUSED_MODE", "COMFUSE_OVERLAP", "COMFUSE_TUNE_TIMING",
-              "COMFUSE_GRAD_COMPILE")
+              "COMFUSE_GRAD_COMPILE", "COMFUSE_VALIDATE")
 _ENV_KEYS = tuple(os.environ.encodekey(n) if hasattr(os.environ, "encodekey") else n for n in _ENV_NAMES)
 _memo: dict[tuple, Settings] = {}
 
@@ -130,6 +137,7 @@ def _read() -> Settings:
         unfused_mode=os.environ.get("COMFUSE_UNFUSED_MODE", "default"),
         tune_timing=os.environ.get("COMFUSE_TUNE_TIMING", "launch"),
         grad_compile=os.environ.get("COMFUSE_GRAD_COMPILE", "auto"),
+        validate=os.environ.get("COMFUSE_VALIDATE", "auto"),
     )
     values.update(_overrides)
     return Settings(**values)

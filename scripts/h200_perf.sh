@@ -5,7 +5,8 @@
 # GPU-only tests (cooperative-strip stress, cross-entropy memory at vocabulary 32k and 128k,
 # autotuning, DDP where two GPUs are present). Logs and results go to $OUT; a short table
 # is printed last. Knobs: SUITE, CANDIDATES, BENCH_S, MAINLOOP_S, GPU_TESTS_S, GPU_TESTS_K,
-# REPEAT (interleaved timing rounds), MODELS=1, MODEL_CANDIDATES, CE_MEMORY=1, HOST=1, ANATOMY=1
+# REPEAT (interleaved timing rounds), MODELS=1, MODEL_CANDIDATES, CE_MEMORY=1, HOST=1, ANATOMY=1,
+# MATRIX=1 (the tests not marked gpu, run on the GPU: -v, so a timeout still shows each result; MATRIX_S, MATRIX_K)
 # (ANATOMY_ONLY, ANATOMY_FORMS), MAINLOOP_GRAPH (1: time the mainloop as CUDA-graph replays)
 # (a *_S of 0 skips that part).
 set -uo pipefail
@@ -35,6 +36,13 @@ if [ "${GPU_TESTS_S:-170}" != 0 ]; then  # (timeout 0 would mean no limit)
   echo "gpu tests rc=$? in $(( $(date +%s) - start )) s"; tail -n 8 "$OUT/gpu-tests.txt"
 fi
 
+if [ -n "${MATRIX:-}" ]; then  # the whole CPU test matrix (tests not marked gpu), on the GPU
+  start=$(date +%s)
+  COMFUSE_TEST_DEVICE=cuda timeout "${MATRIX_S:-300}" python3 -m pytest -v -p no:cacheprovider -m "not gpu" -rf \
+    --timeout=150 ${MATRIX_K:+-k "$MATRIX_K"} > "$OUT/matrix.txt" 2>&1
+  echo "matrix rc=$? in $(( $(date +%s) - start )) s"; grep -E "FAILED|ERROR" "$OUT/matrix.txt" | sort -u | head -30
+  grep -cE " PASSED" "$OUT/matrix.txt" | sed 's/^/passed: /'
+fi
 if [ -n "${CE_MEMORY:-}" ]; then  # linear + cross-entropy training step, vocabulary 128256
   timeout "${CE_MEMORY_S:-150}" python3 scripts/ce_memory.py > "$OUT/ce_memory.log" 2>&1
   echo "ce memory rc=$?"; grep -E "^\|" "$OUT/ce_memory.log"

@@ -202,3 +202,61 @@ def test_autotuning_reports_its_progress_on_the_comfuse_logger(monkeypatch, fres
         comfuse.compile(wl.fn, args)(*args)
     text = caplog.text
     assert "autotuning the region at" in text and "candidate plan(s)" in text and "chose" in text
+
+
+def _corrupt_first_output(monkeypatch, cls):
+    """Make every launch of ``cls`` (Kernel or ChainKernel) write twice the right value
+    into its first output: a stand-in for a miscompiled kernel."""
+    real = cls.launch
+
+    def wrong(self, *args):
+        real(self, *args)
+        outs = args[-1]
+        (outs[0] if isinstance(outs, list) else next(iter(outs.values()))).mul_(2.0)
+    monkeypatch.setattr(cls, "launch", wrong)
+
+
+@pytest.mark.parametrize("kind", ["region", "chain"])
+def test_a_wrong_kernel_is_caught_on_its_first_call_without_autotuning(monkeypatch, kind):
+    """With autotuning off nothing times (and so compares) the plan: COMFUSE_VALIDATE
+    compares the first call with the region's own ops. A kernel that disagrees turns its
+    region off with a warning, and every call, the first included, gives the ops' result;
+    COMFUSE_STRICT=1 raises instead."""
+    import torch.nn.functional as F
+    from comfuse.runtime import chain as chain_mod, kernel as kernel_mod
+    from comfuse.runtime.check import KernelMismatch
+    torch.manual_seed(0)
+    if kind == "region":
+        _corrupt_first_output(monkeypatch, kernel_mod.Kernel)
+        fn = lambda x, w, g: F.layer_norm(x @ w, (48,), g)  # noqa: E731
+        args = (torch.randn(40, 32, device=DEVICE), torch.randn(32, 48, device=DEVICE) / 6,
+                torch.rand(48, device=DEVICE) + 0.5)
+    else:
+        _corrupt_first_output(monkeypatch, chain_mod.ChainKernel)
+        fn = lambda x, w1, w2: F.relu(x @ w1) @ w2  # noqa: E731
+        args = (torch.randn(40, 32, device=DEVICE), torch.randn(32, 48, device=DEVICE) / 6,
+                torch.randn(48, 16, device=DEVICE) / 7)
+    with settings.override(check=False, autotune="0", validate="1"):
+        with pytest.warns(comfuse.ComfuseWarning, match="disagrees with"):
+            compiled = comfuse.compile(fn, args)
+            first = compiled(*args)
+        second = compiled(*args)
+        (r,) = compiled.report.regions
+        assert not r.fused and "first call" in r.reason, str(compiled.report)
+        with settings.override(strict=True):
+            with pytest.raises(KernelMismatch, match="disagrees with"):
+                comfuse.compile(fn, args)(*args)
+    assert_matches_reference(fn, args, first)
+    assert_matches_reference(fn, args, second)
+
+
+def test_a_right_kernel_stays_fused_after_its_first_call_check():
+    torch.manual_seed(0)
+    fn = SUITE["rmsnorm"].fn
+    args = SUITE["rmsnorm"].inputs(40, 32, 48, dtype=torch.float32, device=DEVICE)
+    with settings.override(autotune="0", validate="1"):
+        compiled = comfuse.compile(fn, args)
+        out = compiled(*args)
+    (r,) = compiled.report.regions
+    assert r.fused, str(compiled.report)
+    assert_matches_reference(fn, args, out)

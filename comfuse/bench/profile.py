@@ -116,6 +116,8 @@ def profile(workload: str, shape: str, dtype: str = "bf16", out_dir: str | None 
         summary.update(info)
         result["variants"][variant] = summary
         result["min_bytes"] = info.get("min_bytes")
+        if info.get("shape"):  # the program's own (a chain's or attention's is not --shape)
+            result["shape"] = "x".join(str(s) for s in info["shape"])
     if out_dir:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)

@@ -100,6 +100,11 @@ def plan_chain(regions, links, writes, target: str = "cuda", settings=None) -> C
         bk = min(64, max(16, _pow2(first.sizes.K)))
         return ChainPlan(tuple(regions), tuple(links), tuple(tuple(w) for w in writes),
                          tuple(partition(r) for r in regions), bm, bk, stream, widths, 4, 1, onepass)
+    # later GEMMs at least 64 columns wide on a GPU (masks keep the padding out): at 16 and
+    # 32 columns (wgmma n16/n32) the H200 gave a wrong three-GEMM chain in fp16/bf16 that the
+    # interpreter does not reproduce (2026-11-30; suspected Triton 3.6 lowering, checked by
+    # scripts/narrow_chain_check.py)
+    widths = tuple(max(64, w) for w in widths)
     held = max(widths + (stream,))
     bm = 128 if held <= 128 else 64
     bm = min(bm, max(16, _pow2(first.sizes.M)))  # short rows per batch (attention over few queries)

@@ -156,6 +156,7 @@ class FusedChain(torch.nn.Module):
         self.kernel = None
         self.failed = ""
         self.tuned: set = set()
+        self.validated: set = set()  # devices where the first call was compared with the ops
         self.prefer_unfused = False
         self.separate = None  # the unfused ops as autotuning timed them (Inductor on a GPU)
         self._out_specs = None  # ((k, j), canonical shape, dtype) per written output
@@ -177,7 +178,10 @@ class FusedChain(torch.nn.Module):
                 self.tune(ext, a)
             if self.prefer_unfused:
                 return self.separate(*ext)
-            return self.run(ext, a)
+            outs = self.run(ext, a)
+            if a.device not in self.tuned and a.device not in self.validated:
+                return self.validate(ext, a.device, outs)
+            return outs
         except KernelMismatch:
             raise
         except Exception as e:
@@ -188,6 +192,24 @@ class FusedChain(torch.nn.Module):
             warnings.warn(f"comfuse: chain at {self.report.anchor} runs unfused: {self.failed}",
                           ComfuseWarning, stacklevel=3)
             return self.unfused(*ext)
+
+    def validate(self, ext, device, outs):
+        """The first call's outputs against the chain's own ops (COMFUSE_VALIDATE); on
+        disagreement the chain runs unfused from now on, with a warning."""
+        self.validated.add(device)
+        if not tuning.validating(device, self.regions):
+            return outs
+        tol = max(agreement_tolerance(r) for r in self.regions)
+        bad, refs = tuning.first_call_disagreement(outs, lambda: self.unfused(*ext), tol)
+        if not bad:
+            return outs
+        self.failed = f"the fused chain disagrees with its own ops on its first call ({bad})"
+        if settings_mod.get().strict:
+            raise KernelMismatch(f"chain at {self.report.anchor}: {self.failed}")
+        self.report.fused, self.report.reason = False, self.failed
+        warnings.warn(f"comfuse: chain at {self.report.anchor} runs unfused: {self.failed}",
+                      ComfuseWarning, stacklevel=3)
+        return refs
 
     def tune(self, ext, a) -> None:
         """Time the chain's candidate plans and its ops compiled by Inductor; keep the fastest."""

@@ -53,6 +53,7 @@ class FusedRegion(torch.nn.Module):
         self.kernel = None
         self.failed = ""
         self.tuned: set = set()  # devices whose choice is made
+        self.validated: set = set()  # devices where the first call was compared with the ops
         self.prefer_unfused = False
         self.separate = None  # the unfused ops as autotuning timed them (Inductor on a GPU)
         self._views: dict = {}  # side input layout -> its canonical view's (size, stride, offset)
@@ -78,7 +79,10 @@ class FusedRegion(torch.nn.Module):
             if self.prefer_unfused:
                 self._split_ran = None  # (autotuning's launches do not count)
                 return self.separate(*ext)
-            return self.run_kernel(ext, a, b, check=settings.check)
+            outs = self.run_kernel(ext, a, b, check=settings.check)
+            if a.device not in self.tuned and a.device not in self.validated:
+                return self.validate(ext, a.device, outs)
+            return outs
         except KernelMismatch:
             raise
         except kernel_mod.UnsupportedLayout as e:  # this call only: the next may fit again
@@ -95,6 +99,23 @@ class FusedRegion(torch.nn.Module):
     def output_specs(self) -> list:
         """(shape, dtype) of each output: what a fake (meta) execution returns."""
         return [(shape, out.dtype) for shape, out in zip(self.out_shapes, self.region.outputs)]
+
+    def validate(self, ext, device, outs):
+        """The first call's fused outputs against the region's own ops (COMFUSE_VALIDATE):
+        on disagreement the region runs unfused from now on, and this call returns the ops'
+        outputs."""
+        self.validated.add(device)
+        if not tuning.validating(device, [self.region]):
+            return outs
+        bad, refs = tuning.first_call_disagreement(outs, lambda: self.unfused(*ext), agreement_tolerance(self.region))
+        if not bad:
+            return outs
+        message = f"the fused kernel disagrees with the region's own ops on its first call ({bad})"
+        if settings_mod.get().strict:
+            raise KernelMismatch(f"region at {self.report.anchor}: {message}")
+        self.fail(message)
+        self._split_ran = None
+        return refs
 
     def fail(self, reason: str) -> None:
         self.failed = reason

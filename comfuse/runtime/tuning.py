@@ -58,6 +58,24 @@ def enabled(device: torch.device) -> bool:
     return device.type == "cuda"  # "auto": timing through the interpreter means nothing
 
 
+def validating(device: torch.device, regions) -> bool:
+    """Whether a region (a chain: its regions) is compared with its own ops on its first
+    call (COMFUSE_VALIDATE): not where those ops would hold a memory-first intermediate."""
+    mode = settings_mod.get().validate.strip().lower()
+    if mode not in ("auto", "0", "1", "on", "off", "true", "false", "yes", "no"):
+        raise ValueError(f"COMFUSE_VALIDATE={mode!r}: choose auto, 1 or 0")
+    if mode in ("0", "off", "false", "no") or (mode == "auto" and device.type != "cuda"):
+        return False
+    return all(r.sizes.B * r.sizes.M * r.sizes.N * 4 < MEMORY_FIRST_BYTES for r in regions)
+
+
+def first_call_disagreement(outs, run_unfused, tol: float):
+    """(what differs or '', the unfused outputs): a fused result against the region's own
+    ops on the same inputs, as autotuning compares its candidates."""
+    refs = tuple(run_unfused())
+    return _disagreement(outs, refs, tol), refs
+
+
 def key(region, device: torch.device) -> str:
     """The decision's cache key: the region, its sizes, the GPU, the versions, and every
     setting that changes the candidates or how they are timed."""
