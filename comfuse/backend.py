@@ -213,10 +213,7 @@ def comfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = N
 
     opts = _options(options)
     if _symbolic(example_inputs):
-        warnings.warn("comfuse backend: this graph has dynamic shapes; comfuse specialises on shapes, "
-                      "so Inductor compiles it alone (use torch.compile(..., dynamic=False))",
-                      ComfuseWarning, stacklevel=2)
-        return compile_fx(gm, example_inputs)
+        return PerShape(gm, example_inputs, opts)
     with settings_mod.override(**opts["settings"]):
         try:
             rewritten = lower(gm, example_inputs, opts["kinds"])
@@ -238,6 +235,96 @@ def comfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = N
                       f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
                       "compiling it without them", ComfuseWarning, stacklevel=2)
         return compile_fx(gm, example_inputs)
+
+
+class PerShape:
+    """A graph Dynamo hands over with dynamic shapes (a batch or sequence length changed
+    once already), run as static graphs: comfuse's kernels are specialised to their sizes,
+    so each distinct signature (shapes, strides, dtypes, the values of size arguments and
+    of 0-d tensors read by ``.item()``, grad mode) is lowered and compiled by itself on its
+    first call, and kept. Inductor's dynamic compilation of the whole graph, built once
+    now, runs the signatures beyond COMFUSE_MAX_SPECIALIZATIONS and any that fail to lower:
+    recompiles stay bounded and a new length never costs correctness."""
+
+    def __init__(self, gm: fx.GraphModule, example_inputs, opts: dict):
+        from torch._inductor.compile_fx import compile_fx
+        self.gm, self.opts = gm, opts
+        # inputs read by ``.item()``: their values join the signature
+        self.scalars = frozenset(i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")
+                                 if any(u.op == "call_method" and u.target == "item" for u in n.users))
+        self.dynamic = compile_fx(gm, example_inputs)
+        self.compiled: dict = {}
+        self.reports: dict = {}  # signature -> comfuse's report of its graph (None: nothing fused)
+
+    def __call__(self, *args):
+        key = _shape_key(args, self.scalars)
+        fn = self.compiled.get(key)
+        if fn is None:
+            limit = settings_mod.get().max_specializations
+            if len(self.compiled) >= limit:
+                from .runtime.kernel import notice_once
+                notice_once(f"per-shape:{id(self)}", f"comfuse backend: more than {limit} input shapes "
+                            "(COMFUSE_MAX_SPECIALIZATIONS); further shapes run Inductor's dynamic code")
+                return self.dynamic(*args)
+            fn = self.compiled[key] = self._build(key, args)
+        return fn(*args)
+
+    def _build(self, key, args):
+        from torch._inductor.compile_fx import compile_fx
+        with settings_mod.override(**self.opts["settings"]):
+            try:
+                rewritten = lower(_fix_scalars(self.gm, args, self.scalars), args, self.opts["kinds"])
+            except Exception as e:
+                if settings_mod.get().strict:
+                    raise
+                warnings.warn(f"comfuse backend: could not lower this graph for its new shapes "
+                              f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
+                              "Inductor's dynamic code runs them", ComfuseWarning, stacklevel=3)
+                rewritten = None
+            self.reports[key] = lower.last_report if rewritten is not None else None
+            if rewritten is None:
+                return self.dynamic
+            try:
+                with torch._guards.tracing(None):  # (a compile of its own, outside Dynamo's)
+                    return compile_fx(rewritten, list(args))
+            except Exception as e:
+                if settings_mod.get().strict:
+                    raise
+                warnings.warn(f"comfuse backend: Inductor could not compile the graph with fused regions "
+                              f"for its new shapes ({type(e).__name__}); Inductor's dynamic code runs them",
+                              ComfuseWarning, stacklevel=3)
+                return self.dynamic
+
+
+def _shape_key(args, scalars: frozenset) -> tuple:
+    key = [torch.is_grad_enabled()]
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            key.append((tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad,
+                        a.item() if i in scalars else None))
+        else:
+            key.append(a)
+    return tuple(key)
+
+
+def _fix_scalars(gm: fx.GraphModule, args, scalars: frozenset) -> fx.GraphModule:
+    """``gm`` with every ``.item()`` of the inputs ``scalars`` (0-d tensors) replaced by its
+    value in ``args`` (Dynamo passes a module's float attributes, LayerNorm's eps, that way
+    under dynamic shapes; capture cannot trace a data-dependent scalar). The copy shares
+    gm's parameters and buffers; the input stays, unused."""
+    graph = fx.Graph()
+    env: dict = {}
+    out = graph.graph_copy(gm.graph, env)
+    graph.output(out)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for i, (node, value) in enumerate(zip(placeholders, args)):
+        if i not in scalars or not (isinstance(value, torch.Tensor) and value.numel() == 1):
+            continue
+        for user in list(node.users):
+            if user.op == "call_method" and user.target == "item":
+                user.replace_all_uses_with(value.item())
+                graph.erase_node(user)
+    return fx.GraphModule(gm, graph)
 
 
 def _static(example_inputs) -> tuple:

@@ -62,13 +62,31 @@ def test_new_batch_sizes_recompile_and_stay_correct():
             torch.testing.assert_close(cm(x, r), model(x, r), rtol=1e-4, atol=1e-5)
 
 
-def test_dynamic_shapes_go_to_inductor_with_a_warning():
+def test_dynamic_shapes_are_fused_per_shape_and_capped():
+    """With dynamic shapes (dynamic=True, or Dynamo's second length) each new batch and
+    sequence length is lowered and fused on its first call, forward and backward; past
+    COMFUSE_MAX_SPECIALIZATIONS new shapes run Inductor's dynamic code, still right."""
     torch._dynamo.reset()
     model = PostNorm().to(DEVICE)
     cm = torch.compile(model, backend="comfuse", dynamic=True)
-    x, r = torch.randn(2, 5, 32, device=DEVICE), torch.randn(2, 5, 48, device=DEVICE)
-    with pytest.warns(comfuse.ComfuseWarning, match="dynamic shapes"), torch.no_grad():
-        torch.testing.assert_close(cm(x, r), model(x, r), rtol=1e-4, atol=1e-5)
+    with comfuse.settings.override(max_specializations=2):
+        for batch, seq in ((2, 5), (3, 7), (2, 5)):
+            x = torch.randn(batch, seq, 32, device=DEVICE, requires_grad=True)
+            r = torch.randn(batch, seq, 48, device=DEVICE)
+            out = cm(x, r)
+            assert lower.last_report is not None and lower.last_report.regions[0].fused
+            torch.testing.assert_close(out, model(x, r), rtol=1e-4, atol=1e-5)
+            out.square().sum().backward()
+            gx = x.grad.clone()
+            x.grad = None
+            model(x, r).square().sum().backward()
+            torch.testing.assert_close(gx, x.grad, rtol=1e-4, atol=1e-5)
+        lower.last_report = None
+        with pytest.warns(comfuse.ComfuseWarning, match="dynamic code"):  # (same grad mode: no recompile)
+            x = torch.randn(4, 6, 32, device=DEVICE, requires_grad=True)
+            r = torch.randn(4, 6, 48, device=DEVICE)
+            torch.testing.assert_close(cm(x, r), model(x, r), rtol=1e-4, atol=1e-5)
+        assert lower.last_report is None  # (the third shape was not lowered)
 
 
 def test_options_disable_kinds_and_fuel():
@@ -129,6 +147,27 @@ def test_hf_bert_layer_inference_and_training():
     x.grad = None
     _first(layer(x)).square().sum().backward()
     torch.testing.assert_close(gx, x.grad, rtol=1e-3, atol=1e-4)
+
+
+def test_hf_bert_layer_keeps_its_fusions_when_the_sequence_length_changes():
+    """Default torch.compile: the second length makes Dynamo recompile with dynamic shapes;
+    every length still runs fused regions and matches eager, forward and backward."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    layer = _bert_layer()
+    cm = torch.compile(layer, backend="comfuse")
+    for seq in (16, 24, 32):
+        x = torch.randn(2, seq, 64, device=DEVICE, requires_grad=True)
+        lower.last_report = None
+        out = _first(cm(x))
+        report = lower.last_report
+        assert report is not None and report.regions and all(r.fused for r in report.regions), str(report)
+        torch.testing.assert_close(out, _first(layer(x)), rtol=1e-4, atol=1e-4)
+        out.square().sum().backward()
+        gx = x.grad.clone()
+        x.grad = None
+        _first(layer(x)).square().sum().backward()
+        torch.testing.assert_close(gx, x.grad, rtol=1e-4, atol=1e-4)
 
 
 def test_hf_llama_mlp_is_one_chain_and_the_decoder_layer_runs():
