@@ -260,3 +260,27 @@ def test_a_right_kernel_stays_fused_after_its_first_call_check():
     (r,) = compiled.report.regions
     assert r.fused, str(compiled.report)
     assert_matches_reference(fn, args, out)
+
+
+def test_a_choice_shaped_by_one_calls_layout_is_not_remembered(monkeypatch, fresh_cache):
+    """A candidate ruled out by the first call's layout (a TMA plan and a misaligned
+    operand) would stay ruled out for every later process if the decision were stored:
+    it is kept for this process only."""
+    wl = SUITE["rmsnorm"]
+    args = wl.inputs(16, 16, 100, device=DEVICE)
+    compiled = comfuse.compile(wl.fn, args)
+    module = fused_module(compiled)
+    picky = module.alternatives[0]
+    from comfuse.runtime import kernel as kernel_mod
+    real_run = type(module).run_kernel
+
+    def run_kernel(self, ext, a, b, kernel=None, check=False):
+        if kernel is not None and kernel.source.name == kernel_mod.kernel_name(picky):
+            raise kernel_mod.UnsupportedLayout("TMA needs 16-byte aligned operands; this one is not")
+        return real_run(self, ext, a, b, kernel, check)
+    monkeypatch.setattr(type(module), "run_kernel", run_kernel)
+    fake_timer(monkeypatch, [1.0] + [0.2] * 10)
+    out = compiled(*args)
+    assert tuning.load(tuning.key(module.region, torch.device(DEVICE))) is None
+    assert compiled.report.regions[0].fused
+    assert_matches_reference(wl.fn, args, out)

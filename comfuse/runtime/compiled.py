@@ -140,7 +140,10 @@ class FusedRegion(torch.nn.Module):
             self.separate = tuning.separate(self.unfused, ext)
             decision = tuning.decide(names, run_fused, lambda: tuple(self.separate(*ext)), a.device,
                                      agreement_tolerance(self.region))
-            tuning.store(k, decision)
+            if not any(why.startswith("UnsupportedLayout") for why in decision["rejected"].values()):
+                tuning.store(k, decision)
+            # (else this call's layout, a misaligned operand, ruled some plans out: the choice
+            # holds for this process, and the next one measures again rather than inherit it)
         self.tuned.add(a.device)
         times = decision["times_ms"]
         best_fused = min((t for n, t in times.items() if n != tuning.UNFUSED), default=float("inf"))
