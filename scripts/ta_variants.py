@@ -11,7 +11,9 @@ V once (268 MB, ~63 us at the measured 4.24 TB/s copy rate); the generated kerne
 - ``persistent``: a grid of SMs x programs-per-SM walking the samples with
   ``tl.range(..., num_stages=S)``, so that Triton's pipeliner prefetches later samples'
   K and V while this one computes;
-- the same with TMA descriptors (``tma``).
+- the same with TMA descriptors (``tma``);
+- comfuse's generated chain kernels, each candidate plan (the copy into ``out`` is timed
+  with them: 8 MB, about 3 us).
 
 Every form is checked against float64 PyTorch before it is timed; eager, torch.compile and
 SDPA are timed in the same run. Writes $OUT/ta_variants.json and prints a table last.
@@ -88,6 +90,38 @@ def persistent_tma(q_desc, k_desc, v_desc, o_desc, B, LQ: tl.constexpr, LK: tl.c
         o_desc.store([b * LQ, 0], o.to(tl.bfloat16))
 
 
+def _generated_chains(q, k, v, out) -> dict:
+    """{name: launch} for each chain plan comfuse's autotuner would time on this program
+    (``chain_candidates``), writing into ``out``: the generated kernels beside the
+    hand-written ones (their 4-warp form ran 10 % slower than 8 warps, 2026-11-30, with
+    fewer registers than the hand-written 4-warp kernel)."""
+    import warnings
+
+    import comfuse
+    from comfuse.planner.chain import chain_candidates
+    from comfuse.runtime.chain import build_chain
+    fn = lambda q, k, v: torch.softmax(q @ k.transpose(1, 2), dim=-1) @ v  # noqa: E731
+    with warnings.catch_warnings(), comfuse.settings.override(autotune="0", validate="0"):
+        warnings.simplefilter("ignore")
+        compiled = comfuse.compile(fn, (q, k, v))
+        compiled(q, k, v)
+    chain = next(m for m in next(iter(compiled._specs.values())).gm.modules()
+                 if m.__class__.__name__ == "FusedChain")
+    seen, forward = [], chain.forward  # the chain's own arguments (views)
+    chain.forward = lambda *ext: seen.append(ext) or forward(*ext)
+    compiled(q, k, v)
+    ext = seen[-1]
+    runs = {}
+    for plan in chain_candidates(chain.plan):
+        kernel = build_chain(plan)
+
+        def run(kernel=kernel):
+            chain.kernel = kernel
+            out.copy_(chain.run(ext, ext[chain.a_ext], check=False)[0])
+        runs[f"generated chain w{plan.num_warps} bm{plan.block_m}"] = run
+    return runs
+
+
 def main() -> None:
     out_dir = Path(os.environ.get("OUT", "/tmp/comfuse-out"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -125,6 +159,8 @@ def main() -> None:
                     lambda w=warps, g=grid, s=stages: persistent_tma[g](
                         *descs, B, LQ, LK, s, True, num_warps=w))
     fn = lambda: torch.softmax(q @ k.transpose(1, 2), dim=-1) @ v  # noqa: E731
+    for name, run in _generated_chains(q, k, v, out).items():  # comfuse's own, in the same run
+        variants[name] = run
     compiled = torch.compile(fn)
     rows = []
     for name, run in [("eager", fn), ("torch.compile", compiled),
