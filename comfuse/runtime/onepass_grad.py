@@ -171,7 +171,7 @@ def _surrogate_fn(op: OnePass, width: int, idle: frozenset, compiled: bool, want
         in_pieces = [next(taken) if w else next(kept) for w in wanted]
         values = _run(piece, None, None, in_pieces, torch.float32, shifts=shifts, iota_offset=offset,
                       acc=product.float())[0]
-        total, j = (product.float() * 0).sum(), 0  # (a statistic may have no path to the operands)
+        total, j = product.new_zeros((), dtype=torch.float32), 0  # (zero gradients if nothing is live)
         for i, (kind, v) in enumerate(zip(kinds, values)):
             g, m = g_list[j], m_list[j]  # moments: the mean's; the M2's follow
             j += len(_parts(kind))
