@@ -255,8 +255,11 @@ class PerShape:
         self.dynamic = compile_fx(gm, example_inputs)
         self.compiled: dict = {}
         self.reports: dict = {}  # signature -> comfuse's report of its graph (None: nothing fused)
+        self.regionless = False  # the graph has no GEMM regions at all: every shape runs Inductor's code
 
     def __call__(self, *args):
+        if self.regionless:
+            return self.dynamic(*args)
         key = _shape_key(args, self.scalars)
         fn = self.compiled.get(key)
         if fn is None:
@@ -283,6 +286,8 @@ class PerShape:
                 rewritten = None
             self.reports[key] = lower.last_report if rewritten is not None else None
             if rewritten is None:
+                report = lower.last_report
+                self.regionless = report is not None and not report.regions and not report.error
                 return self.dynamic
             try:
                 with torch._guards.tracing(None):  # (a compile of its own, outside Dynamo's)

@@ -89,6 +89,22 @@ def test_dynamic_shapes_are_fused_per_shape_and_capped():
         assert lower.last_report is None  # (the third shape was not lowered)
 
 
+def test_dynamic_graphs_without_gemms_are_lowered_once(monkeypatch):
+    """A graph with no GEMM region has none at any shape: after the first look, new shapes
+    go straight to Inductor's dynamic code."""
+    import comfuse.backend as backend_mod
+    torch._dynamo.reset()
+    looked = []
+    real = backend_mod.lower
+    monkeypatch.setattr(backend_mod, "lower", lambda *a, **k: looked.append(1) or real(*a, **k))
+    monkeypatch.setattr(backend_mod.lower, "last_report", None, raising=False)
+    fn = torch.compile(lambda x: torch.relu(x) * 2, backend="comfuse", dynamic=True)
+    for n in (5, 6, 7):
+        x = torch.randn(n, 3, device=DEVICE)
+        torch.testing.assert_close(fn(x), torch.relu(x) * 2)
+    assert len(looked) == 1
+
+
 def test_options_disable_kinds_and_fuel():
     class MLP(torch.nn.Module):
         def __init__(self):
