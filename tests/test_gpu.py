@@ -124,6 +124,37 @@ def test_autotune_on_the_gpu_keeps_a_correct_and_timed_choice(tmp_path):
     assert ("autotuned" in r.plan) if r.fused else r.reason.startswith("autotune:")
 
 
+@pytest.mark.timeout(300)
+def test_dynamic_lengths_tune_and_run_per_shape_through_the_backend(tmp_path):
+    """torch.compile(backend="comfuse") with dynamic shapes on the GPU: each new token count
+    is lowered, autotuned on its real inputs and compiled on its first call; forward and
+    backward match eager within bf16 tolerance."""
+    import torch.nn.functional as F
+    from comfuse.backend import lower
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(1024, 1024).to("cuda", torch.bfloat16)
+    norm = torch.nn.LayerNorm(1024).to("cuda", torch.bfloat16)
+
+    def block(x, r):
+        return norm(F.gelu(lin(x)) + r)
+    torch._dynamo.reset()
+    with comfuse.settings.override(cache_dir=tmp_path), warnings.catch_warnings():
+        warnings.simplefilter("ignore", comfuse.ComfuseWarning)
+        cm = torch.compile(block, backend="comfuse", dynamic=True)
+        for tokens in (4096, 6144):
+            x = torch.randn(tokens, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            r = torch.randn(tokens, 1024, device="cuda", dtype=torch.bfloat16)
+            lower.last_report = None
+            out = cm(x, r)
+            assert lower.last_report is not None and lower.last_report.regions, "the shape was not lowered"
+            torch.testing.assert_close(out.float(), block(x, r).float(), rtol=2e-2, atol=2e-2)
+            out.float().square().mean().backward()
+            gx = x.grad.clone()
+            x.grad = None
+            block(x, r).float().square().mean().backward()
+            torch.testing.assert_close(gx.float(), x.grad.float(), rtol=5e-2, atol=5e-3)
+
+
 @pytest.mark.parametrize("vocab", [32768, 128256])
 def test_linear_cross_entropy_never_allocates_logits(vocab):
     """LM head + cross-entropy at 8192 tokens, hidden 4096: correct, and the memory the
