@@ -148,11 +148,12 @@ def test_dynamic_lengths_tune_and_run_per_shape_through_the_backend(tmp_path):
             out = cm(x, r)
             assert lower.last_report is not None and lower.last_report.regions, "the shape was not lowered"
             torch.testing.assert_close(out.float(), block(x, r).float(), rtol=2e-2, atol=2e-2)
-            out.float().square().mean().backward()
-            gx = x.grad.clone()
+            out.float().square().sum().backward()
+            gx = x.grad.float()
             x.grad = None
-            block(x, r).float().square().mean().backward()
-            torch.testing.assert_close(gx.float(), x.grad.float(), rtol=5e-2, atol=5e-3)
+            block(x, r).float().square().sum().backward()
+            err = ((gx - x.grad.float()).norm() / x.grad.float().norm()).item()
+            assert err < 2e-2, f"input gradient off by {err:.3g} (relative norm) at {tokens} tokens"
 
 
 @pytest.mark.parametrize("vocab", [32768, 128256])
