@@ -214,27 +214,37 @@ def comfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = N
     opts = _options(options)
     if _symbolic(example_inputs):
         return PerShape(gm, example_inputs, opts)
+    compiled = _compile_lowered(gm, example_inputs, opts)
+    return compiled if compiled is not None else compile_fx(gm, example_inputs)
+
+
+def _compile_lowered(gm: fx.GraphModule, example_inputs, opts: dict, shapes: str = "", own: bool = False):
+    """Inductor's compilation of ``gm`` with comfuse's regions in it, or None when nothing
+    fuses or lowering or compiling fails (with a warning; COMFUSE_STRICT=1 raises): the
+    caller then runs Inductor's code without them. ``own``: a compilation of its own, not
+    inside Dynamo's (PerShape, at a call)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    def failed(what: str, e: Exception) -> None:
+        if settings_mod.get().strict:
+            raise e
+        warnings.warn(f"comfuse backend: {what}{shapes} ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0][:200] if str(e) else ''}); Inductor's code runs without "
+                      "fused regions (COMFUSE_STRICT=1 raises instead)", ComfuseWarning, stacklevel=4)
     with settings_mod.override(**opts["settings"]):
         try:
             rewritten = lower(gm, example_inputs, opts["kinds"])
         except Exception as e:  # capture or planning failed: the graph is still Inductor's
-            if settings_mod.get().strict:
-                raise
-            warnings.warn(f"comfuse backend: could not lower this graph ({type(e).__name__}: "
-                          f"{str(e).splitlines()[0][:200] if str(e) else ''}); Inductor compiles it alone "
-                          "(COMFUSE_STRICT=1 raises instead)", ComfuseWarning, stacklevel=2)
-            rewritten = None
+            failed("could not lower this graph", e)
+            return None
     if rewritten is None:
-        return compile_fx(gm, example_inputs)
+        return None
     try:
-        return compile_fx(rewritten, example_inputs)
+        with (torch._guards.tracing(None) if own else contextlib.nullcontext()):
+            return compile_fx(rewritten, list(example_inputs) if own else example_inputs)
     except Exception as e:
-        if settings_mod.get().strict:
-            raise
-        warnings.warn(f"comfuse backend: Inductor could not compile the graph with fused regions "
-                      f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
-                      "compiling it without them", ComfuseWarning, stacklevel=2)
-        return compile_fx(gm, example_inputs)
+        failed("Inductor could not compile the graph with fused regions", e)
+        return None
 
 
 class PerShape:
@@ -273,32 +283,15 @@ class PerShape:
         return fn(*args)
 
     def _build(self, key, args):
-        from torch._inductor.compile_fx import compile_fx
-        with settings_mod.override(**self.opts["settings"]):
-            try:
-                rewritten = lower(_fix_scalars(self.gm, args, self.scalars), args, self.opts["kinds"])
-            except Exception as e:
-                if settings_mod.get().strict:
-                    raise
-                warnings.warn(f"comfuse backend: could not lower this graph for its new shapes "
-                              f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
-                              "Inductor's dynamic code runs them", ComfuseWarning, stacklevel=3)
-                rewritten = None
-            self.reports[key] = lower.last_report if rewritten is not None else None
-            if rewritten is None:
-                report = lower.last_report
-                self.regionless = report is not None and not report.regions and not report.error
-                return self.dynamic
-            try:
-                with torch._guards.tracing(None):  # (a compile of its own, outside Dynamo's)
-                    return compile_fx(rewritten, list(args))
-            except Exception as e:
-                if settings_mod.get().strict:
-                    raise
-                warnings.warn(f"comfuse backend: Inductor could not compile the graph with fused regions "
-                              f"for its new shapes ({type(e).__name__}); Inductor's dynamic code runs them",
-                              ComfuseWarning, stacklevel=3)
-                return self.dynamic
+        lower.last_report = None
+        compiled = _compile_lowered(_fix_scalars(self.gm, args, self.scalars), args, self.opts,
+                                    " for its new shapes", own=True)
+        report = lower.last_report
+        self.reports[key] = report if compiled is not None else None
+        if compiled is None:
+            self.regionless = report is not None and not report.regions and not report.error
+            return self.dynamic
+        return compiled
 
 
 def _shape_key(args, scalars: frozenset) -> tuple:

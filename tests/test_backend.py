@@ -105,6 +105,24 @@ def test_dynamic_graphs_without_gemms_are_lowered_once(monkeypatch):
     assert len(looked) == 1
 
 
+def test_a_graph_that_fails_to_lower_runs_inductors_code_with_a_warning(monkeypatch):
+    import comfuse.backend as backend_mod
+
+    def broken(*a, **k):
+        raise RuntimeError("synthetic lowering failure")
+    monkeypatch.setattr(backend_mod, "lower", broken)
+    model = PostNorm().to(DEVICE)
+    x, r = torch.randn(2, 5, 32, device=DEVICE), torch.randn(2, 5, 48, device=DEVICE)
+    for dynamic in (False, True):
+        torch._dynamo.reset()
+        with pytest.warns(comfuse.ComfuseWarning, match="could not lower this graph"), torch.no_grad():
+            torch.testing.assert_close(torch.compile(model, backend="comfuse", dynamic=dynamic)(x, r),
+                                       model(x, r), rtol=1e-4, atol=1e-5)
+    torch._dynamo.reset()
+    with comfuse.settings.override(strict=True), pytest.raises(Exception, match="synthetic lowering failure"):
+        torch.compile(model, backend="comfuse", dynamic=False)(x, r)
+
+
 def test_options_disable_kinds_and_fuel():
     class MLP(torch.nn.Module):
         def __init__(self):
