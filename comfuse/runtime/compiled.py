@@ -62,7 +62,8 @@ class FusedRegion(torch.nn.Module):
 
     def forward(self, *ext):
         settings = settings_mod.get()
-        self._split_ran = None
+        if self._split_ran is not None:  # (nn.Module's attribute writes cost microseconds a call)
+            self._split_ran = None
         if self.failed or settings.disable:
             return self.unfused(*ext)
         a, b = ext[self.operands[0]], ext[self.operands[1]]
