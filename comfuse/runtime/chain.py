@@ -187,10 +187,7 @@ class FusedChain(torch.nn.Module):
         except Exception as e:
             if settings_mod.get().strict:
                 raise
-            self.failed = f"kernel failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
-            self.report.fused, self.report.reason = False, self.failed
-            warnings.warn(f"comfuse: chain at {self.report.anchor} runs unfused: {self.failed}",
-                          ComfuseWarning, stacklevel=3)
+            self.fail(f"kernel failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
             return self.unfused(*ext)
 
     def validate(self, ext, device, outs):
@@ -199,17 +196,15 @@ class FusedChain(torch.nn.Module):
         self.validated.add(device)
         if not tuning.validating(device, self.regions):
             return outs
-        tol = max(agreement_tolerance(r) for r in self.regions)
-        bad, refs = tuning.first_call_disagreement(outs, lambda: self.unfused(*ext), tol)
-        if not bad:
-            return outs
-        self.failed = f"the fused chain disagrees with its own ops on its first call ({bad})"
-        if settings_mod.get().strict:
-            raise KernelMismatch(f"chain at {self.report.anchor}: {self.failed}")
-        self.report.fused, self.report.reason = False, self.failed
-        warnings.warn(f"comfuse: chain at {self.report.anchor} runs unfused: {self.failed}",
-                      ComfuseWarning, stacklevel=3)
-        return refs
+        return tuning.check_first_call(outs, lambda: self.unfused(*ext),
+                                       max(agreement_tolerance(r) for r in self.regions),
+                                       f"chain at {self.report.anchor}", self.fail)
+
+    def fail(self, reason: str) -> None:
+        self.failed = reason
+        self.report.fused, self.report.reason = False, reason
+        warnings.warn(f"comfuse: chain at {self.report.anchor} runs unfused: {reason}",
+                      ComfuseWarning, stacklevel=4)
 
     def tune(self, ext, a) -> None:
         """Time the chain's candidate plans and its ops compiled by Inductor; keep the fastest."""

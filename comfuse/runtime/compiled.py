@@ -108,15 +108,11 @@ class FusedRegion(torch.nn.Module):
         self.validated.add(device)
         if not tuning.validating(device, [self.region]):
             return outs
-        bad, refs = tuning.first_call_disagreement(outs, lambda: self.unfused(*ext), agreement_tolerance(self.region))
-        if not bad:
-            return outs
-        message = f"the fused kernel disagrees with the region's own ops on its first call ({bad})"
-        if settings_mod.get().strict:
-            raise KernelMismatch(f"region at {self.report.anchor}: {message}")
-        self.fail(message)
-        self._split_ran = None
-        return refs
+        checked = tuning.check_first_call(outs, lambda: self.unfused(*ext), agreement_tolerance(self.region),
+                                          f"region at {self.report.anchor}", self.fail)
+        if checked is not outs:
+            self._split_ran = None
+        return checked
 
     def fail(self, reason: str) -> None:
         self.failed = reason

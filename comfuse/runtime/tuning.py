@@ -69,11 +69,20 @@ def validating(device: torch.device, regions) -> bool:
     return all(r.sizes.B * r.sizes.M * r.sizes.N * 4 < MEMORY_FIRST_BYTES for r in regions)
 
 
-def first_call_disagreement(outs, run_unfused, tol: float):
-    """(what differs or '', the unfused outputs): a fused result against the region's own
-    ops on the same inputs, as autotuning compares its candidates."""
+def check_first_call(outs, run_unfused, tol: float, where: str, turn_off) -> tuple:
+    """A fused result against the region's own ops on the same inputs (COMFUSE_VALIDATE), as
+    autotuning compares its candidates: ``outs`` when they agree, else the ops' outputs,
+    after ``turn_off(reason)`` (COMFUSE_STRICT=1: KernelMismatch instead)."""
+    from .check import KernelMismatch
     refs = tuple(run_unfused())
-    return _disagreement(outs, refs, tol), refs
+    bad = _disagreement(outs, refs, tol)
+    if not bad:
+        return outs
+    reason = f"the fused kernel disagrees with its own ops on its first call ({bad})"
+    if settings_mod.get().strict:
+        raise KernelMismatch(f"{where}: {reason}")
+    turn_off(reason)
+    return refs
 
 
 def key(region, device: torch.device) -> str:
