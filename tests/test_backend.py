@@ -1,5 +1,4 @@
 """torch.compile(model, backend="comfuse") on model code: inference, training, options."""
-import warnings
 
 import pytest
 import torch
