@@ -389,3 +389,49 @@ def test_cross_entropy_backward_with_every_target_ignored_gives_zero_gradients()
     loss.backward()
     assert torch.equal(lm.weight.grad, torch.zeros_like(lm.weight))
     assert torch.equal(x.grad, torch.zeros_like(x))
+
+
+from hypothesis import given, settings as hsettings, strategies as st  # noqa: E402
+
+from helpers import PROPERTY_COUNTS  # noqa: E402
+
+
+@hsettings(max_examples=4, deadline=None, derandomize=True)
+@given(lengths=st.lists(st.tuples(st.integers(1, 3), st.integers(1, 9)), min_size=2, max_size=5),
+       cap=st.integers(1, 3), norm=st.sampled_from(["layer", "rms"]))
+def test_random_length_sequences_stay_correct_and_bounded(lengths, cap, norm):
+    """Random sequences of (batch, length) through a dynamic-shape compile: every call matches
+    eager, every lowered shape is fused, and no graph lowers more than
+    COMFUSE_MAX_SPECIALIZATIONS shapes."""
+    import comfuse.backend as backend_mod
+    PROPERTY_COUNTS["random length sequences (dynamic shapes)"] += 1
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 24).to(DEVICE)
+    scale = torch.rand(24, device=DEVICE) + 0.5
+
+    def block(x, r):
+        h = lin(x) + r
+        if norm == "layer":
+            return F.layer_norm(h, (24,), scale)
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * scale
+    lowered = []
+    real = backend_mod.PerShape._build
+    try:
+        def build(self, key, args):
+            compiled = real(self, key, args)
+            lowered.append((id(self), key, self.reports[key]))
+            return compiled
+        backend_mod.PerShape._build = build
+        cm = torch.compile(block, backend="comfuse", dynamic=True)
+        with comfuse.settings.override(max_specializations=cap), torch.no_grad():
+            for b, n in lengths:
+                x, r = torch.randn(b, n, 16, device=DEVICE), torch.randn(b, n, 24, device=DEVICE)
+                torch.testing.assert_close(cm(x, r), block(x, r), rtol=1e-4, atol=1e-5)
+    finally:
+        backend_mod.PerShape._build = real
+    # (Dynamo compiles a graph of its own where a size is 0 or 1: the cap holds per graph)
+    for graph in {g for g, _, _ in lowered}:
+        keys = [k for g, k, _ in lowered if g == graph]
+        assert len(keys) <= cap and len(set(keys)) == len(keys)
+    assert all(report is not None and report.regions[0].fused for _, _, report in lowered), lowered
