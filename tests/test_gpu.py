@@ -14,8 +14,9 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("name", list(SUITE))
-@pytest.mark.parametrize("shape", [(8192, 1024, 1024), (8191, 1024, 768), (1000, 512, 1000)],
-                         ids=["paper", "odd_M_N768", "N1000"])
+@pytest.mark.parametrize("shape", [(8192, 1024, 1024), (8191, 1024, 768), (1000, 512, 1000),
+                                   (4095, 1024, 3072), (2048, 1024, 5120), (1031, 512, 12288)],
+                         ids=["paper", "odd_M_N768", "N1000", "N3072", "N5120", "odd_M_N12288"])
 def test_suite_at_real_shapes(name, shape):
     wl = SUITE[name]
     args = wl.inputs(*shape, dtype=torch.bfloat16, device="cuda")
