@@ -68,21 +68,33 @@ def _attention(q, k, v):
     return torch.softmax(q @ k.transpose(-1, -2) / 4.0, dim=-1) @ v
 
 
-@pytest.mark.parametrize("case", ["attention", "dlrm_k_loop"])
-def test_every_chain_candidate_matches_the_reference(case):
-    """Each plan autotuning may pick (warps, program height) computes the same chain: one
-    chunk and one K step (attention), and several chunks with a K loop (a three-GEMM MLP)."""
+@pytest.mark.parametrize("case", ["attention", "dlrm_k_loop", "dlrm_gpu_plans"])
+def test_every_chain_candidate_matches_the_reference(monkeypatch, case):
+    """Each plan autotuning may pick (warps, program height, chunk width) computes the same
+    chain: one chunk and one K step (attention), several chunks with a K loop (a three-GEMM
+    MLP), and the GPU's plans for such an MLP (64- and 128-row programs, 64- and 128-column
+    chunks, later GEMMs padded to 64 columns) run through the interpreter."""
+    from comfuse.planner import chain as planner_chain
     from comfuse.planner.chain import chain_candidates
+    from comfuse.runtime import compiled as compiled_mod
     from comfuse.runtime.chain import build_chain
     if case == "attention":
         fn, args = _attention, (randn(2, 3, 5, 16), randn(2, 3, 20, 16), randn(2, 3, 20, 16))
-    else:
+    elif case == "dlrm_k_loop":
         fn, args = dlrm, (randn(40, 80), weight(80, 72), weight(72, 24), weight(24, 16))
+    else:
+        real = planner_chain.plan_chain
+        monkeypatch.setattr(compiled_mod, "plan_chain",
+                            lambda regions, links, writes, target, settings=None: real(
+                                regions, links, writes, "cuda", settings))
+        fn, args = dlrm, (randn(130, 96), weight(96, 300), weight(300, 40), weight(40, 24))
     compiled, _ = run(fn, args)
     chain = next(m for m in next(iter(compiled._specs.values())).gm.modules()
                  if m.__class__.__name__ == "FusedChain")
     plans = chain_candidates(chain.plan)
     assert len(plans) >= 2
+    if case == "dlrm_gpu_plans":
+        assert {p.stream_n for p in plans} == {64, 128} and {p.block_m for p in plans} == {64, 128}
     seen, forward = [], chain.forward  # the chain's own arguments (views, constants)
     chain.forward = lambda *ext: seen.append(ext) or forward(*ext)
     compiled(*args)

@@ -116,12 +116,15 @@ def plan_chain(regions, links, writes, target: str = "cuda", settings=None) -> C
 def chain_candidates(plan: ChainPlan) -> list[ChainPlan]:
     """The chain plans worth timing: the planner's, the other warp count (16-row attention
     chains spill at 4 warps and not at 8, by ptxas at sm_90), and for a long elementwise
-    GEMM1 the other program height."""
+    GEMM1 the other program height and 128-column chunks."""
     out = [plan]
     out.append(dataclasses.replace(plan, num_warps=8 if plan.num_warps == 4 else 4))
     if plan.onepass is None and plan.stream_n == 64 and plan.regions[0].sizes.M >= 128:
         other = 64 if plan.block_m == 128 else 128
         out.append(dataclasses.replace(plan, block_m=other, num_warps=8))
+        if plan.regions[0].sizes.N >= 256:  # half the chunks, so half the pipeline restarts of
+            # GEMM1's K loop (DLRM at 64 rows: 174 registers, no spills; 128 rows spill)
+            out.append(dataclasses.replace(plan, block_m=64, stream_n=128, num_warps=8))
     unique = []
     for p in out:
         if p not in unique:
