@@ -165,9 +165,13 @@ def compile_chain_for_gpu(plan, arch: int = 90) -> dict:
         else:
             sig[p.name] = "i32"
     first = plan.regions[0]
+    values = _chain_launch_values(kernel, plan)
+    strides = {p.name: values[p.name] for p in kernel.source.params  # (constexprs in the source)
+               if p.role.startswith("stride_") and p.axis != "B"}
+    for name in strides:
+        sig.pop(name)
     compiled = _compile(kernel, sig, dict(UPCAST_OPERANDS=False, DOT_PRECISION="ieee",
-                                          EVEN_M=first.sizes.M % plan.block_m == 0), arch,
-                        _chain_launch_values(kernel, plan))
+                                          EVEN_M=first.sizes.M % plan.block_m == 0, **strides), arch, values)
     ptx = compiled.asm.get("ptx", "")
     return {"asm": dict(compiled.asm), "shared_bytes": compiled.metadata.shared,
             "wgmma": ptx.count("wgmma.mma_async"), "mma": ptx.count("mma.sync")}

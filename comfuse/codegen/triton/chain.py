@@ -30,7 +30,12 @@ class _ChainEmitter:
 
     def param(self, name: str, role: str, index=None, axis=None, comment=None) -> None:
         self.params.append(Param(name, role, index, axis))
-        self.sig.append(f"    {name},{'  # ' + comment if comment else ''}")
+        # a tile's strides are compile-time constants (a layout is one compilation, as the
+        # sizes already are): addresses fold into the loads' immediate offsets, and at 4
+        # warps ptxas then issues every load of a program before the first shared-memory
+        # store (with runtime strides it held one back: a second memory latency per program)
+        const = role.startswith("stride_") and axis != "B"
+        self.sig.append(f"    {name}{': tl.constexpr' if const else ''},{'  # ' + comment if comment else ''}")
 
     def signature(self) -> None:
         p = self.plan
