@@ -73,7 +73,8 @@ def test_every_chain_candidate_matches_the_reference(monkeypatch, case):
     """Each plan autotuning may pick (warps, program height, chunk width) computes the same
     chain: one chunk and one K step (attention), several chunks with a K loop (a three-GEMM
     MLP), and the GPU's plans for such an MLP (64- and 128-row programs, 64- and 128-column
-    chunks, later GEMMs padded to 64 columns) run through the interpreter."""
+    chunks, GEMM2's operand loaded before GEMM1's K loop, later GEMMs padded to 64 columns)
+    run through the interpreter."""
     from comfuse.planner import chain as planner_chain
     from comfuse.planner.chain import chain_candidates
     from comfuse.runtime import compiled as compiled_mod
@@ -95,6 +96,7 @@ def test_every_chain_candidate_matches_the_reference(monkeypatch, case):
     assert len(plans) >= 2
     if case == "dlrm_gpu_plans":
         assert {p.stream_n for p in plans} == {64, 128} and {p.block_m for p in plans} == {64, 128}
+        assert {p.early_w for p in plans} == {False, True}
     seen, forward = [], chain.forward  # the chain's own arguments (views, constants)
     chain.forward = lambda *ext: seen.append(ext) or forward(*ext)
     compiled(*args)

@@ -113,12 +113,13 @@ class _ChainEmitter:
             self.line("# ---- GEMM1 -> F1, chunk by chunk along N1, each chunk straight into GEMM2 ----")
             self.line("offs_w1 = tl.arange(0, WIDTH1)  # GEMM2's output columns, all held")
             self.line("acc1 = tl.zeros((BLOCK_M, WIDTH1), dtype=tl.float32)")
-            self.chunk_loop_head(a_base, batched)
+            self.chunk_loop_head(a_base, batched, b1_base if p.early_w else None)
             self.line("# F1 on this chunk", 2)
             self.epilogue(0, 2)
             self.line("# the chunk is GEMM2's A for rows offs_n of its B: into acc1, never to memory", 2)
             self.line(f"p = {self.operand(1, self.ems[0].ref(p.regions[0].outputs[p.links[0]].node))}", 2)
-            self.load_w1(b1_base)
+            if not p.early_w:
+                self.load_w1(b1_base)
             self.dot("acc1", "p", "w", 2)
         for k in range(1, len(p.regions)):
             self.line()
@@ -145,8 +146,9 @@ class _ChainEmitter:
         return KernelSource(self.name, header + "\n".join(self.lines) + "\n", tuple(self.params),
                             constexprs, p.num_warps, p.num_stages)
 
-    def chunk_loop_head(self, a_base: str, batched: bool) -> None:
-        """``for n0 ...:`` and GEMM1's mainloop for the chunk's columns, into acc0."""
+    def chunk_loop_head(self, a_base: str, batched: bool, early_w_base: str | None = None) -> None:
+        """``for n0 ...:`` and GEMM1's mainloop for the chunk's columns, into acc0; with
+        ``early_w_base``, GEMM2's B rows for the chunk are loaded first (``w``)."""
         p = self.plan
         n0, k = p.regions[0].sizes.N, p.regions[0].sizes.K
         if n0 <= p.stream_n:  # one chunk: unrolled, no loop for the compiler to keep
@@ -156,6 +158,9 @@ class _ChainEmitter:
         self.line("offs_n = n0 + tl.arange(0, STREAM_N)", 2)
         self.line(self.column_mask("N0", n0, p.stream_n, "STREAM_N"), 2)
         self.line("acc0 = tl.zeros((BLOCK_M, STREAM_N), dtype=tl.float32)", 2)
+        if early_w_base is not None:
+            self.line("# GEMM2's B rows for this chunk, loaded now: in flight during GEMM1's K loop", 2)
+            self.load_w1(early_w_base)
         if k <= p.block_k:
             self.line("for k0 in tl.static_range(0, BLOCK_K, BLOCK_K):  # K fits one step", 2)
         else:
