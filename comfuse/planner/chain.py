@@ -129,7 +129,7 @@ def chain_candidates(plan: ChainPlan) -> list[ChainPlan]:
             out.append(dataclasses.replace(plan, block_m=64, stream_n=128, num_warps=8))
         if plan.regions[0].sizes.K > plan.block_k:
             # each chunk's GEMM2 operand loaded before GEMM1's K loop, its latency hidden behind
-            # it (one program per SM at 156 registers has nothing else to hide it; a single-step
+            # it (one program per SM at 142 registers has nothing else to hide it; a single-step
             # attention chain was slower this way: 0.0888 vs 0.0779 ms, H200 2026-11-30)
             out.append(dataclasses.replace(plan, block_m=64, num_warps=8, early_w=True))
     unique = []
