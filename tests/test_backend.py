@@ -349,7 +349,7 @@ def test_compile_time_autotuning_leaves_losing_regions_to_inductor(monkeypatch, 
     their neighbours), a winning one stays a comfuse::region call."""
     from comfuse.runtime import tuning
 
-    def decide(names, run_fused, run_unfused, device, tol=None):
+    def decide(names, run_fused, run_unfused, device, tol=None, exact=None):
         return {"choice": tuning.UNFUSED if winner == "unfused" else names[0],
                 "times_ms": {tuning.UNFUSED: 1.0, **{n: 2.0 if winner == "unfused" else 0.5 for n in names}},
                 "rejected": {}}

@@ -156,6 +156,7 @@ def programs(draw):
         schedule=draw(st.sampled_from(["", "cooperative"])))
 
 
+@pytest.mark.timeout(900)  # (on the GPU each example compiles its kernels for sm_90)
 @given(programs())
 def test_random_epilogues_fuse_and_match_float64(program):
     PROPERTY_COUNTS["random epilogues (fused vs float64)"] += 1

@@ -198,7 +198,8 @@ class FusedChain(torch.nn.Module):
             return outs
         return tuning.check_first_call(outs, lambda: self.unfused(*ext),
                                        max(agreement_tolerance(r) for r in self.regions),
-                                       f"chain at {self.report.anchor}", self.fail)
+                                       f"chain at {self.report.anchor}", self.fail,
+                                       exact=lambda: self.exact(ext))
 
     def fail(self, reason: str) -> None:
         self.failed = reason
@@ -222,17 +223,19 @@ class FusedChain(torch.nn.Module):
                 self.kernel = kernels[i]
                 return self.run(ext, a, check=False)
             tuning.log.info("autotuning the back-to-back chain at %s", self.report.anchor)
-            self.separate = tuning.separate(self.unfused, ext)
+            self.separate, form = tuning.separate(self.unfused, ext)
             decision = tuning.decide(names, run_fused,
                                      lambda: tuple(self.separate(*ext)), a.device,
-                                     max(agreement_tolerance(r) for r in self.regions))
+                                     max(agreement_tolerance(r) for r in self.regions),
+                                     exact=lambda: self.exact(ext))
+            decision["separate"] = form  # (a later process runs the same form without timing it)
             tuning.store(k, decision)
         self.tuned.add(a.device)
         times = decision["times_ms"]
         if decision["choice"] == tuning.UNFUSED:
             self.prefer_unfused = True
             if self.separate is None:
-                self.separate = tuning.separate(self.unfused, ext)
+                self.separate, _ = tuning.separate(self.unfused, ext, form=decision.get("separate"))
             self.report.fused = False
             fused_ms = min((t for n, t in times.items() if n != tuning.UNFUSED), default=float("inf"))
             self.report.reason = (f"autotune: the unfused ops ({times[tuning.UNFUSED]:.4f} ms) beat the "
@@ -247,16 +250,11 @@ class FusedChain(torch.nn.Module):
         self.report.planned, self.report.kernel_path = self.plan, self.kernel.path
 
     def run(self, ext, a, check: bool = True):
-        from .compiled import FusedRegion  # (compiled imports this module)
         if self.kernel is None:
             self.kernel = build_chain(self.plan)
             self.report.kernel_path = self.kernel.path
         device = a.device
-        first = self.regions[0]
-        a3 = a if first.gemm.batched else a.unsqueeze(0)
-        b3s = [ext[i] if first.gemm.batched else ext[i].unsqueeze(0) for i in self.b_ext]
-        ins = [[FusedRegion.prepare(ext[e], bind, device) for e, bind in region_inputs]
-               for region_inputs in self.inputs]
+        a3, b3s, ins = self.operands(ext, a)
         if self._out_specs is None:
             self._out_specs = [((k, j), canonical_shape(self.regions[k], self.regions[k].outputs[j].axes),
                                 self.regions[k].outputs[j].dtype) for k, j, _ in self.outputs]
@@ -265,6 +263,28 @@ class FusedChain(torch.nn.Module):
         if check and settings_mod.get().check:
             self.check(a3, b3s, ins, outs)
         return tuple(outs[(k, j)].view(shape) for k, j, shape in self.outputs)
+
+    def operands(self, ext, a):
+        """(a3, [b3 per GEMM], [side inputs per GEMM]) in the regions' canonical 3-D layout."""
+        from .compiled import FusedRegion  # (compiled imports this module)
+        batched = self.regions[0].gemm.batched
+        a3 = a if batched else a.unsqueeze(0)
+        b3s = [ext[i] if batched else ext[i].unsqueeze(0) for i in self.b_ext]
+        ins = [[FusedRegion.prepare(ext[e], bind, a.device) for e, bind in region_inputs]
+               for region_inputs in self.inputs]
+        return a3, b3s, ins
+
+    def exact(self, ext) -> list:
+        """The chain's outputs in float64 (the IR's interpreter, region after region), shaped
+        like a call's: the second opinion when the kernel and the unfused ops disagree."""
+        with torch.no_grad():
+            a3, b3s, ins = self.operands(ext, ext[self.a_ext])
+            refs, lhs = [], a3.detach()
+            for k, region in enumerate(self.regions):
+                refs.append(evaluate(region, lhs, b3s[k].detach(), [t.detach() for t in ins[k]], torch.float64))
+                if k < len(self.plan.links):
+                    lhs = refs[k][self.plan.links[k]]
+        return [refs[k][j].reshape(shape) for k, j, shape in self.outputs]
 
     def check(self, a3, b3s, ins, outs) -> None:
         """The chain against the IR's interpreter, region after region, in float64."""
