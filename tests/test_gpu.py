@@ -149,10 +149,11 @@ def test_dynamic_lengths_tune_and_run_per_shape_through_the_backend(tmp_path):
             out = cm(x, r)
             assert lower.last_report is not None and lower.last_report.regions, "the shape was not lowered"
             torch.testing.assert_close(out.float(), block(x, r).float(), rtol=2e-2, atol=2e-2)
-            out.float().square().sum().backward()
+            g = torch.randn_like(out, dtype=torch.float32)  # (a sum of squares of a LayerNorm is nearly constant)
+            (out.float() * g).sum().backward()
             gx = x.grad.float()
             x.grad = None
-            block(x, r).float().square().sum().backward()
+            (block(x, r).float() * g).sum().backward()
             err = ((gx - x.grad.float()).norm() / x.grad.float().norm()).item()
             assert err < 2e-2, f"input gradient off by {err:.3g} (relative norm) at {tokens} tokens"
 
