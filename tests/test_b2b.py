@@ -64,6 +64,22 @@ def test_target_attention_softmax_stays_resident(dtype):
     assert_matches_reference(attn, args, out)
 
 
+def test_views_that_change_nothing_are_dropped_from_the_call():
+    """Batched matmuls are captured with expand and view of each operand to its own sizes;
+    each costs a dispatch on every call (target attention's call, not its kernel, was the
+    bottleneck on the H200), so they go. A view that changes something, or one the function
+    returns, stays."""
+    def attn(q, k, v):
+        return (torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v, q.view(q.shape))
+    args = (randn(6, 5, 16), randn(6, 20, 16), randn(6, 20, 16))
+    compiled, (out, q_view) = run(attn, args)
+    graph = compiled.report.graph
+    assert "comfuse_region0" in graph and "expand" not in graph, graph
+    assert "transpose" in graph and "view" in graph, graph  # (k's transpose; the returned view)
+    assert q_view is not args[0] and torch.equal(q_view, args[0])
+    assert_matches_reference(lambda q, k, v: attn(q, k, v)[0], args, out)
+
+
 def _attention(q, k, v):
     return torch.softmax(q @ k.transpose(-1, -2) / 4.0, dim=-1) @ v
 

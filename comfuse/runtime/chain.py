@@ -166,26 +166,28 @@ class FusedChain(torch.nn.Module):
         return [(shape, self.regions[k].outputs[j].dtype) for k, j, shape in self.outputs]
 
     def forward(self, *ext):
-        if self.failed or settings_mod.get().disable:
+        settings = settings_mod.get()  # (once: a call's Python is target attention's bottleneck)
+        if self.failed or settings.disable:
             return self.unfused(*ext)
         a = ext[self.a_ext]
-        why = can_run_on(a.device)
+        device = a.device
+        why = can_run_on(device)
         if why:
             notice_once(f"device:{why}", f"comfuse: running unfused: {why}")
             return self.unfused(*ext)
         try:
-            if a.device not in self.tuned and tuning.enabled(a.device):
+            if device not in self.tuned and tuning.enabled(device):
                 self.tune(ext, a)
             if self.prefer_unfused:
                 return self.separate(*ext)
-            outs = self.run(ext, a)
-            if a.device not in self.tuned and a.device not in self.validated:
-                return self.validate(ext, a.device, outs)
+            outs = self.run(ext, a, check=settings.check)
+            if device not in self.tuned and device not in self.validated:
+                return self.validate(ext, device, outs)
             return outs
         except KernelMismatch:
             raise
         except Exception as e:
-            if settings_mod.get().strict:
+            if settings.strict:
                 raise
             self.fail(f"kernel failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
             return self.unfused(*ext)
@@ -249,7 +251,8 @@ class FusedChain(torch.nn.Module):
                             f"{times[decision['choice']]:.4f} ms vs {times[tuning.UNFUSED]:.4f} ms unfused)")
         self.report.planned, self.report.kernel_path = self.plan, self.kernel.path
 
-    def run(self, ext, a, check: bool = True):
+    def run(self, ext, a, check: bool = False):
+        """One launch of the chain on ``ext``; ``check``: against the IR's interpreter (COMFUSE_CHECK)."""
         if self.kernel is None:
             self.kernel = build_chain(self.plan)
             self.report.kernel_path = self.kernel.path
@@ -260,7 +263,7 @@ class FusedChain(torch.nn.Module):
                                 self.regions[k].outputs[j].dtype) for k, j, _ in self.outputs]
         outs = {key: torch.empty(shape, dtype=dtype, device=device) for key, shape, dtype in self._out_specs}
         self.kernel.launch(a3, b3s, ins, outs)
-        if check and settings_mod.get().check:
+        if check:
             self.check(a3, b3s, ins, outs)
         return tuple(outs[(k, j)].view(shape) for k, j, shape in self.outputs)
 

@@ -7,6 +7,7 @@ through Triton's interpreter, which must be chosen before Triton is imported
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 
 import torch
@@ -63,10 +64,15 @@ def interpreting() -> bool:
     return bool(triton.knobs.runtime.interpret)
 
 
+@functools.cache
+def _cuda_available() -> bool:  # (asked on every fused call; it does not change in a process)
+    return torch.cuda.is_available()
+
+
 def can_run_on(device: torch.device) -> str:
     """'' when a kernel can run on ``device``, else the reason it cannot."""
     if device.type == "cuda":
-        return "" if torch.cuda.is_available() else "CUDA is not available"
+        return "" if _cuda_available() else "CUDA is not available"
     if device.type == "cpu":
         if interpreting():
             return ""
