@@ -6,7 +6,7 @@
 # autotuning, DDP where two GPUs are present). Logs and results go to $OUT; a short table
 # is printed last. Knobs: SUITE, CANDIDATES, BENCH_S, MAINLOOP_S, GPU_TESTS_S, GPU_TESTS_K,
 # REPEAT (interleaved timing rounds), MODELS=1, MODEL_CANDIDATES, CE_MEMORY=1, HOST=1, ANATOMY=1,
-# MATRIX=1 (the tests not marked gpu, run on the GPU: -v, so a timeout still shows each result; MATRIX_S, MATRIX_K)
+# MATRIX=1 (the tests not marked gpu, run on the GPU: -v, so a timeout still shows each result; MATRIX_S, MATRIX_K, MATRIX_N workers)
 # (ANATOMY_ONLY, ANATOMY_FORMS), MAINLOOP_GRAPH (1: time the mainloop as CUDA-graph replays)
 # (a *_S of 0 skips that part).
 set -uo pipefail
@@ -38,8 +38,11 @@ fi
 
 if [ -n "${MATRIX:-}" ]; then  # the whole CPU test matrix (tests not marked gpu), on the GPU
   start=$(date +%s)
-  COMFUSE_TEST_DEVICE=cuda timeout "${MATRIX_S:-300}" python3 -m pytest -v -p no:cacheprovider -m "not gpu" -rf \
-    --timeout=150 ${MATRIX_K:+-k "$MATRIX_K"} > "$OUT/matrix.txt" 2>&1
+  # (xdist, on the GPU machine: the matrix is bound by Triton's compiles; serial it took ~600 s)
+  workers=$(python3 -c "import xdist" 2>/dev/null && echo "-n ${MATRIX_N:-6}")
+  COMFUSE_TEST_DEVICE=cuda COMFUSE_PROPERTY_EXAMPLES=${COMFUSE_PROPERTY_EXAMPLES:-40} timeout "${MATRIX_S:-300}" \
+    python3 -m pytest -v -p no:cacheprovider -m "not gpu" -rf $workers \
+    --timeout=220 ${MATRIX_K:+-k "$MATRIX_K"} > "$OUT/matrix.txt" 2>&1
   echo "matrix rc=$? in $(( $(date +%s) - start )) s"; grep -E "FAILED|ERROR" "$OUT/matrix.txt" | sort -u | head -30
   grep -cE " PASSED" "$OUT/matrix.txt" | sed 's/^/passed: /'
 fi
