@@ -190,6 +190,16 @@ def test_an_ill_conditioned_result_is_judged_against_float64():
     assert "MISMATCH" in tuning._disagreement((kernel,), (ops,), tol / 4, exact=broken)
 
 
+def test_no_float64_second_opinion_for_vocabulary_wide_regions():
+    import dataclasses
+    x, w = torch.randn(8, 16, device=DEVICE), torch.randn(16, 40, device=DEVICE)
+    region = comfuse.explain(lambda x, w: torch.softmax(x @ w, -1), (x, w)).regions[0].planned.region
+    tuning.exact_fits([region])  # small: evaluated
+    big = region.replace(sizes=dataclasses.replace(region.sizes, M=8192, N=128256))
+    with pytest.raises(MemoryError, match="float64"):
+        tuning.exact_fits([big])
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_ill_conditioned_regions_stay_fused_after_their_first_call_check(dtype):
     """LayerNorm of rows with an offset of 20, rounded to 16 bits by the unfused ops before

@@ -280,6 +280,7 @@ class FusedChain(torch.nn.Module):
     def exact(self, ext) -> list:
         """The chain's outputs in float64 (the IR's interpreter, region after region), shaped
         like a call's: the second opinion when the kernel and the unfused ops disagree."""
+        tuning.exact_fits(self.regions)
         with torch.no_grad():
             a3, b3s, ins = self.operands(ext, ext[self.a_ext])
             refs, lhs = [], a3.detach()

@@ -118,6 +118,18 @@ def store(k: str, decision: dict) -> None:
     cache.atomic_write(_path(k), json.dumps(decision, indent=1))
 
 
+EXACT_LIMIT_BYTES = 1 << 31  # a float64 [B, M, N] beyond this gets no second opinion (a vocabulary-wide
+# loss would hold several 8 GiB intermediates): the ops' judgment stands
+
+
+def exact_fits(regions) -> None:
+    """Raise when a float64 evaluation of ``regions`` would be too large to hold."""
+    for r in regions:
+        s = r.sizes
+        if s.B * s.M * s.N * 8 > EXACT_LIMIT_BYTES:
+            raise MemoryError(f"a float64 [{s.B}, {s.M}, {s.N}] exceeds {EXACT_LIMIT_BYTES >> 30} GiB")
+
+
 def _disagreement(outs, refs, tol: float | None, exact=None) -> str:
     """'' when every output matches the unfused result, else what differs.
 
