@@ -283,27 +283,28 @@ class FusedChain(torch.nn.Module):
         tuning.exact_fits(self.regions)
         with torch.no_grad():
             a3, b3s, ins = self.operands(ext, ext[self.a_ext])
-            refs, lhs = [], a3.detach()
-            for k, region in enumerate(self.regions):
-                refs.append(evaluate(region, lhs, b3s[k].detach(), [t.detach() for t in ins[k]], torch.float64))
-                if k < len(self.plan.links):
-                    lhs = refs[k][self.plan.links[k]]
+            refs = self.evaluate64(a3.detach(), [b.detach() for b in b3s], [[t.detach() for t in g] for g in ins])
         return [refs[k][j].reshape(shape) for k, j, shape in self.outputs]
+
+    def evaluate64(self, a3, b3s, ins) -> list:
+        """Each GEMM's outputs (canonical 3-D) from the IR's interpreter in float64, region
+        after region, each fed its link's exact value."""
+        refs, lhs = [], a3
+        for k, region in enumerate(self.regions):
+            refs.append(evaluate(region, lhs, b3s[k], ins[k], torch.float64))
+            if k < len(self.plan.links):
+                lhs = refs[k][self.plan.links[k]]
+        return refs
 
     def check(self, a3, b3s, ins, outs) -> None:
         """The chain against the IR's interpreter, region after region, in float64."""
-        lhs = a3
-        for k, region in enumerate(self.regions):
-            refs = evaluate(region, lhs, b3s[k], ins[k], torch.float64)
-            tol = region_tolerance(region)
-            for (kk, j), out in outs.items():
-                if kk == k:
-                    result = compare(out, refs[j], tol, floor=1.0)
-                    if not result.ok:
-                        raise KernelMismatch(f"chain {self.kernel.source.name} GEMM{k + 1} output "
-                                             f"{region.outputs[j].name}: {result}")
-            if k < len(self.plan.links):
-                lhs = refs[self.plan.links[k]]
+        refs = self.evaluate64(a3, b3s, ins)
+        for (k, j), out in outs.items():
+            region = self.regions[k]
+            result = compare(out, refs[k][j], region_tolerance(region), floor=1.0)
+            if not result.ok:
+                raise KernelMismatch(f"chain {self.kernel.source.name} GEMM{k + 1} output "
+                                     f"{region.outputs[j].name}: {result}")
 
 
 class FusedAttention(torch.nn.Module):
