@@ -16,7 +16,8 @@ V once (268 MB, ~63 us at the measured 4.24 TB/s copy rate); the generated kerne
   with them: 8 MB, about 3 us).
 
 Every form is checked against float64 PyTorch before it is timed; eager, torch.compile and
-SDPA are timed in the same run. Writes $OUT/ta_variants.json and prints a table last.
+SDPA are timed in the same run (with ``GRAPH=1`` the forms as CUDA-graph replays: their GPU
+time without the Python launch; ``TA_QUICK=1``: the per-sample forms only). Writes $OUT/ta_variants.json and prints a table last.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from comfuse.bench.timing import measure  # noqa: E402
+from comfuse.bench.timing import graphed, measure  # noqa: E402
 
 
 @triton.jit
@@ -57,6 +58,50 @@ def _sample(q_ptr, k_ptr, v_ptr, o_ptr, b, LQ: tl.constexpr, LK: tl.constexpr, D
     else:
         o = tl.dot((p / total[:, None]).to(tl.bfloat16), v)
     tl.store(o_ptr + base_q + rows[:, None] * D + dims[None, :], o.to(tl.bfloat16))
+
+
+@triton.jit
+def _sample_hinted(q_ptr, k_ptr, v_ptr, o_ptr, b, LQ: tl.constexpr, LK: tl.constexpr, D: tl.constexpr,
+                   EVICT: tl.constexpr):
+    """``_sample`` (V after GEMM1, normalised before GEMM2) with K and V loaded under an
+    eviction hint: each is read once, so it need not stay in L2."""
+    rows = tl.arange(0, LQ)
+    keys = tl.arange(0, LK)
+    dims = tl.arange(0, D)
+    q = tl.load(q_ptr + b * (LQ * D) + rows[:, None] * D + dims[None, :])
+    kt = tl.load(k_ptr + b * (LK * D) + keys[None, :] * D + dims[:, None], eviction_policy=EVICT)
+    s = tl.dot(q, kt)
+    m = tl.max(s, axis=1)
+    p = tl.exp(s - m[:, None])
+    total = tl.sum(p, axis=1)
+    v = tl.load(v_ptr + b * (LK * D) + keys[:, None] * D + dims[None, :], eviction_policy=EVICT)
+    o = tl.dot((p / total[:, None]).to(tl.bfloat16), v)
+    tl.store(o_ptr + b * (LQ * D) + rows[:, None] * D + dims[None, :], o.to(tl.bfloat16))
+
+
+@triton.jit
+def per_sample_group(q_ptr, k_ptr, v_ptr, o_ptr, B, LQ: tl.constexpr, LK: tl.constexpr, D: tl.constexpr,
+                     SAMPLES: tl.constexpr, EVICT: tl.constexpr):
+    """SAMPLES consecutive samples per program, one after another (fewer, longer programs)."""
+    for i in tl.static_range(SAMPLES):
+        _sample_hinted(q_ptr, k_ptr, v_ptr, o_ptr, tl.program_id(0) * SAMPLES + i, LQ, LK, D, EVICT)
+
+
+@triton.jit
+def per_sample_tma(q_desc, k_desc, v_desc, o_ptr, B, LQ: tl.constexpr, LK: tl.constexpr, D: tl.constexpr):
+    """One sample per program, operands through TMA (no register staging of K and V)."""
+    b = tl.program_id(0)
+    q = q_desc.load([b * LQ, 0])
+    k = k_desc.load([b * LK, 0])
+    s = tl.dot(q, k.T)
+    m = tl.max(s, axis=1)
+    p = tl.exp(s - m[:, None])
+    total = tl.sum(p, axis=1)
+    v = v_desc.load([b * LK, 0])
+    o = tl.dot((p / total[:, None]).to(tl.bfloat16), v)
+    rows = tl.arange(0, LQ)
+    dims = tl.arange(0, D)
+    tl.store(o_ptr + b * (LQ * D) + rows[:, None] * D + dims[None, :], o.to(tl.bfloat16))
 
 
 @triton.jit
@@ -141,6 +186,15 @@ def main() -> None:
                     lambda w=warps, vf=v_first, d=defer: per_sample[(B,)](
                         q, k, v, out, B, LQ, LK, D, vf, d, num_warps=w))
     for warps in (4, 8):
+        for samples in (1, 2):
+            for evict in ("", "evict_first"):
+                if samples == 1 and not evict:
+                    continue  # that is "per-sample w4/w8" above
+                variants[f"per-sample x{samples} w{warps} {evict or 'no hint'}"] = (
+                    lambda w=warps, n=samples, e=evict: per_sample_group[(B // n,)](
+                        q, k, v, out, B, LQ, LK, D, n, e, num_warps=w))
+    quick = os.environ.get("TA_QUICK") == "1"  # the per-sample forms only
+    for warps in () if quick else (4, 8):
         for per_sm in (1, 2, 3, 4):
             for stages in (2, 3, 4):
                 grid = (min(B, sms * per_sm),)
@@ -152,6 +206,9 @@ def main() -> None:
              TensorDescriptor.from_tensor(v.view(B * LK, D), [LK, D]),
              TensorDescriptor.from_tensor(out.view(B * LQ, D), [LQ, D]))
     for warps in (4, 8):
+        variants[f"per-sample tma w{warps}"] = (
+            lambda w=warps: per_sample_tma[(B,)](*descs[:3], out, B, LQ, LK, D, num_warps=w))
+    for warps in () if quick else (4, 8):
         for per_sm in (1, 2, 3):
             for stages in (2, 3):
                 grid = (min(B, sms * per_sm),)
@@ -178,7 +235,7 @@ def main() -> None:
             if not err < 1e-2:
                 row.update(status="wrong", err=err)
             else:
-                t = measure(run)
+                t = measure(graphed(run, warmup_calls=1) if os.environ.get("GRAPH") == "1" else run)
                 row.update(status="ok", err=err, **t.as_dict(), tb_s=(floor_ms / t.median_ms) * 4.24)
         except Exception as e:  # one form failing must not stop the sweep
             row.update(status="failed", reason=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
