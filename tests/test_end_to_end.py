@@ -344,6 +344,39 @@ def test_split_kernel_statistics_match_the_torch_pass(monkeypatch, name):
             torch.testing.assert_close(g, w.float(), rtol=1e-4, atol=1e-4, msg=lambda m: f"{st.kind}: {m}")
 
 
+@pytest.mark.filterwarnings("ignore::comfuse.ComfuseWarning")
+@pytest.mark.parametrize("per,grouped", [(1, True), (1, False), (2, True), (3, False)])
+@pytest.mark.parametrize("name", ["ce_none_ignore", "var_mean_offset"])
+def test_split_slices_and_program_orders_agree(monkeypatch, name, per, grouped):
+    """Every split variant the autotuner may time (tiles per slice, slice-fastest or grouped
+    order of the programs) gives the planned kernel's outputs, and both match the reference."""
+    import dataclasses
+
+    from comfuse.runtime import compiled as compiled_mod
+    from comfuse.runtime import kernel as kernel_mod
+    seen = {}
+    real = compiled_mod.FusedRegion.forward
+    monkeypatch.setattr(compiled_mod.FusedRegion, "forward",
+                        lambda self, *ext: seen.setdefault("call", (self, ext)) and real(self, *ext))
+    fn = SPLIT_CASES[name]
+    M, K, N = 70, 24, 100
+    args = (randn(M, K), weight(K, N), torch.randint(0, 5, (M,), device=DEVICE))
+    with settings.override(schedule="split"):
+        compiled, out = compile_and_run(fn, args)
+    module, ext = seen["call"]
+    a, b = ext[module.operands[0]], ext[module.operands[1]]
+    base = module.plan
+    planned = [o.clone() for o in module.run_kernel(ext, a, b)]
+    tiles = -(-N // base.block_n)
+    variant = dataclasses.replace(base, tiles_n=tiles, chunks=-(-tiles // per), tiles_per_chunk=per,
+                                  grouped=grouped, group_m=2)
+    assert variant != base
+    got = module.run_kernel(ext, a, b, kernel_mod.build(variant))
+    for g, w in zip(got, planned):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    assert_matches_reference(fn, args, out)
+
+
 def test_split_is_refused_for_full_tile_outputs():
     with settings.override(schedule="split"):
         report = comfuse.explain(SUITE["softmax"].fn, SUITE["softmax"].inputs(8, 16, 40, device=DEVICE))

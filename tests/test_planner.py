@@ -5,7 +5,7 @@ from comfuse import settings
 from comfuse.frontend.capture import capture
 from comfuse.frontend.regions import find_regions
 from comfuse.ir import Node, Op, Output, evaluate, structural_key, verify
-from comfuse.planner import NotFused, Plan, cse, dce, partition, plan, reduction_axis, transpose
+from comfuse.planner import NotFused, Plan, cse, dce, one_hot_counts, partition, plan, reduction_axis, transpose
 
 from test_ir import MN, NONE, layer_norm_region
 
@@ -84,6 +84,31 @@ def test_dce_and_cse_preserve_meaning():
     args = (torch.randn(1, 5, 3), torch.randn(1, 3, 7), [torch.randn(1, 1, 7), torch.randn(1, 1, 7)])
     for a, b in zip(evaluate(r, *args), evaluate(simplified, *args)):
         torch.testing.assert_close(a, b)
+
+
+def test_one_hot_counts_become_per_row_bounds_with_the_same_meaning():
+    """Cross-entropy's "is the target one of the N columns?" (a sum over N of iota == t)
+    becomes 0 <= t < N: no tile reduction left, same values for targets inside, outside
+    and at the ignore index, in row and column (transposed) form."""
+    import torch.nn.functional as F
+    fn = lambda x, w, t: F.cross_entropy((x @ w).float(), t, reduction="none")  # noqa: E731
+    x, w = torch.randn(6, 5, dtype=torch.float64), torch.randn(5, 9, dtype=torch.float64)
+    t = torch.tensor([0, 8, 3, -100, 9, 12])  # in range, ignored, out of range (N = 9)
+    r = region_of(fn, x.float(), w.float(), t)
+    counts = lambda reg: sum(1 for n in reg.nodes if n.op is Op.SUM and  # noqa: E731
+                             reg.nodes[n.src[0]].op is Op.CAST)
+    assert counts(r) == 1
+    s = verify(one_hot_counts(r))
+    assert counts(s) == 0 and len([n for n in s.nodes if n.op is Op.SUM]) == 2  # lse's sum, the pick
+    assert one_hot_counts(s) is s  # nothing left to rewrite
+    ins = [i.view(1, 6, 1) if i.dim() == 1 else i for i in (t, torch.ones(6, dtype=torch.float64), t != -100)]
+    for want, got in zip(evaluate(r, x[None], w[None], ins), evaluate(s, x[None], w[None], ins)):
+        torch.testing.assert_close(got, want, equal_nan=True)
+    tr = transpose(r)  # the same count along M
+    ins_t = [i.view(1, 1, 6) for i in ins]
+    for want, got in zip(evaluate(tr, w.t()[None], x.t()[None], ins_t),
+                         evaluate(verify(one_hot_counts(tr)), w.t()[None], x.t()[None], ins_t)):
+        torch.testing.assert_close(got, want, equal_nan=True)
 
 
 def test_schedule_choice_and_blocks():

@@ -100,6 +100,38 @@ def test_a_failing_candidate_scores_inf(monkeypatch, fresh_cache):
     assert_matches_reference(wl.fn, args, out)
 
 
+def test_a_decision_among_fewer_candidates_is_not_reused(monkeypatch, fresh_cache):
+    """A region planned with autotuning off, then tuned on a later call, has the planner's
+    plan alone as a candidate; its stored decision must not stand for the same region
+    compiled with every candidate (found on the H200: it kept a slower plan)."""
+    wl = SUITE["ln_postnorm"]
+    args = wl.inputs(16, 16, 100, device=DEVICE)
+    with settings.override(autotune="0"):
+        first = comfuse.compile(wl.fn, args)
+        first(*args)  # planned with one candidate
+    assert len(fused_module(first).alternatives) == 1
+    calls = fake_timer(monkeypatch, [1.0, 0.5] + [0.5] * 20)
+    first(*args)  # autotuning on now: the one candidate is timed and the decision stored
+    assert len(calls) == 2
+    full = comfuse.compile(wl.fn, args)
+    module = fused_module(full)
+    n = len(module.alternatives)
+    assert n >= 2
+    calls.clear()
+    times = [1.0] + [0.5] * n
+    times[n] = 0.1
+    calls = fake_timer(monkeypatch, times)
+    full(*args)
+    assert len(calls) == n + 1  # every candidate timed again
+    assert module.plan is module.alternatives[-1]
+    # and that decision covers both: neither region measures again
+    monkeypatch.setattr(tuning, "measure", lambda *a, **k: pytest.fail("measured again"))
+    comfuse.compile(wl.fn, args)(*args)
+    decision = tuning.load(tuning.key(module.region, args[0].device))
+    assert tuning.reusable(decision, [name for name in decision["times_ms"] if name != tuning.UNFUSED])
+    assert not tuning.reusable(None, []) and not tuning.reusable(decision, ["another plan"])
+
+
 def test_memory_first_keeps_a_wide_loss_fused_but_not_a_wide_output():
     """A per-row loss over a vocabulary-wide row stays fused when its unfused ops would hold
     a >= 1 GiB intermediate, even if they are faster; a region whose output is [M, N] anyway

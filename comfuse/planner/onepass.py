@@ -25,6 +25,7 @@ import dataclasses
 import torch
 
 from ..ir import ELEMENTWISE, LEAF, REDUCE, Node, Op, Output, Region
+from .passes import one_hot
 
 F32 = torch.float32
 
@@ -204,6 +205,20 @@ class _Rewriter:
             return self.c(node.op, [self.row_of_tile(s) for s in node.src], node.arg, node.dtype)
         raise NotOnePass(f"%{i} ({node.op.value}) is needed per row but varies along N")
 
+    def row_sum(self, t: int) -> int:
+        """The combine node of sum over N of tile value t: a statistic, except for the indicator
+        of iota(N) == x (an [M] integer; cross-entropy's target), whose sum is 0 <= x < N: a
+        per-row value, so the kernels reduce nothing for it (passes.one_hot_counts)."""
+        found = one_hot(self.tile, t)
+        if found is None or self.tile[found[0]].arg != "N":
+            return self.stat("sum", t)
+        x = self.row_of_tile(found[1])
+        dt = self.tile[found[1]].dtype
+        inside = self.c(Op.AND, (self.c(Op.GE, (x, self.c(Op.CONST, (), 0, dt)), dtype=torch.bool),
+                                 self.c(Op.LT, (x, self.c(Op.CONST, (), self.region.sizes.N, dt)),
+                                        dtype=torch.bool)), dtype=torch.bool)
+        return self.c(Op.CAST, (inside,), F32, F32)
+
     # ---- the walk ----------------------------------------------------------------------
     def run(self, link: int | None = None) -> OnePass:
         r = self.region
@@ -346,11 +361,11 @@ class _Rewriter:
                 total = self.c(Op.EXP, (arg,))
                 return total if form.scale is None else self.mul(total, form.scale)
             if isinstance(form, tuple) and form[0] == "tile":
-                return self.stat("sum", form[1])
+                return self.row_sum(form[1])
             a = self.affine(form)
             total = self.mul(a.const, self.const(float(n_cols)))
             for t, c in a.terms:
-                total = self.add(total, self.mul(c, self.stat("sum", t)))
+                total = self.add(total, self.mul(c, self.row_sum(t)))
             return total if total is not None else self.const(0.0)
         kind = "max" if node.op is Op.RMAX else "min"
         if isinstance(form, tuple) and form[0] == "tile":

@@ -33,6 +33,7 @@ class Plan:
     mainloop: str = "pointer"  # "pointer": masked loads; "tma": tensor descriptors (Hopper)
     chunks: int = 0  # split: programs per row block, each reducing a slice of N
     tiles_per_chunk: int = 0  # split: N tiles one program walks
+    grouped: bool = False  # split: (row block, slice) pairs in grouped order, GROUP_M row blocks at a time
     onepass: object = None  # split: the region's one-pass form (derived from ``region``)
     prefetch: bool = False  # load whole-tile side inputs (residuals) before the mainloop
     overlap: bool = False  # cooperative: a strip's first exchange waits behind the next strip's mainloop
@@ -46,7 +47,7 @@ class Plan:
         if self.schedule == "split":
             stats = ", ".join(s.kind for s in self.onepass.stats)
             coop = (f", statistics ({stats}) over {self.chunks} slices of {self.tiles_per_chunk} "
-                    f"tiles per row block, then a combine")
+                    f"tiles per row block{' in grouped order' if self.grouped else ''}, then a combine")
         return (f"{self.schedule}: {strip}; {len(self.stages)} stage(s){coop}; "
                 f"{self.mainloop} mainloop, tile {self.block_m}x{self.block_n}x{self.block_k}, "
                 f"{self.num_warps} warps, {self.num_stages} pipeline stages"
@@ -187,7 +188,9 @@ def _split_shape(region: Region, target: str, settings, sm_count: int, blocks=No
     if target == "interpreter":
         chunks = min(tiles, 2)
     per = _cdiv(tiles, chunks)
-    return dict(tiles_n=tiles, chunks=_cdiv(tiles, per), tiles_per_chunk=per, onepass=op)
+    # grouped order: 3.92 vs 4.15 ms slice-fastest at 4 tiles per slice (H200, 8192x4096x32768
+    # cross-entropy, 128x256x64 TMA tiles; bench/results/h200-2026-11-30-session7)
+    return dict(tiles_n=tiles, chunks=_cdiv(tiles, per), tiles_per_chunk=per, onepass=op, grouped=True)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -249,6 +252,7 @@ def plan(region: Region, target: str = "cuda", settings=None, sm_count: int = 13
     forms = [("found", verify(region))]
     region = verify(passes.dce(region))           # drop what no output needs
     region = verify(passes.cse(region))           # merge identical nodes
+    region = verify(passes.one_hot_counts(region))  # "is x a column?" without tile work
     forms.append(("simplified", region))
     if len(region.nodes) == 1 and all(region.nodes[o.node].op is Op.ACC for o in region.outputs):
         return NotFused("no epilogue to fuse: a plain GEMM runs on cuBLAS", tuple(forms))
@@ -318,7 +322,9 @@ def candidates(region: Region, target: str = "cuda", settings=None, sm_count: in
                     # 128x128 with 3 stages (98 KB): two programs per SM, so one's epilogue
                     # can run while the other's mainloop does (the planner's 4 stages fit one)
                     "cooperative": [(64, 128, 64, 4), (128, 256, 64, 8), (128, 128, 64, 8)],
-                    "row_in_cta": [], "split": [(128, 128, 64, 4), (64, 128, 64, 4), (128, 64, 64, 4)]}[schedule]
+                    "row_in_cta": [],
+                    # split: 128x256 with 3 stages is the plain GEMM's best tile at 8192x4096x32768
+                    "split": [(128, 256, 64, 8), (128, 128, 64, 4), (64, 128, 64, 4), (128, 64, 64, 4)]}[schedule]
         for bm, bn, bk, warps in variants:
             if schedule == "cooperative":
                 tiles = _cdiv(base.region.sizes.N, bn)

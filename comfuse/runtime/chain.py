@@ -216,7 +216,7 @@ class FusedChain(torch.nn.Module):
         names = [chain_name(p) for p in plans]
         k = tuning.key(self.plan.regions[0], a.device) + "-" + chain_name(self.plan)[-8:]
         decision = tuning.load(k)
-        if decision is None or (decision["choice"] != tuning.UNFUSED and decision["choice"] not in names):
+        if not tuning.reusable(decision, names):
             kernels = {}  # built on the first call: the timed calls only launch
 
             def run_fused(i):

@@ -127,7 +127,7 @@ class FusedRegion(torch.nn.Module):
         k = tuning.key(self.region, a.device)
         decision = tuning.load(k)
         names = [kernel_mod.kernel_name(p) for p in self.alternatives]
-        if decision is None or (decision["choice"] != tuning.UNFUSED and decision["choice"] not in names):
+        if not tuning.reusable(decision, names):
             kernels = {}  # built on the first call: the timed calls only launch
 
             def run_fused(i):

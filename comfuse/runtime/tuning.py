@@ -50,6 +50,18 @@ def memory_first(region, decision: dict) -> str:
     return min(fused, key=fused.get) if fused else ""
 
 
+def reusable(decision: dict | None, names: list) -> bool:
+    """Whether a stored decision answers for these candidates: it timed every one of them
+    and chose one of them or the unfused ops. (A region planned with autotuning off and
+    tuned on a later call has only the planner's plan as a candidate: its decision must not
+    stand for a region that has them all; on the H200 such a leftover kept linear + CE on a
+    4.6 ms plan where a 4.0 ms one was a candidate, 2026-11-30.)"""
+    if decision is None:
+        return False
+    timed = decision.get("times_ms", {})
+    return set(names) <= set(timed) and (decision["choice"] == UNFUSED or decision["choice"] in names)
+
+
 def enabled(device: torch.device) -> bool:
     mode = settings_mod.get().autotune.strip().lower()
     if mode in ("0", "off", "false", "no"):

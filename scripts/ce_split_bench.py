@@ -1,0 +1,155 @@
+"""Linear + cross-entropy's split schedule against the GEMM alone (issue 3: <= 1.05x).
+
+The third session found the split kernel's tiles 1.25x slower than the same tiles as a plain
+GEMM even with the epilogue removed. Candidate causes: the order in which programs take
+(row block, slice) pairs (slice fastest), and the per-tile ``noinline`` function (each
+tile's mainloop restarts inside its own call). This script times, as CUDA-graph replays in
+one run: cuBLAS ``torch.mm`` alone; comfuse's plain GEMM kernel (``relu(x @ w)``, same tile);
+torch.compile of the loss; comfuse's split plan as planned; and variants of it: tiles per
+slice (1 = one tile per program), slice-fastest vs grouped order, tile shapes.
+Every variant's per-row losses are checked against float64 PyTorch before it is timed.
+
+    python scripts/ce_split_bench.py [--shape 8192x4096x32768]   # on the GPU machine
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import comfuse  # noqa: E402
+from comfuse import settings  # noqa: E402
+from comfuse.bench.timing import graphed, measure  # noqa: E402
+from comfuse.bench.workloads import linear_cross_entropy  # noqa: E402
+from comfuse.runtime import kernel as kernel_mod  # noqa: E402
+
+# bm, bn, bk, warps, stages; 128x128 at 4 warps and 3 stages fits two programs per SM (98 KB
+# of shared memory and 255 registers each), so one's epilogue can run beside the other's mainloop
+TILES = [(128, 256, 64, 8, 3), (128, 128, 64, 4, 3), (128, 128, 64, 8, 4)]
+
+
+def region_and_args(fn, args):
+    """The compiled function's one fused region and the arguments its forward receives."""
+    with settings.override(autotune="0", validate="0"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled = comfuse.compile(fn, args)
+        compiled(*args)
+    region = next(m for spec in compiled._specs.values() for m in spec.gm.modules()
+                  if m.__class__.__name__ == "FusedRegion")
+    seen, forward = [], region.forward
+    region.forward = lambda *ext: seen.append(ext) or forward(*ext)
+    compiled(*args)
+    region.forward = forward
+    return region, seen[-1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="8192x4096x32768")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/comfuse-out"))
+    ap.add_argument("--quick", action="store_true", help="the GEMM, torch.compile and comfuse.compile only")
+    args = ap.parse_args()
+    M, K, N = (int(s) for s in args.shape.split("x"))
+    torch.manual_seed(0)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w = (torch.randn(K, N, device="cuda", dtype=torch.bfloat16) / K ** 0.5)
+    t = torch.randint(0, N, (M,), device="cuda")
+    ref = F.cross_entropy(x.double() @ w.double(), t, reduction="none")
+    rows = []
+
+    def add(name, fn, check=None):
+        row = {"name": name}
+        try:
+            if check is not None:
+                got = check()
+                err = ((got.double() - ref).abs().max() / ref.abs().max()).item()
+                row["err"] = err
+                if not err < 2e-2:
+                    row["status"] = "wrong"
+                    rows.append(row)
+                    print(f"{name:56s} WRONG {err:.3g}", flush=True)
+                    return
+            tm = measure(graphed(fn, warmup_calls=1))
+            row.update(status="ok", **tm.as_dict())
+        except Exception as e:  # one variant failing must not stop the sweep
+            row.update(status="failed", reason=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        rows.append(row)
+        print(f"{name:56s} {row.get('median_ms', float('nan')):8.4f} ms {row['status']} "
+              f"{row.get('reason', '')}", flush=True)
+
+    add("cuBLAS mm alone", lambda: torch.mm(x, w))
+    compiled = torch.compile(linear_cross_entropy)
+    add("torch.compile (loss, mean)", lambda: compiled(x, w, t))
+    with settings.override(autotune="0"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        relu = comfuse.explain(lambda a, b: torch.relu(a @ b), (x, w)).regions[0].planned
+    gemm_out = torch.empty(1, M, N, device="cuda", dtype=torch.bfloat16)
+    for bm, bn, bk, warps, stages in TILES[:1] if args.quick else TILES:
+        plain = kernel_mod.build(dataclasses.replace(relu, block_m=bm, block_n=bn, block_k=bk, num_warps=warps,
+                                                     num_stages=stages, mainloop="tma"))
+        add(f"comfuse plain GEMM tma {bm}x{bn}x{bk} w{warps} s{stages}",
+            lambda k=plain: k.launch(x.unsqueeze(0), w.unsqueeze(0), [], [gemm_out]))
+    del gemm_out
+
+    region, ext = region_and_args(lambda a, b, c: F.cross_entropy((a @ b).float(), c, reduction="none"), (x, w, t))
+    a, b = ext[region.operands[0]], ext[region.operands[1]]
+    base = region.plan
+    print("planned:", base.describe(), flush=True)
+    tiles_n_of = lambda bn: -(-N // bn)  # noqa: E731
+    variants = {"as planned": base}
+    for bm, bn, bk, warps, stages in () if args.quick else TILES:
+        tiles = tiles_n_of(bn)
+        for per in sorted({base.tiles_per_chunk, 1, 4}):
+            for grouped in (False, True) if per == 4 else (True,):
+                v = dataclasses.replace(base, block_m=bm, block_n=bn, block_k=bk, num_warps=warps,
+                                        num_stages=stages, mainloop="tma", tiles_n=tiles,
+                                        chunks=-(-tiles // per), tiles_per_chunk=per, grouped=grouped)
+                variants[f"split {bm}x{bn}x{bk} w{warps} s{stages} {per}/slice{' grouped' if grouped else ''}"] = v
+    for name, plan in variants.items():
+        try:
+            kern = kernel_mod.build(plan)
+        except Exception as e:
+            rows.append({"name": name, "status": "failed", "reason": f"{type(e).__name__}: {e}"[:200]})
+            print(f"{name:56s} build failed: {e}"[:300], flush=True)
+            continue
+        run = lambda k=kern: region.run_kernel(ext, a, b, k)  # noqa: E731
+        add(name, run, check=lambda r=run: r()[0].reshape(-1))
+    # the user-facing call: comfuse.compile with autotuning (its choice among the split plans
+    # and the unfused ops), the mean loss as the workload defines it
+    from comfuse.runtime import tuning
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fused = comfuse.compile(linear_cross_entropy, (x, w, t))
+        fused(x, w, t)
+    print(fused.report, flush=True)
+    tuned = next(m for spec in fused._specs.values() for m in spec.gm.modules()
+                 if m.__class__.__name__ == "FusedRegion")
+    decision = tuning.load(tuning.key(tuned.region, x.device)) or {}
+    names = {kernel_mod.kernel_name(p): p for p in tuned.alternatives}
+    for name, ms in sorted(decision.get("times_ms", {}).items(), key=lambda kv: kv[1]):
+        p = names.get(name)
+        what = (f"{p.mainloop} {p.block_m}x{p.block_n}x{p.block_k} w{p.num_warps} s{p.num_stages} "
+                f"{p.tiles_per_chunk}/slice" if p is not None else name)
+        print(f"  autotuner: {what:40s} {ms:.4f} ms {decision.get('rejected', {}).get(name, '')[:150]}", flush=True)
+    add("comfuse.compile (loss, mean; autotuned)", lambda: fused(x, w, t))
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "ce_split.json").write_text(json.dumps({"shape": [M, K, N], "rows": rows}, indent=1))
+    mm = next(r["median_ms"] for r in rows if r["name"] == "cuBLAS mm alone")
+    print(f"\n| linear + CE {M}x{K}x{N} (bf16, graph replays) | median ms | [q1..q3] | x cuBLAS mm |")
+    print("|---|---|---|---|")
+    for r in sorted((r for r in rows if "median_ms" in r), key=lambda r: r["median_ms"]):
+        print(f"| {r['name']} | {r['median_ms']:.4f} | {r['q1_ms']:.4f}..{r['q3_ms']:.4f} | "
+              f"{r['median_ms'] / mm:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
