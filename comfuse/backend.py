@@ -19,6 +19,7 @@ ops), so gradients match eager; the forward stays fused.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import operator
 import os
@@ -37,9 +38,16 @@ _lock = threading.Lock()
 
 
 def _register(module, is_tensor: list) -> int:
+    """A new id for ``module``, derived from what it computes. The id is all a compiled graph
+    records of its region (``comfuse::region(id, ...)``), and Inductor caches compiled graphs
+    on disk by their text: with ids 0, 1, 2... per process, another process's region 0 (another
+    version's statistics, another region) would reuse code built for this one's output shapes."""
     rows = module.carries_statistics() if hasattr(module, "carries_statistics") else 0
+    from .runtime.kernel import CODEGEN_VERSION
+    what = repr((getattr(module, "plan", None), getattr(module, "output_specs", None), tuple(is_tensor), rows,
+                 CODEGEN_VERSION, torch.__version__))
     with _lock:
-        i = next(_ids)
+        i = int(hashlib.sha256(f"{what}#{next(_ids)}".encode()).hexdigest()[:15], 16)
         _REGISTRY[i] = (module, tuple(is_tensor), rows)
         return i
 

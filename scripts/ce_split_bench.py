@@ -6,7 +6,8 @@ GEMM even with the epilogue removed. Candidate causes: the order in which progra
 tile's mainloop restarts inside its own call). This script times, as CUDA-graph replays in
 one run: cuBLAS ``torch.mm`` alone; comfuse's plain GEMM kernel (``relu(x @ w)``, same tile);
 torch.compile of the loss; comfuse's split plan as planned; and variants of it: tiles per
-slice (1 = one tile per program), slice-fastest vs grouped order, tile shapes.
+slice (1 = one tile per program), slice-fastest vs grouped order (measured 2026-11-30; grouped is
+now the default), the tile's work inlined or a function of its own, tile shapes.
 Every variant's per-row losses are checked against float64 PyTorch before it is timed.
 
     python scripts/ce_split_bench.py [--shape 8192x4096x32768]   # on the GPU machine
@@ -33,7 +34,7 @@ from comfuse.runtime import kernel as kernel_mod  # noqa: E402
 
 # bm, bn, bk, warps, stages; 128x128 at 4 warps and 3 stages fits two programs per SM (98 KB
 # of shared memory and 255 registers each), so one's epilogue can run beside the other's mainloop
-TILES = [(128, 256, 64, 8, 3), (128, 128, 64, 4, 3), (128, 128, 64, 8, 4)]
+TILES = [(128, 256, 64, 8, 3), (128, 128, 64, 4, 3), (128, 128, 64, 8, 3)]
 
 
 def region_and_args(fn, args):
@@ -108,11 +109,11 @@ def main() -> None:
     for bm, bn, bk, warps, stages in () if args.quick else TILES:
         tiles = tiles_n_of(bn)
         for per in sorted({base.tiles_per_chunk, 1, 4}):
-            for grouped in (False, True) if per == 4 else (True,):
+            for inline in (False, True):
                 v = dataclasses.replace(base, block_m=bm, block_n=bn, block_k=bk, num_warps=warps,
-                                        num_stages=stages, mainloop="tma", tiles_n=tiles,
-                                        chunks=-(-tiles // per), tiles_per_chunk=per, grouped=grouped)
-                variants[f"split {bm}x{bn}x{bk} w{warps} s{stages} {per}/slice{' grouped' if grouped else ''}"] = v
+                                        num_stages=stages, mainloop="tma", tiles_n=tiles, chunks=-(-tiles // per),
+                                        tiles_per_chunk=per, grouped=True, inline_tile=inline)
+                variants[f"split {bm}x{bn}x{bk} w{warps} s{stages} {per}/slice{' inlined' if inline else ''}"] = v
     for name, plan in variants.items():
         try:
             kern = kernel_mod.build(plan)

@@ -442,3 +442,21 @@ def test_random_length_sequences_stay_correct_and_bounded(lengths, cap, norm):
         keys = [k for g, k, _ in lowered if g == graph]
         assert len(keys) <= cap and len(set(keys)) == len(keys)
     assert all(report is not None and report.regions[0].fused for _, _, report in lowered), lowered
+
+
+def test_region_ids_follow_what_the_region_computes(monkeypatch):
+    """Inductor caches compiled graphs on disk by their text, where a region is only its id:
+    the same registration order in another process must not give another region the same id."""
+    import itertools
+    import types
+
+    from comfuse import backend
+
+    def first_id(plan):
+        monkeypatch.setattr(backend, "_ids", itertools.count())  # as in a fresh process
+        module = types.SimpleNamespace(plan=plan, output_specs=[((4, 8), torch.float32)])
+        i = backend._register(module, [True, False])
+        backend._REGISTRY.pop(i)
+        return i
+    assert first_id("plan A") == first_id("plan A")
+    assert first_id("plan A") != first_id("plan B")

@@ -34,6 +34,7 @@ class Plan:
     chunks: int = 0  # split: programs per row block, each reducing a slice of N
     tiles_per_chunk: int = 0  # split: N tiles one program walks
     grouped: bool = False  # split: (row block, slice) pairs in grouped order, GROUP_M row blocks at a time
+    inline_tile: bool = False  # split: the tile's work inlined in the slice loop (else a function of its own)
     onepass: object = None  # split: the region's one-pass form (derived from ``region``)
     prefetch: bool = False  # load whole-tile side inputs (residuals) before the mainloop
     overlap: bool = False  # cooperative: a strip's first exchange waits behind the next strip's mainloop

@@ -19,7 +19,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from ..planner import Plan
-from .kernel import build, interpreting
+from .kernel import build, even_n, interpreting
 
 _PTR = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.bool: "*i1",
         torch.int64: "*i64", torch.int32: "*i32", torch.int16: "*i16", torch.int8: "*i8",
@@ -83,7 +83,8 @@ def compile_for_gpu(plan: Plan, arch: int = 90, tf32: bool = False) -> dict:
         else:
             sig[p.name] = "i32"
     compiled = _compile(kernel, sig, dict(UPCAST_OPERANDS=False, DOT_PRECISION="tf32" if tf32 else "ieee",
-                                          WIDE_INDEX=False), arch, _launch_values(kernel, plan))
+                                          WIDE_INDEX=False, EVEN_N=even_n(plan, r.sizes.N)),
+                        arch, _launch_values(kernel, plan))
     asm = dict(compiled.asm)
     ptx = asm.get("ptx", "")
     return {"asm": asm, "shared_bytes": compiled.metadata.shared, "name": kernel.source.name,

@@ -19,7 +19,7 @@ from ..planner import Plan
 from ..planner.onepass import parts
 from . import cache
 
-CODEGEN_VERSION = "triton-6"  # bumped when generated code or launch cost changes: stored tuning decisions are re-measured
+CODEGEN_VERSION = "triton-7"  # bumped when generated code or launch cost changes: stored tuning decisions are re-measured
 
 
 class ComfuseWarning(UserWarning):
@@ -88,6 +88,14 @@ def kernel_name(plan: Plan) -> str:
                    if f.name not in ("region", "stages", "forms", "onepass"))
     key = cache.digest(structural_text(plan.region), repr(params), CODEGEN_VERSION)
     return f"comfuse_{plan.schedule}_{key}"
+
+
+def even_n(plan: Plan, N: int) -> bool:
+    """Whether every program's columns lie inside N (the EVEN_N constexpr: no column masks):
+    N a multiple of BLOCK_N, and a split plan's slices not padded past the last tile."""
+    if N % plan.block_n:
+        return False
+    return plan.schedule != "split" or plan.chunks * plan.tiles_per_chunk * plan.block_n == N
 
 
 @dataclasses.dataclass
@@ -214,6 +222,7 @@ class Kernel:
         tf32 = torch.backends.cuda.matmul.allow_tf32 and not on_cpu
         return dict(self.source.constexprs, UPCAST_OPERANDS=on_cpu and low,
                     DOT_PRECISION="tf32" if tf32 else "ieee", WIDE_INDEX=_wide(a3, b3, *ins, *outs),
+                    EVEN_N=even_n(self.plan, b3.shape[2]),
                     num_warps=self.source.num_warps, num_stages=self.source.num_stages)
 
     def resident_slots(self, device, a3, b3, ins, outs, options) -> int:

@@ -388,7 +388,7 @@ class _Emitter:
         self.line("offs_m = offs_m.to(tl.int64)", 2)
         self.line("offs_n = offs_n.to(tl.int64)", 2)
         self.line("mask_m = offs_m < M")
-        self.line("mask_n = offs_n < N")
+        self.line("mask_n = (offs_n < N) | EVEN_N  # EVEN_N: N is a multiple of BLOCK_N, no column masks")
 
     def mainloop(self) -> None:
         batched = self.region.gemm.batched
@@ -535,7 +535,7 @@ class _Emitter:
         p, r = self.plan, self.region
         sig = self.signature()
         consts = ["BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "UPCAST_OPERANDS", "DOT_PRECISION",
-                  "WIDE_INDEX"] + (["TILES_POW2"] if self.cooperative else [])
+                  "WIDE_INDEX", "EVEN_N"] + (["TILES_POW2"] if self.cooperative else [])
         self.lines = []
         if self.cooperative and p.overlap and self.phase is None:
             return self.emit_overlapped(sig, consts)
@@ -739,7 +739,7 @@ class _Emitter:
         self.region = op.tile  # tile values: the region plus what the statistics reduce
         sig = self.signature()
         consts = ["BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "UPCAST_OPERANDS", "DOT_PRECISION",
-                  "WIDE_INDEX", "CHUNKS_POW2"]
+                  "WIDE_INDEX", "EVEN_N", "CHUNKS_POW2"]
         slots = self.stat_slots()
         slot_of = {key: j for j, key in enumerate(slots)}
 
@@ -763,7 +763,7 @@ class _Emitter:
         self.lines = []
         self.function(f"{self.name}_tile", sig, consts,
                       "Tile t of the slice: its GEMM and tile values, merged into the slice's statistics.",
-                      "pid_m, chunk, t,", noinline=True)
+                      "pid_m, chunk, t,", noinline=not p.inline_tile)
         self.line("pid_n = chunk * TILES_PER_CHUNK + t")
         self.mainloop()
         needed = set()
