@@ -6,7 +6,8 @@
 # autotuning, DDP where two GPUs are present). Logs and results go to $OUT; a short table
 # is printed last. Knobs: SUITE, CANDIDATES, BENCH_S, MAINLOOP_S, GPU_TESTS_S, GPU_TESTS_K,
 # REPEAT (interleaved timing rounds), MODELS=1, MODEL_CANDIDATES, CE_MEMORY=1, HOST=1, ANATOMY=1,
-# MATRIX=1 (the tests not marked gpu, run on the GPU: -v, so a timeout still shows each result; MATRIX_S, MATRIX_K, MATRIX_N workers)
+# MATRIX=1 (the tests not marked gpu, run on the GPU: -v, so a timeout still shows each result; MATRIX_S, MATRIX_K, MATRIX_N workers),
+# CE_SPLIT=1 (linear + CE forward variants; CE_SPLIT_SHAPES, CE_SPLIT_QUICK=1, CE_SPLIT_S)
 # (ANATOMY_ONLY, ANATOMY_FORMS), MAINLOOP_GRAPH (1: time the mainloop as CUDA-graph replays)
 # (a *_S of 0 skips that part).
 set -uo pipefail
@@ -49,6 +50,13 @@ fi
 if [ -n "${CE_MEMORY:-}" ]; then  # linear + cross-entropy training step, vocabulary 128256
   timeout "${CE_MEMORY_S:-150}" python3 scripts/ce_memory.py > "$OUT/ce_memory.log" 2>&1
   echo "ce memory rc=$?"; grep -E "^\|" "$OUT/ce_memory.log"
+fi
+if [ -n "${CE_SPLIT:-}" ]; then  # linear + CE forward: split kernel variants, comfuse.compile's pick (scripts/ce_split_bench.py)
+  for shape in ${CE_SPLIT_SHAPES:-8192x4096x32768}; do
+    COMFUSE_LOG=info timeout "${CE_SPLIT_S:-200}" python3 scripts/ce_split_bench.py --shape "$shape" ${CE_SPLIT_QUICK:+--quick} \
+      --out "$OUT/ce_split_$shape" > "$OUT/ce_split_$shape.log" 2>&1
+    echo "ce split $shape rc=$?"; grep -E "^\||autotuning: chose" "$OUT/ce_split_$shape.log" | cut -c1-160
+  done
 fi
 if [ -n "${ANATOMY:-}" ]; then  # cooperative strips taken apart as CUDA-graph replays (scripts/coop_anatomy.py)
   GRAPH=1 ONLY="${ANATOMY_ONLY:-rmsnorm,softmax,ln_postnorm}" FORMS="${ANATOMY_FORMS:-as is,overlapped,mainloop only}" \

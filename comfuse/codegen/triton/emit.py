@@ -815,7 +815,9 @@ class _Emitter:
             self.line("# put every row block of A in flight and re-read it from DRAM for every tile)")
             self.line("chunk = pid % CHUNKS")
             self.line("pid_m = pid // CHUNKS")
-        self.line("for t in range(0, TILES_PER_CHUNK):")
+        self.line("# the last slice may hold fewer tiles (CHUNKS * TILES_PER_CHUNK can exceed the tiles)")
+        self.line("tiles = tl.minimum(TILES_PER_CHUNK, tl.cdiv(N, BLOCK_N) - chunk * TILES_PER_CHUNK)")
+        self.line("for t in range(0, tiles):")
         self.call(f"{self.name}_tile", "pid_m, chunk, t,", consts, 2)
         first = "\n".join(self.lines)
 
