@@ -8,5 +8,5 @@ from .passes import cse, dce, one_hot_counts, transpose
 from .plan import NotFused, Plan, SCHEDULES, candidates, plan, reduction_axis
 from .stages import Stage, levels, partition
 
-__all__ = ["NotFused", "Plan", "SCHEDULES", "Stage", "candidates", "cse", "dce", "levels", "one_hot_counts", "partition", "plan",
-           "reduction_axis", "transpose"]
+__all__ = ["NotFused", "Plan", "SCHEDULES", "Stage", "candidates", "cse", "dce", "levels", "one_hot_counts",
+           "partition", "plan", "reduction_axis", "transpose"]

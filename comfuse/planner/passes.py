@@ -82,7 +82,6 @@ def one_hot_counts(region: Region) -> Region:
     was 640 of the split cross-entropy kernel's 665 shuffles per tile (sm_90 PTX, 2026-11-30).
     The bound makes the region specific to N, as its sizes already are."""
     nodes = list(region.nodes)
-
     out: list[Node] = []
     new_index: dict[int, int] = {}
     changed = False

@@ -48,7 +48,8 @@ class Plan:
         if self.schedule == "split":
             stats = ", ".join(s.kind for s in self.onepass.stats)
             coop = (f", statistics ({stats}) over {self.chunks} slices of {self.tiles_per_chunk} "
-                    f"tiles per row block{' in grouped order' if self.grouped else ''}, then a combine")
+                    f"tiles per row block{' in grouped order' if self.grouped else ''}"
+                    f"{', tile work inlined' if self.inline_tile else ''}, then a combine")
         return (f"{self.schedule}: {strip}; {len(self.stages)} stage(s){coop}; "
                 f"{self.mainloop} mainloop, tile {self.block_m}x{self.block_n}x{self.block_k}, "
                 f"{self.num_warps} warps, {self.num_stages} pipeline stages"
