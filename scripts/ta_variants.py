@@ -35,6 +35,15 @@ from comfuse.bench.timing import graphed, measure  # noqa: E402
 
 
 @triton.jit
+def _softmax_parts(q, kt):
+    """exp(q @ kt - row max) and its row sums: the unnormalised softmax every form shares."""
+    s = tl.dot(q, kt)
+    m = tl.max(s, axis=1)
+    p = tl.exp(s - m[:, None])
+    return p, tl.sum(p, axis=1)
+
+
+@triton.jit
 def _sample(q_ptr, k_ptr, v_ptr, o_ptr, b, LQ: tl.constexpr, LK: tl.constexpr, D: tl.constexpr,
             V_FIRST: tl.constexpr, DEFER: tl.constexpr):
     """One sample: out[b] = softmax(q[b] @ k[b]^T) @ v[b]; contiguous [B, L, D] tensors."""
@@ -47,10 +56,7 @@ def _sample(q_ptr, k_ptr, v_ptr, o_ptr, b, LQ: tl.constexpr, LK: tl.constexpr, D
     kt = tl.load(k_ptr + base_k + keys[None, :] * D + dims[:, None])  # [D, LK]
     if V_FIRST:
         v = tl.load(v_ptr + base_k + keys[:, None] * D + dims[None, :])
-    s = tl.dot(q, kt)
-    m = tl.max(s, axis=1)
-    p = tl.exp(s - m[:, None])
-    total = tl.sum(p, axis=1)
+    p, total = _softmax_parts(q, kt)
     if not V_FIRST:
         v = tl.load(v_ptr + base_k + keys[:, None] * D + dims[None, :])
     if DEFER:
@@ -70,10 +76,7 @@ def _sample_hinted(q_ptr, k_ptr, v_ptr, o_ptr, b, LQ: tl.constexpr, LK: tl.const
     dims = tl.arange(0, D)
     q = tl.load(q_ptr + b * (LQ * D) + rows[:, None] * D + dims[None, :])
     kt = tl.load(k_ptr + b * (LK * D) + keys[None, :] * D + dims[:, None], eviction_policy=EVICT)
-    s = tl.dot(q, kt)
-    m = tl.max(s, axis=1)
-    p = tl.exp(s - m[:, None])
-    total = tl.sum(p, axis=1)
+    p, total = _softmax_parts(q, kt)
     v = tl.load(v_ptr + b * (LK * D) + keys[:, None] * D + dims[None, :], eviction_policy=EVICT)
     o = tl.dot((p / total[:, None]).to(tl.bfloat16), v)
     tl.store(o_ptr + b * (LQ * D) + rows[:, None] * D + dims[None, :], o.to(tl.bfloat16))
@@ -93,10 +96,7 @@ def per_sample_tma(q_desc, k_desc, v_desc, o_ptr, B, LQ: tl.constexpr, LK: tl.co
     b = tl.program_id(0)
     q = q_desc.load([b * LQ, 0])
     k = k_desc.load([b * LK, 0])
-    s = tl.dot(q, k.T)
-    m = tl.max(s, axis=1)
-    p = tl.exp(s - m[:, None])
-    total = tl.sum(p, axis=1)
+    p, total = _softmax_parts(q, k.T)
     v = v_desc.load([b * LK, 0])
     o = tl.dot((p / total[:, None]).to(tl.bfloat16), v)
     rows = tl.arange(0, LQ)
@@ -124,10 +124,7 @@ def persistent_tma(q_desc, k_desc, v_desc, o_desc, B, LQ: tl.constexpr, LK: tl.c
         q = q_desc.load([b * LQ, 0])
         k = k_desc.load([b * LK, 0])
         v = v_desc.load([b * LK, 0])
-        s = tl.dot(q, k.T)
-        m = tl.max(s, axis=1)
-        p = tl.exp(s - m[:, None])
-        total = tl.sum(p, axis=1)
+        p, total = _softmax_parts(q, k.T)
         if DEFER:
             o = tl.dot(p.to(tl.bfloat16), v) / total[:, None]
         else:
