@@ -52,6 +52,22 @@ def region_and_args(fn, args):
     return region, seen[-1]
 
 
+def kernel_table(label, fn, calls: int = 5) -> None:
+    """Every GPU kernel one call launches, with its mean time over ``calls`` calls (profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.count]
+    total = sum(e.device_time_total for e in events) / calls / 1e3
+    print(f"\n{label}: kernels per call ({total:.4f} ms of GPU time)", flush=True)
+    for e in sorted(events, key=lambda e: -e.device_time_total):
+        print(f"  {e.device_time_total / calls / 1e3:8.4f} ms  x{e.count // calls}  {e.key[:110]}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="8192x4096x32768")
@@ -141,6 +157,13 @@ def main() -> None:
                 f"{p.tiles_per_chunk}/slice" if p is not None else name)
         print(f"  autotuner: {what:40s} {ms:.4f} ms {decision.get('rejected', {}).get(name, '')[:150]}", flush=True)
     add("comfuse.compile (loss, mean; autotuned)", lambda: fused(x, w, t))
+    chosen = next((p for p in tuned.alternatives if kernel_mod.kernel_name(p) == decision.get("choice")), None)
+    if chosen is not None:  # the chosen kernel alone, so the call's other work shows as the difference
+        kern = kernel_mod.build(chosen)
+        run = lambda k=kern: region.run_kernel(ext, a, b, k)  # noqa: E731
+        add("the autotuned split kernel alone", run, check=lambda r=run: r()[0].reshape(-1))
+    kernel_table("comfuse.compile", lambda: fused(x, w, t))
+    kernel_table("torch.compile", lambda: compiled(x, w, t))
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "ce_split.json").write_text(json.dumps({"shape": [M, K, N], "rows": rows}, indent=1))

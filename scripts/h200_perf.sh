@@ -8,6 +8,7 @@
 # REPEAT (interleaved timing rounds), MODELS=1, MODEL_CANDIDATES, CE_MEMORY=1, HOST=1, ANATOMY=1,
 # MATRIX=1 (the tests not marked gpu, run on the GPU: -v, so a timeout still shows each result; MATRIX_S, MATRIX_K, MATRIX_N workers),
 # CE_SPLIT=1 (linear + CE forward variants; CE_SPLIT_SHAPES, CE_SPLIT_QUICK=1, CE_SPLIT_S)
+# TRAIN=1 (training steps of the Hugging Face blocks; TRAIN_S, TRAIN_MODELS), POWER=1 (rested vs sustained timing; POWER_S)
 # (ANATOMY_ONLY, ANATOMY_FORMS), MAINLOOP_GRAPH (1: time the mainloop as CUDA-graph replays)
 # (a *_S of 0 skips that part).
 set -uo pipefail
@@ -71,6 +72,15 @@ if [ -n "${MODELS:-}" ]; then  # Hugging Face blocks: comfuse's backend against 
   timeout "${MODELS_S:-240}" python3 -m comfuse.cli bench --suite models --out "$OUT/models" \
     --candidates "${MODEL_CANDIDATES:-comfuse-backend,eager,inductor,inductor-max-autotune}" > "$OUT/models.log" 2>&1
   echo "models rc=$?"; grep -E "^\| (bert_layer|llama_mlp) " "$OUT/models/results.md" | cut -c1-220
+fi
+if [ -n "${TRAIN:-}" ]; then  # training steps of the Hugging Face blocks against Inductor (issue 6)
+  timeout "${TRAIN_S:-450}" python3 scripts/model_train_bench.py --models "${TRAIN_MODELS:-llama_mlp,bert_layer}" \
+    --out "$OUT/train" > "$OUT/train.log" 2>&1
+  echo "train rc=$?"; grep -E "^\|" "$OUT/train.log"
+fi
+if [ -n "${POWER:-}" ]; then  # long GEMMs rested and under sustained load (the H200's power limit)
+  timeout "${POWER_S:-200}" python3 scripts/power_check.py --out "$OUT/power" > "$OUT/power.log" 2>&1
+  echo "power rc=$?"; grep -E "^\|" "$OUT/power.log"
 fi
 grep -sE "^\| (ln_postnorm|rmsnorm|softmax|mblr|multi_stage|linear_ce|dlrm_bottom_mlp|target_attention|transformer_mlp|self_attention) " "$OUT/bench/results.md" | cut -c1-220
 grep -E "^\|" "$OUT/mainloop.log" 2>/dev/null
