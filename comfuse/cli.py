@@ -80,6 +80,7 @@ def main(argv=None) -> int:
     p_bench.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p_bench.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p_bench.add_argument("--candidates", default="", help="comma-separated subset of candidates")
+    p_bench.add_argument("--only", default="", help="comma-separated subset of the suite's workloads")
     p_bench.add_argument("--resume", action="store_true", help="keep the cases already in OUT/results.json")
     p_bench.add_argument("--repeat", type=int, default=1,
                          help="time the candidates in this many interleaved rounds; report the median "
@@ -141,7 +142,8 @@ def main(argv=None) -> int:
             if args.repeat < 1:
                 raise SystemExit("--repeat must be at least 1")
             results = runner.run(args.suite, args.quick, args.out, args.device, args.dtype, cands,
-                                 args.resume, repeat=args.repeat)
+                                 args.resume, repeat=args.repeat,
+                                 only=[w for w in args.only.split(",") if w] or None)
         for path in report.write(results, args.out):
             print(f"wrote {path}")
         print(report.markdown(results))

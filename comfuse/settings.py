@@ -66,9 +66,11 @@ class Settings:
     # lowering it bisects a bad fusion.
     fuel: int
     # COMFUSE_UNFUSED_MODE: how autotuning compiles a region's unfused ops, its contender:
-    # "default" (Inductor's default mode) or "max-autotune" (max-autotune-no-cudagraphs:
+    # "default" (Inductor's default mode), "max-autotune" (max-autotune-no-cudagraphs:
     # slower first call, tens of seconds per region; on the DLRM chain its Triton GEMMs ran
-    # 0.1355 ms where the default's took 0.1664, H200 2026-11-30).
+    # 0.1355 ms where the default's took 0.1664, H200 2026-11-30) or "best" (both, the
+    # faster kept: neither wins everywhere; on GEMM + LayerNorm the default's 0.0420 ms beat
+    # max-autotune's 0.0524, on the multi-stage epilogue max-autotune's 0.0541 beat 0.0598).
     unfused_mode: str
     # COMFUSE_TUNE_TIMING: how autotuning times the candidates: "launch" (each call through
     # Python, what an eager call costs) or "graph" (CUDA-graph replays: the GPU's time, what
@@ -134,7 +136,7 @@ def _read() -> Settings:
         prefetch=_flag("COMFUSE_PREFETCH", False),
         overlap=_flag("COMFUSE_OVERLAP", False),
         fuel=_int("COMFUSE_FUEL", -1),
-        unfused_mode=os.environ.get("COMFUSE_UNFUSED_MODE", "default"),
+        unfused_mode=os.environ.get("COMFUSE_UNFUSED_MODE", "best"),
         tune_timing=os.environ.get("COMFUSE_TUNE_TIMING", "launch"),
         grad_compile=os.environ.get("COMFUSE_GRAD_COMPILE", "auto"),
         validate=os.environ.get("COMFUSE_VALIDATE", "auto"),

@@ -173,25 +173,56 @@ def test_a_chain_times_its_candidate_plans_and_keeps_the_fastest(monkeypatch, fr
     assert_matches_reference(mlp, (x, w1, w2), out)
 
 
-@pytest.mark.parametrize("mode, max_autotune", [("default", False), ("max-autotune", True)])
-def test_unfused_contender_compiles_in_the_chosen_inductor_mode(monkeypatch, mode, max_autotune):
-    """COMFUSE_UNFUSED_MODE picks how the unfused contender is compiled (the DLRM chain ran
-    0.79x of max-autotune on Inductor's default code); a bad value is refused clearly."""
+def _fake_inductor(monkeypatch):
+    """compile_fx replaced by a recorder: the list of config patches it was called with."""
     import torch._inductor.compile_fx as cfx
-    seen = {}
+    seen = []
 
     def fake_compile_fx(gm, inputs, config_patches=None):
-        seen["patches"] = dict(config_patches or {})
+        seen.append(bool(dict(config_patches or {}).get("max_autotune")))
         return gm
     monkeypatch.setattr(cfx, "compile_fx", fake_compile_fx)
+    return seen
+
+
+@pytest.mark.parametrize("mode, compiled, form", [("default", [False], "inductor"),
+                                                  ("max-autotune", [True], "inductor-max-autotune"),
+                                                  ("best", [False, True], "inductor")])
+def test_unfused_contender_compiles_in_the_chosen_inductor_modes(monkeypatch, mode, compiled, form):
+    """COMFUSE_UNFUSED_MODE picks how the unfused contender is compiled (the DLRM chain ran
+    0.79x of max-autotune on Inductor's default code; LayerNorm's ran faster on the
+    default's): one mode or both; a bad value is refused clearly."""
+    seen = _fake_inductor(monkeypatch)
     gm = torch.fx.symbolic_trace(lambda x: torch.relu(x) + 1)
     with settings.override(unfused_mode=mode):
-        run, form = tuning.separate(gm, [torch.randn(4, 4)], on_cpu=True)
-    assert form == "inductor"
+        run, got = tuning.separate(gm, [torch.randn(4, 4)], on_cpu=True)
+    assert got == form and seen == compiled  # (max_autotune flag of each compile, in order)
     assert torch.equal(run(torch.ones(2)), torch.full((2,), 2.0))
-    assert bool(seen["patches"].get("max_autotune")) is max_autotune
     with settings.override(unfused_mode="fastest"), pytest.raises(ValueError, match="COMFUSE_UNFUSED_MODE"):
         tuning.separate(gm, [torch.randn(4, 4)], on_cpu=True)
+
+
+def test_best_mode_keeps_the_fastest_unfused_form(monkeypatch):
+    """On a GPU every form is timed: here max-autotune's code is fastest, then a stored
+    decision compiles that form alone; a decision stored as "inductor" under the
+    max-autotune mode (before the forms had names) still means max-autotune."""
+    from comfuse.bench.timing import Timing
+    seen = _fake_inductor(monkeypatch)
+    monkeypatch.setattr(tuning, "_on_gpu", lambda ext: True)
+    times = iter([0.5, 0.3, 0.9])  # inductor, inductor-max-autotune, ops: in the order timed
+    monkeypatch.setattr(tuning, "measure", lambda *a, **k: Timing(next(times), 0, 0, 1))
+    gm = torch.fx.symbolic_trace(lambda x: torch.relu(x) + 1)
+    ext = [torch.randn(4, 4)]
+    with settings.override(unfused_mode="best"):
+        assert tuning.separate(gm, ext)[1] == "inductor-max-autotune"
+        assert seen == [False, True]
+        seen.clear()
+        assert tuning.separate(gm, ext, form="inductor-max-autotune")[1] == "inductor-max-autotune"
+        assert seen == [True]
+    seen.clear()
+    with settings.override(unfused_mode="max-autotune"):
+        assert tuning.separate(gm, ext, form="inductor")[1] == "inductor-max-autotune"
+        assert seen == [True]
 
 
 def test_a_remembered_unfused_form_is_neither_compiled_nor_timed_again(monkeypatch):

@@ -200,7 +200,7 @@ def run_case(prog: workloads.Program, candidates, device: str, progress, repeat:
 
 def run(suite: str = "all", quick: bool = False, out_dir: str | Path = "bench/results/latest",
         device: str = "auto", dtype: str = "bf16", candidates=None, resume: bool = False,
-        progress=print, repeat: int = 1) -> dict:
+        progress=print, repeat: int = 1, only=None) -> dict:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and suite not in ("paper", "models"):
@@ -210,6 +210,13 @@ def run(suite: str = "all", quick: bool = False, out_dir: str | Path = "bench/re
     unknown = set(candidates) - set(ALL_CANDIDATES)
     if unknown:
         raise SystemExit(f"unknown candidates {sorted(unknown)}; choose from {', '.join(ALL_CANDIDATES)}")
+    todo = workloads.cases(suite, quick)
+    if only:  # a subset of the suite's workloads
+        unknown = set(only) - {name for _, name, _ in todo}
+        if unknown:
+            raise SystemExit(f"no workload {sorted(unknown)} in suite {suite!r}; it has "
+                             f"{', '.join(sorted({name for _, name, _ in todo}))}")
+        todo = [c for c in todo if c[1] in only]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "results.json"
@@ -218,9 +225,9 @@ def run(suite: str = "all", quick: bool = False, out_dir: str | Path = "bench/re
         progress("measuring the machine's ceilings ...")
         results = {"meta": environment(device), "ceilings": ceilings(device), "cases": []}
         results["meta"].update(suite=suite, quick=quick, dtype=dtype, candidates=list(candidates),
-                               repeat=repeat)
+                               repeat=repeat, workloads=list(only or []),
+                               unfused_mode=settings.get().unfused_mode)
     done = {(c["workload"], tuple(c["shape"])) for c in results["cases"]}
-    todo = workloads.cases(suite, quick)
     start = time.perf_counter()
     for i, case in enumerate(todo, 1):
         prog = workloads.build(case, DTYPES[dtype], device, cpu_scale=device == "cpu")

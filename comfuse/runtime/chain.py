@@ -240,7 +240,8 @@ class FusedChain(torch.nn.Module):
                 self.separate, _ = tuning.separate(self.unfused, ext, form=decision.get("separate"))
             self.report.fused = False
             fused_ms = min((t for n, t in times.items() if n != tuning.UNFUSED), default=float("inf"))
-            self.report.reason = (f"autotune: the unfused ops ({times[tuning.UNFUSED]:.4f} ms) beat the "
+            self.report.reason = (f"autotune: the unfused ops ({decision.get('separate', 'ops')}, "
+                                  f"{times[tuning.UNFUSED]:.4f} ms) beat the "
                                   f"fused chain ({fused_ms:.4f} ms)")
             return
         self.prefer_unfused = False

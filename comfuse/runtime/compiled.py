@@ -154,7 +154,8 @@ class FusedRegion(torch.nn.Module):
             if self.separate is None:
                 self.separate, _ = tuning.separate(self.unfused, ext, form=decision.get("separate"))
             self.report.fused = False
-            self.report.reason = (f"autotune: the unfused ops ({times[tuning.UNFUSED]:.4f} ms) beat every "
+            self.report.reason = (f"autotune: the unfused ops ({decision.get('separate', 'ops')}, "
+                                  f"{times[tuning.UNFUSED]:.4f} ms) beat every "
                                   f"fused plan (best {best_fused:.4f} ms)")
             return
         self.prefer_unfused = False

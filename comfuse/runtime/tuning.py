@@ -175,40 +175,73 @@ def _disagreement(outs, refs, tol: float | None, exact=None) -> str:
     return ""
 
 
+# the Inductor forms of a region's unfused ops, by the name a decision stores, and the
+# torch.compile mode each is compiled in
+INDUCTOR_FORMS = {"inductor": None, "inductor-max-autotune": "max-autotune-no-cudagraphs"}
+# COMFUSE_UNFUSED_MODE -> the Inductor forms autotuning compiles and times
+MODE_FORMS = {"default": ("inductor",), "max-autotune": ("inductor-max-autotune",),
+              "best": ("inductor", "inductor-max-autotune")}
+
+
+def _on_gpu(ext) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in ext)
+
+
+def _inductor(unfused, ext, form: str):
+    """``unfused`` compiled by Inductor in ``form``'s mode, run once."""
+    import copy
+    from torch._inductor.compile_fx import compile_fx
+    mode = INDUCTOR_FORMS[form]
+    patches = torch._inductor.list_mode_options(mode) if mode else {}
+    # outside any compilation in progress (the backend tunes while Dynamo compiles):
+    # this graph's guards and sizes are its own
+    with torch._guards.tracing(None):
+        compiled = compile_fx(copy.deepcopy(unfused), list(ext), config_patches=patches)
+        compiled(*ext)
+    return compiled
+
+
 def separate(unfused, ext, on_cpu: bool = False, form: str | None = None) -> tuple:
     """The region's own ops as the best separate execution comfuse can offer, and which
-    form it is: on a GPU, the faster of the ops compiled by Inductor (cuBLAS for the GEMM,
-    a generated kernel for the rest: "inductor") and the ops run one by one ("ops").
-    ``form``, a stored decision's, is taken without measuring again. Falls back to the ops
-    themselves when Inductor cannot compile them."""
-    if form == "ops" or (not on_cpu and not any(isinstance(t, torch.Tensor) and t.device.type == "cuda"
-                                                for t in ext)):
+    form it is: on a GPU, the fastest of the ops run one by one ("ops") and their Inductor
+    compilations (cuBLAS or Triton GEMMs plus generated kernels) that COMFUSE_UNFUSED_MODE
+    names: "default" Inductor's default mode ("inductor"), "max-autotune"
+    max-autotune-no-cudagraphs ("inductor-max-autotune"), "best" both. ``form``, a stored
+    decision's, is taken without measuring again. Falls back to the ops themselves when
+    Inductor cannot compile them."""
+    gpu = _on_gpu(ext)
+    if form == "ops" or not (gpu or on_cpu):
         return unfused, "ops"
     mode = settings_mod.get().unfused_mode
-    if mode not in ("default", "max-autotune"):
-        raise ValueError(f"COMFUSE_UNFUSED_MODE={mode!r}: choose default or max-autotune")
-    try:
-        import copy
-        from torch._inductor.compile_fx import compile_fx
-        # outside any compilation in progress (the backend tunes while Dynamo compiles):
-        # this graph's guards and sizes are its own
-        patches = torch._inductor.list_mode_options("max-autotune-no-cudagraphs") if mode == "max-autotune" else {}
-        with torch._guards.tracing(None):
-            compiled = compile_fx(copy.deepcopy(unfused), list(ext), config_patches=patches)
-            compiled(*ext)
-        if not on_cpu and form is None:  # Inductor's code is not always the faster (DLRM's GEMM chain: eager won)
-            inductor_ms = measure(lambda: compiled(*ext), "cuda", warmup_ms=5, rep_ms=25).median_ms
-            plain_ms = measure(lambda: unfused(*ext), "cuda", warmup_ms=5, rep_ms=25).median_ms
-            if plain_ms < inductor_ms:
-                return unfused, "ops"
-        return compiled, "inductor"
-    except Exception as e:  # the plain ops still run
-        import warnings
-        from .kernel import ComfuseWarning
-        warnings.warn(f"comfuse: Inductor could not compile a region's unfused ops ({type(e).__name__}: "
-                      f"{str(e).splitlines()[0][:200] if str(e) else ''}); timing them as they are",
-                      ComfuseWarning, stacklevel=2)
+    if mode not in MODE_FORMS:
+        raise ValueError(f"COMFUSE_UNFUSED_MODE={mode!r}: choose {', '.join(MODE_FORMS)}")
+    if form == "inductor" and mode == "max-autotune":
+        form = "inductor-max-autotune"  # (decisions stored before the forms had names of their own)
+    forms = (form,) if form in INDUCTOR_FORMS else MODE_FORMS[mode]
+    built = {}
+    for name in forms:
+        try:
+            built[name] = _inductor(unfused, ext, name)
+        except Exception as e:  # the plain ops still run
+            import warnings
+            from .kernel import ComfuseWarning
+            warnings.warn(f"comfuse: Inductor ({name}) could not compile a region's unfused ops "
+                          f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
+                          "timing them as they are", ComfuseWarning, stacklevel=2)
+    if not built:
         return unfused, "ops"
+    if not gpu or form is not None:  # (on the CPU, for tests: compiled, not timed)
+        name = next(iter(built))
+        return built[name], name
+    # Inductor's code is not always the faster (DLRM's GEMM chain: eager won), nor is
+    # max-autotune's (LayerNorm after a GEMM, H200 2026-11-30: 0.0524 ms vs the default's 0.0420)
+    times = {name: measure(lambda c=c: c(*ext), "cuda", warmup_ms=5, rep_ms=25).median_ms
+             for name, c in built.items()}
+    times["ops"] = measure(lambda: unfused(*ext), "cuda", warmup_ms=5, rep_ms=25).median_ms
+    name = min(times, key=times.get)
+    log.info("autotuning: unfused forms %s; kept %s",
+             ", ".join(f"{n} {t:.4f} ms" for n, t in times.items()), name)
+    return (unfused if name == "ops" else built[name]), name
 
 
 def decide(names: list, run_fused, run_unfused, device: torch.device, tol: float | None = None,
