@@ -158,6 +158,40 @@ def test_cooperative_strip_compiles_pipelined_without_spills_at_sm90():
         assert info["stack"] == 0, f"{name}: the cooperative strip spills {info['stack']} bytes per thread"
 
 
+def test_cross_entropy_split_tile_reads_targets_per_row_and_does_not_spill_at_sm90():
+    """The split kernel of linear + cross-entropy at the H200 tile (128x256x64, 8 warps, TMA,
+    tile work inlined). Loaded as [BLOCK_M, 1], the int64 targets took the accumulator's
+    layout: one 8-byte load per tile element (128 per thread), a 64-bit compare per
+    element, and 304 bytes of spills (sm_90 PTX, 2026-11-30). Now a row vector loads as
+    [BLOCK_M] and the target is compared with the column index in 32 bits."""
+    script = textwrap.dedent("""
+        import dataclasses, json, re, torch, torch.nn.functional as F
+        import comfuse
+        from comfuse.frontend.capture import capture
+        from comfuse.frontend.regions import find_regions
+        from comfuse.planner import plan
+        from comfuse.runtime.aot import compile_for_gpu, resources
+        bf = torch.bfloat16
+        args = (torch.randn(256, 256, dtype=bf), torch.randn(256, 4096, dtype=bf), torch.randint(0, 4096, (256,)))
+        (cand,) = find_regions(capture(lambda x, w, t: F.cross_entropy((x @ w).float(), t, reduction="none"), args))
+        with comfuse.settings.override(schedule="split"):
+            p = plan(cand.region, target="cuda")
+        p = dataclasses.replace(p, block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, mainloop="tma",
+                                tiles_n=16, chunks=4, tiles_per_chunk=4, grouped=True, inline_tile=True)
+        info = compile_for_gpu(p)
+        ptx = info["asm"]["ptx"]
+        print(json.dumps(dict(resources(info["asm"]["cubin"]), wgmma=info["wgmma"],
+                              loads64=len(re.findall(r"ld\\.global\\.b64", ptx)),
+                              compares64=len(re.findall(r"setp\\.\\w+\\.[bsu]64", ptx)))))
+    """)
+    result = run_compiler_script(script)
+    assert result["wgmma"] > 0
+    assert result["loads64"] <= 8, f"{result['loads64']} 8-byte loads: the targets are read per element"
+    assert result["compares64"] <= 8, f"{result['compares64']} 64-bit compares: the column test is 64-bit"
+    if "stack" in result:
+        assert result["stack"] == 0, f"the split tile spills {result['stack']} bytes per thread"
+
+
 def test_b2b_chains_compile_for_sm90():
     script = textwrap.dedent("""
         import json, torch

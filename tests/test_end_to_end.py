@@ -380,6 +380,36 @@ def test_split_slices_and_program_orders_agree(monkeypatch, name, per, grouped, 
     assert_matches_reference(fn, args, out)
 
 
+@pytest.mark.filterwarnings("ignore::comfuse.ComfuseWarning")
+def test_split_column_test_is_exact_for_targets_beyond_32_bits(monkeypatch):
+    """The kernel compares a target with its column index in 32 bits (codegen: a target
+    outside [0, 2^31) becomes -1). Targets beyond 32 bits or negative give the region's
+    value for a target no column equals, NaN (its count of matches, a per-row bound since
+    ``one_hot_counts``, is 0), and valid ones the right loss. (The ignore mask is computed
+    outside the region from the call's targets, none of them the ignore index.)"""
+    from comfuse.runtime import compiled as compiled_mod
+    seen = {}
+    real = compiled_mod.FusedRegion.forward
+    monkeypatch.setattr(compiled_mod.FusedRegion, "forward",
+                        lambda self, *ext: seen.setdefault("call", (self, ext)) and real(self, *ext))
+    fn = SPLIT_CASES["ce_none_ignore"]
+    M, K, N = 8, 24, 100
+    args = (randn(M, K), weight(K, N), torch.arange(10, 10 + M, device=DEVICE))
+    with settings.override(schedule="split"):
+        compiled, out = compile_and_run(fn, args)
+    module, ext = seen["call"]
+    odd = torch.tensor([5, 2**32 + 5, -1, 3, 2**31, 2**31 - 1, -2**40, 99], device=DEVICE)
+    k = next(i for i, e in enumerate(ext) if isinstance(e, torch.Tensor) and e.dtype == torch.int64)
+    ext = list(ext)
+    ext[k] = odd.view(ext[k].shape)
+    a, b = ext[module.operands[0]], ext[module.operands[1]]
+    (got,) = module.run_kernel(ext, a, b)
+    got = got.reshape(-1)
+    picked = -torch.log_softmax((args[0] @ args[1]).double(), -1)
+    assert torch.isnan(got[[1, 2, 4, 5, 6]]).all(), got  # no column equals these targets
+    torch.testing.assert_close(got[[0, 3, 7]].double(), picked[[0, 3, 7], [5, 3, 99]], rtol=1e-4, atol=1e-4)
+
+
 def test_split_is_refused_for_full_tile_outputs():
     with settings.override(schedule="split"):
         report = comfuse.explain(SUITE["softmax"].fn, SUITE["softmax"].inputs(8, 16, 40, device=DEVICE))

@@ -190,6 +190,25 @@ class _Emitter:
         return None
 
     # ---- expressions -------------------------------------------------------------------
+    def column_index_test(self, node) -> str:
+        """``offs_n == t`` (or !=) for an int64 value ``t`` without an N axis (cross-entropy's
+        target), compared in 32 bits: ``t`` is narrowed once per row, where 64-bit it was
+        widened and compared per element (129 64-bit compares and 65 widenings per thread per
+        tile at 128x256, sm_90 PTX). Column indices are >= 0 and below 2^31, so a ``t``
+        outside that range becomes -1, which equals no column: equality is exact."""
+        nodes = [self.region.nodes[s] for s in node.src]
+        if len(nodes) != 2 or not any(n.op is Op.IOTA and n.arg == "N" for n in nodes):
+            return ""
+        other = next((s for s, n in zip(node.src, nodes) if not (n.op is Op.IOTA and n.arg == "N")), None)
+        if other is None:
+            return ""
+        o = self.region.nodes[other]
+        if o.op is Op.CONST or o.dtype not in (torch.int64, torch.int32) or "N" in o.axes:
+            return ""
+        t = self.ref(other)
+        narrow = f"tl.where(({t} >= 0) & ({t} <= 2147483647), {t}, -1).to(tl.int32)"
+        return f"offs_n[None, :] {_INFIX[node.op]} {narrow}"
+
     def ref(self, i: int) -> str:
         node = self.region.nodes[i]
         return _literal(node.arg) if node.op is Op.CONST else f"{self.vp}{i}"
@@ -204,10 +223,16 @@ class _Emitter:
             inp = self.region.inputs[node.arg]
             prefix = f"{self.pp}in{node.arg}"
             mask = self.mask(inp.axes)
+            other = "0.0" if inp.dtype.is_floating_point else "0"
             if mask is None:
                 load = f"tl.load({self.offsets(prefix, inp.axes)})"
+            elif "M" in inp.axes and "N" not in inp.axes:
+                # a row vector loads as [BLOCK_M] and then gains its N axis: loaded as
+                # [BLOCK_M, 1], Triton gave it the accumulator's layout and issued one load
+                # per tile element (128 per thread at 128x256, 8 warps: sm_90 PTX, 2026-11-30)
+                rows = self.offsets(prefix, inp.axes).replace("offs_m[:, None]", "offs_m")
+                load = f"tl.load({rows}, mask=mask_m, other={other})[:, None]"
             else:
-                other = "0.0" if inp.dtype.is_floating_point else "0"
                 load = f"tl.load({self.offsets(prefix, inp.axes)}, mask={mask}, other={other})"
             return load + (".to(tl.float32)" if inp.dtype.is_floating_point else "")
         if op is Op.IOTA:
@@ -217,6 +242,8 @@ class _Emitter:
         if op is Op.STAT:
             index, part = node.arg
             return f"stat{index}{'_' + part if part else ''}[:, None]"
+        if op in (Op.EQ, Op.NE) and self.column_index_test(node):
+            return self.column_index_test(node)
         if op in _INFIX:
             return f"{x[0]} {_INFIX[op]} {x[1]}"
         if op in _CALL:
