@@ -48,6 +48,23 @@ def test_source_is_readable_and_names_every_stage():
     assert Path(k.path).parent == comfuse.settings.get().cache_dir / "kernels"
 
 
+def test_split_cross_entropy_picks_the_target_in_a_branch_per_tile():
+    """Cross-entropy's pick of the target column is a sum of where(column == target, x, 0):
+    the split tile adds it only when some row's target is one of its columns (others skip
+    a compare and a select per element), with the target narrowed to 32 bits once per row;
+    the max and log-sum-exp passes stay unconditional."""
+    import torch.nn.functional as F
+    with comfuse.settings.override(schedule="split"):
+        p = plan_of(lambda x, w, t: F.cross_entropy(x @ w, t, reduction="none"),
+                    torch.randn(8, 16), torch.randn(16, 200), torch.randint(0, 200, (8,)))
+    text = kernel_mod.build(p).source.text
+    assert "picks one column per row" in text
+    assert "if tl.max(((pick" in text and "offs_n[None, :] == pick" in text
+    assert "2147483647" in text and "tl.exp2(" in text
+    branch = text.index("if tl.max(((pick")
+    assert text.index("tile_max", branch) > branch  # the reductions follow, outside the branch
+
+
 def test_cache_key_changes_with_what_changes_the_source():
     x, w = torch.randn(8, 16), torch.randn(16, 24)
     a = kernel_mod.kernel_name(plan_of(lambda x, w: torch.softmax(x @ w, -1), x, w))

@@ -103,9 +103,10 @@ def stat_init(stats) -> list[str]:
     return lines
 
 
-def stat_update(stats, ref) -> list[str]:
-    """Lines that merge this tile's partials (columns mask_n) into the accumulators. A max
-    and a log-sum-exp of the same value (cross-entropy has both) share one tile maximum."""
+def stat_update(stats, ref, skip=frozenset()) -> list[str]:
+    """Lines that merge this tile's partials (columns mask_n) into the accumulators, but for
+    the statistics in ``skip`` (merged by the caller). A max and a log-sum-exp of the same
+    value (cross-entropy has both) share one tile maximum."""
     lines = []
     tile_max = {}  # node -> the name of its tile maximum, reduced once
 
@@ -120,6 +121,8 @@ def stat_update(stats, ref) -> list[str]:
     # column, kept for after the log-sum-exp, spilled 184 bytes at 128x256, sm_90)
     for i, st in sorted(enumerate(stats), key=lambda e: e[1].kind != "sum"):
         v = f"{ref(st.node)}.to(tl.float32)"
+        if i in skip:
+            continue
         if st.kind == "shift":
             continue  # set on the first chunk, where its value is first needed (codegen/triton/chain.py)
         if st.kind == "sum":
@@ -219,6 +222,31 @@ class _Emitter:
         t = self.ref(other)
         narrow = f"tl.where(({t} >= 0) & ({t} <= 2147483647), {t}, -1).to(tl.int32)"
         return f"offs_n[None, :] {_INFIX[node.op]} {narrow}"
+
+    def column_picks(self, stats, needed) -> dict:
+        """Sum statistics of ``where(offs_n == t, x, 0)`` with ``t`` an index per row (a
+        target column): {stat: (the nodes only the pick uses, x node, the row's column as
+        int32)}, when neither the where nor the compare feeds anything else."""
+        nodes = self.region.nodes
+        users = {}
+        for i in needed:
+            for s in nodes[i].src:
+                users[s] = users.get(s, 0) + 1
+        for st in stats:
+            users[st.node] = users.get(st.node, 0) + 1
+        out = {}
+        for k, st in enumerate(stats):
+            node = nodes[st.node]
+            if st.kind != "sum" or node.op is not Op.WHERE or users.get(st.node) != 1:
+                continue
+            cond, value, zero = node.src
+            if not (nodes[zero].op is Op.CONST and nodes[zero].arg == 0.0) or users.get(cond) != 1:
+                continue
+            test = self.column_index_test(nodes[cond]) if nodes[cond].op is Op.EQ else ""
+            if test:
+                iota = {s for s in nodes[cond].src if nodes[s].op is Op.IOTA and users.get(s) == 1}
+                out[k] = ({st.node, cond} | iota, value, test.split(" == ", 1)[1])
+        return out
 
     def ref(self, i: int) -> str:
         node = self.region.nodes[i]
@@ -788,8 +816,9 @@ class _Emitter:
         # tile's work is a function called from the loop over the slice's tiles: inlined
         # (``inline_tile``, the planner's choice) or a noinline function of its own. Noinline,
         # ptxas allocates the tile's registers apart from the loop (cross-entropy, TMA
-        # 128x256x64, 8 warps: 255 registers, no spills; inlined: 296 bytes of spills), yet
-        # the inlined form ran 12 % faster on the H200 (3.29 vs 3.74 ms, 2026-11-30). A
+        # 128x256x64, 8 warps: 255 registers, no spills; inlined: 296 bytes of spills then,
+        # none since the targets load per row), yet the inlined form ran 12 % faster on the
+        # H200 (3.29 vs 3.74 ms, 2026-11-30). A
         # function takes only scalars, so the running statistics live in the program's own
         # rows of the workspace between tiles (a few KB, in L2).
         def fill(i: int, part: str) -> str:
@@ -823,13 +852,22 @@ class _Emitter:
             name = f"stat{i}_{part}" if part else f"stat{i}"
             self.line(f"{name} = tl.load({ws_at(j)}, mask=mask_m, other={fill(i, part)})", 2)
         self.line()
+        picks = self.column_picks(op.stats, needed)
+        inside = set().union(*(pick[0] for pick in picks.values()))  # computed in the pick's branch only
         self.line("# ---- tile values the statistics reduce ----")
-        for i in sorted(needed):
+        for i in sorted(needed - inside):
             node = self.region.nodes[i]
             if node.op is not Op.CONST and i not in self.prefetched:
                 self.line(f"v{i} = {self.expr(i)}  # {self.comment(i)}")
         self.line("# ---- this tile's partials, merged into the slice's statistics, stored ----")
-        for line in stat_update(op.stats, self.ref):
+        for i, (_, value, column) in picks.items():
+            self.line(f"# stat{i} picks one column per row (cross-entropy's target): only a tile holding")
+            self.line("# some row's column adds to it, the others skip the compare and select per element")
+            self.line(f"pick{i} = {column}")
+            self.line(f"if tl.max(((pick{i} >= pid_n * BLOCK_N) & (pick{i} < pid_n * BLOCK_N + BLOCK_N)).to(tl.int32)) > 0:")
+            self.line(f"stat{i} += tl.sum(tl.where(mask_n[None, :] & (offs_n[None, :] == pick{i}), "
+                      f"{self.ref(value)}.to(tl.float32), 0.0), axis=1)", 2)
+        for line in stat_update(op.stats, self.ref, skip=set(picks)):
             self.line(line)
         for j, (i, part) in enumerate(slots):
             name = f"stat{i}_{part}" if part else f"stat{i}"
