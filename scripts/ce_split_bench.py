@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -72,6 +74,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="8192x4096x32768")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/comfuse-out"))
+    ap.add_argument("--before", default=str(Path(__file__).resolve().parents[1] / "bench" / "results"
+                                              / "h200-2026-11-30-session8" / "before"),
+                    help="folder of ce_split_before.py: the split kernel of an older codegen, timed beside")
     ap.add_argument("--quick", action="store_true", help="the GEMM, torch.compile and comfuse.compile only")
     args = ap.parse_args()
     M, K, N = (int(s) for s in args.shape.split("x"))
@@ -162,6 +167,27 @@ def main() -> None:
         kern = kernel_mod.build(chosen)
         run = lambda k=kern: region.run_kernel(ext, a, b, k)  # noqa: E731
         add("the autotuned split kernel alone", run, check=lambda r=run: r()[0].reshape(-1))
+    # A/B against an older code generator: the same plan (TMA 128x256x64, 8 warps, 3 stages,
+    # 4 tiles a slice, grouped, inlined), its kernels loaded from a saved source file,
+    # generated at vocabulary 32768 (the combine's constants; they are set to this N)
+    saved = Path(args.before) / "ce_split_before.py"
+    if saved.exists():
+        before = Path(args.out) / f"ce_split_before_{N}.py"
+        before.parent.mkdir(parents=True, exist_ok=True)
+        before.write_text(re.sub(r"\b32768\b", str(N), saved.read_text()))
+        tiles = tiles_n_of(256)
+        same = dataclasses.replace(base, block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3,
+                                   mainloop="tma", tiles_n=tiles, chunks=-(-tiles // 4), tiles_per_chunk=4,
+                                   grouped=True, inline_tile=True)
+        now = kernel_mod.build(same)
+        spec = importlib.util.spec_from_file_location("ce_split_before", before)
+        old_module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(old_module)
+        old = dataclasses.replace(now, fn=old_module.ce_split_before, combine=old_module.ce_split_before_combine,
+                                  _scratch={}, _resident={}, _bound={})
+        for label, k in (("split 4/slice, this codegen", now), (f"split 4/slice, codegen of {saved.parent.parent.name}", old)):
+            run = lambda k=k: region.run_kernel(ext, a, b, k)  # noqa: E731
+            add(label, run, check=lambda r=run: r()[0].reshape(-1))
     kernel_table("comfuse.compile", lambda: fused(x, w, t))
     kernel_table("torch.compile", lambda: compiled(x, w, t))
     out_dir = Path(args.out)
