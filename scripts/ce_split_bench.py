@@ -185,7 +185,9 @@ def main() -> None:
         spec.loader.exec_module(old_module)
         old = dataclasses.replace(now, fn=old_module.ce_split_before, combine=old_module.ce_split_before_combine,
                                   _scratch={}, _resident={}, _bound={})
-        for label, k in (("split 4/slice, this codegen", now), (f"split 4/slice, codegen of {saved.parent.parent.name}", old)):
+        fused_loops = kernel_mod.build(dataclasses.replace(same, flatten=True))
+        for label, k in (("split 4/slice, this codegen", now), ("split 4/slice, this codegen, loops fused", fused_loops),
+                         (f"split 4/slice, codegen of {saved.parent.parent.name}", old)):
             run = lambda k=k: region.run_kernel(ext, a, b, k)  # noqa: E731
             add(label, run, check=lambda r=run: r()[0].reshape(-1))
     kernel_table("comfuse.compile", lambda: fused(x, w, t))

@@ -345,12 +345,14 @@ def test_split_kernel_statistics_match_the_torch_pass(monkeypatch, name):
 
 
 @pytest.mark.filterwarnings("ignore::comfuse.ComfuseWarning")
-@pytest.mark.parametrize("per,grouped", [(1, True), (1, False), (2, True), (3, False)])
+@pytest.mark.parametrize("per,grouped,tile", [(1, True, "inlined"), (1, False, "function"), (2, True, "function"),
+                                              (3, False, "inlined"), (3, True, "loops fused")])
 @pytest.mark.parametrize("name", ["ce_none_ignore", "var_mean_offset"])
 @pytest.mark.parametrize("N", [100, 96], ids=["N100", "N96"])
-def test_split_slices_and_program_orders_agree(monkeypatch, name, per, grouped, N):
+def test_split_slices_and_program_orders_agree(monkeypatch, name, per, grouped, tile, N):
     """Every split variant the autotuner may time (tiles per slice, slice-fastest or grouped
-    order of the programs) gives the planned kernel's outputs, and both match the reference,
+    order of the programs, the tile's work inlined with the statistics in registers or a
+    function of its own keeping them in the workspace, the slice and K loops fused) gives the planned kernel's outputs, and both match the reference,
     also where N is whole tiles but the slices pad past the last one (no column masks then
     would read past N)."""
     import dataclasses
@@ -372,7 +374,8 @@ def test_split_slices_and_program_orders_agree(monkeypatch, name, per, grouped, 
     planned = [o.clone() for o in module.run_kernel(ext, a, b)]
     tiles = -(-N // base.block_n)
     variant = dataclasses.replace(base, tiles_n=tiles, chunks=-(-tiles // per), tiles_per_chunk=per,
-                                  grouped=grouped, group_m=2)
+                                  grouped=grouped, group_m=2, inline_tile=tile != "function",
+                                  flatten=tile == "loops fused")
     assert variant != base
     got = module.run_kernel(ext, a, b, kernel_mod.build(variant))
     for g, w in zip(got, planned):

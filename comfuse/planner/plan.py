@@ -35,6 +35,7 @@ class Plan:
     tiles_per_chunk: int = 0  # split: N tiles one program walks
     grouped: bool = False  # split: (row block, slice) pairs in grouped order, GROUP_M row blocks at a time
     inline_tile: bool = False  # split: the tile's work inlined in the slice loop (else a function of its own)
+    flatten: bool = False  # split, inlined: Triton fuses the slice and K loops, so the next tile's loads overlap this tile's epilogue
     onepass: object = None  # split: the region's one-pass form (derived from ``region``)
     prefetch: bool = False  # load whole-tile side inputs (residuals) before the mainloop
     overlap: bool = False  # cooperative: a strip's first exchange waits behind the next strip's mainloop
@@ -49,7 +50,8 @@ class Plan:
             stats = ", ".join(s.kind for s in self.onepass.stats)
             coop = (f", statistics ({stats}) over {self.chunks} slices of {self.tiles_per_chunk} "
                     f"tiles per row block{' in grouped order' if self.grouped else ''}"
-                    f"{', tile work inlined' if self.inline_tile else ''}, then a combine")
+                    f"{', tile work inlined' if self.inline_tile else ''}"
+                    f"{' (slice and K loops fused)' if self.flatten else ''}, then a combine")
         return (f"{self.schedule}: {strip}; {len(self.stages)} stage(s){coop}; "
                 f"{self.mainloop} mainloop, tile {self.block_m}x{self.block_n}x{self.block_k}, "
                 f"{self.num_warps} warps, {self.num_stages} pipeline stages"
@@ -347,6 +349,11 @@ def candidates(region: Region, target: str = "cuda", settings=None, sm_count: in
     if target != "interpreter" and not settings.mainloop and not tma_blocker(first.region):
         out += [dataclasses.replace(p, mainloop="tma", num_stages=max(p.num_stages, 3))
                 for p in list(out) if p.schedule != "row_in_cta"]
+    if target != "interpreter":
+        # split, tile inlined: the slice and K loops fused by Triton, so that the next tile's
+        # loads overlap this tile's epilogue (compiled pipelined for sm_90; not yet timed)
+        out += [dataclasses.replace(p, flatten=True) for p in list(out)
+                if p.schedule == "split" and p.inline_tile and p.mainloop == "tma" and p.block_n >= 128]
     if any({"M", "N"} <= set(i.axes) for i in first.region.inputs) and target != "interpreter" \
             and not settings.prefetch:
         # a residual read after the mainloop waits on DRAM with the SM otherwise idle (H200,

@@ -818,9 +818,12 @@ class _Emitter:
         # ptxas allocates the tile's registers apart from the loop (cross-entropy, TMA
         # 128x256x64, 8 warps: 255 registers, no spills; inlined: 296 bytes of spills then,
         # none since the targets load per row), yet the inlined form ran 12 % faster on the
-        # H200 (3.29 vs 3.74 ms, 2026-11-30). A
-        # function takes only scalars, so the running statistics live in the program's own
-        # rows of the workspace between tiles (a few KB, in L2).
+        # H200 (3.29 vs 3.74 ms, 2026-11-30). The noinline function takes scalars only: the
+        # running statistics live in the program's own rows of the workspace between tiles
+        # (a few KB, in L2), behind a barrier. Inlined, the tile takes the statistics and
+        # returns them, so they stay in registers and are stored once per slice; without the
+        # barrier Triton can also fuse the slice and K loops (``flatten``, pipelined across
+        # tiles; with the barrier the fused loop was single-buffered, sm_90 TTGIR).
         def fill(i: int, part: str) -> str:
             kind = op.stats[i].kind
             if kind == "max" or (kind == "lse" and part == "m"):
@@ -829,10 +832,14 @@ class _Emitter:
 
         def ws_at(j: int) -> str:
             return f"ws_ptr + ({j} * CHUNKS + chunk) * M + offs_m"
+        names = [f"stat{i}_{part}" if part else f"stat{i}" for i, part in slots]
+        carried = p.inline_tile  # statistics in registers across the slice's tiles
         self.lines = []
         self.function(f"{self.name}_tile", sig, consts,
-                      "Tile t of the slice: its GEMM and tile values, merged into the slice's statistics.",
-                      "pid_m, chunk, t,", noinline=not p.inline_tile)
+                      "Tile t of the slice: its GEMM and tile values, merged into the slice's statistics"
+                      + (" (passed in and returned)." if carried else " (kept in the workspace)."),
+                      "pid_m, chunk, t," + (" " + ", ".join(names) + "," if carried else ""),
+                      noinline=not p.inline_tile)
         self.line("pid_n = chunk * TILES_PER_CHUNK + t")
         self.mainloop()
         needed = set()
@@ -843,15 +850,15 @@ class _Emitter:
                 needed.add(i)
                 todo += list(self.region.nodes[i].src)
         self.line()
-        self.line("# ---- the slice's statistics so far: fresh on its first tile, else from the workspace ----")
-        self.line("tl.debug_barrier()  # the previous tile's stores, by other threads of this program")
-        for line in stat_init(op.stats):
-            self.line(line)
-        self.line("if t > 0:")
-        for j, (i, part) in enumerate(slots):
-            name = f"stat{i}_{part}" if part else f"stat{i}"
-            self.line(f"{name} = tl.load({ws_at(j)}, mask=mask_m, other={fill(i, part)})", 2)
-        self.line()
+        if not carried:
+            self.line("# ---- the slice's statistics so far: fresh on its first tile, else from the workspace ----")
+            self.line("tl.debug_barrier()  # the previous tile's stores, by other threads of this program")
+            for line in stat_init(op.stats):
+                self.line(line)
+            self.line("if t > 0:")
+            for j, name in enumerate(names):
+                self.line(f"{name} = tl.load({ws_at(j)}, mask=mask_m, other={fill(*slots[j])})", 2)
+            self.line()
         picks = self.column_picks(op.stats, needed)
         inside = set().union(*(pick[0] for pick in picks.values()))  # computed in the pick's branch only
         self.line("# ---- tile values the statistics reduce ----")
@@ -859,7 +866,8 @@ class _Emitter:
             node = self.region.nodes[i]
             if node.op is not Op.CONST and i not in self.prefetched:
                 self.line(f"v{i} = {self.expr(i)}  # {self.comment(i)}")
-        self.line("# ---- this tile's partials, merged into the slice's statistics, stored ----")
+        self.line("# ---- this tile's partials, merged into the slice's statistics"
+                  + (" ----" if carried else ", stored ----"))
         for i, (_, value, column) in picks.items():
             self.line(f"# stat{i} picks one column per row (cross-entropy's target): only a tile holding")
             self.line("# some row's column adds to it, the others skip the compare and select per element")
@@ -869,9 +877,11 @@ class _Emitter:
                       f"{self.ref(value)}.to(tl.float32), 0.0), axis=1)", 2)
         for line in stat_update(op.stats, self.ref, skip=set(picks)):
             self.line(line)
-        for j, (i, part) in enumerate(slots):
-            name = f"stat{i}_{part}" if part else f"stat{i}"
-            self.line(f"tl.store({ws_at(j)}, {name}, mask=mask_m)")
+        if carried:
+            self.line(f"return {', '.join(names)}")
+        else:
+            for j, name in enumerate(names):
+                self.line(f"tl.store({ws_at(j)}, {name}, mask=mask_m)")
         self.line()
         self.line()
         head(self.name, f"{p.describe()}: statistics of one slice of N")
@@ -893,8 +903,30 @@ class _Emitter:
             self.line("pid_m = pid // CHUNKS")
         self.line("# the last slice may hold fewer tiles (CHUNKS * TILES_PER_CHUNK can exceed the tiles)")
         self.line("tiles = tl.minimum(TILES_PER_CHUNK, tl.cdiv(N, BLOCK_N) - chunk * TILES_PER_CHUNK)")
-        self.line("for t in range(0, tiles):")
-        self.call(f"{self.name}_tile", "pid_m, chunk, t,", consts, 2)
+        if carried:
+            for line in stat_init(op.stats):
+                self.line(line)
+        if p.flatten and carried:
+            self.line("# one loop over (tile, K step) pairs after Triton fuses the two: the next tile's first")
+            self.line("# loads are issued while this tile's epilogue runs, rather than after it")
+            self.line("for t in tl.range(0, tiles, flatten=True):")
+        else:
+            self.line("for t in range(0, tiles):")
+        if carried:
+            self.line(f"{', '.join(names)} = {self.name}_tile(", 2)
+            self.line(", ".join(q.name for q in self.params) + ",", 3)
+            self.line("pid_m, chunk, t, " + ", ".join(names) + ",", 3)
+            self.line(", ".join(consts) + ",", 3)
+            self.line(")", 2)
+            self.line("# the slice's statistics, stored once")
+            self.line("offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
+            self.line("if WIDE_INDEX:")
+            self.line("offs_m = offs_m.to(tl.int64)", 2)
+            self.line("mask_m = offs_m < M")
+            for j, name in enumerate(names):
+                self.line(f"tl.store({ws_at(j)}, {name}, mask=mask_m)")
+        else:
+            self.call(f"{self.name}_tile", "pid_m, chunk, t,", consts, 2)
         first = "\n".join(self.lines)
 
         # kernel 2: merge the slices' statistics per row, then the per-row combine step
