@@ -204,24 +204,23 @@ class _Emitter:
         return None
 
     # ---- expressions -------------------------------------------------------------------
-    def column_index_test(self, node) -> str:
-        """``offs_n == t`` (or !=) for an int64 value ``t`` without an N axis (cross-entropy's
-        target), compared in 32 bits: ``t`` is narrowed once per row, where 64-bit it was
-        widened and compared per element (129 64-bit compares and 65 widenings per thread per
-        tile at 128x256, sm_90 PTX). Column indices are >= 0 and below 2^31, so a ``t``
-        outside that range becomes -1, which equals no column: equality is exact."""
+    def row_column(self, node) -> str:
+        """For ``offs_n == t`` (or !=) with ``t`` an int64 value without an N axis
+        (cross-entropy's target): ``t`` narrowed to 32 bits once per row, the column test's
+        other side; else "". 64-bit, the test was widened and compared per element (129
+        64-bit compares and 65 widenings per thread per tile at 128x256, sm_90 PTX). Column
+        indices are >= 0 and below 2^31, so a ``t`` outside that range becomes -1, which
+        equals no column: equality is exact."""
         nodes = [self.region.nodes[s] for s in node.src]
-        if len(nodes) != 2 or not any(n.op is Op.IOTA and n.arg == "N" for n in nodes):
+        is_col = [n.op is Op.IOTA and n.arg == "N" for n in nodes]
+        if len(nodes) != 2 or is_col.count(True) != 1:
             return ""
-        other = next((s for s, n in zip(node.src, nodes) if not (n.op is Op.IOTA and n.arg == "N")), None)
-        if other is None:
-            return ""
+        other = node.src[is_col.index(False)]
         o = self.region.nodes[other]
         if o.op is Op.CONST or o.dtype not in (torch.int64, torch.int32) or "N" in o.axes:
             return ""
         t = self.ref(other)
-        narrow = f"tl.where(({t} >= 0) & ({t} <= 2147483647), {t}, -1).to(tl.int32)"
-        return f"offs_n[None, :] {_INFIX[node.op]} {narrow}"
+        return f"tl.where(({t} >= 0) & ({t} <= 2147483647), {t}, -1).to(tl.int32)"
 
     def column_picks(self, stats, needed) -> dict:
         """Sum statistics of ``where(offs_n == t, x, 0)`` with ``t`` an index per row (a
@@ -242,10 +241,10 @@ class _Emitter:
             cond, value, zero = node.src
             if not (nodes[zero].op is Op.CONST and nodes[zero].arg == 0.0) or users.get(cond) != 1:
                 continue
-            test = self.column_index_test(nodes[cond]) if nodes[cond].op is Op.EQ else ""
-            if test:
+            column = self.row_column(nodes[cond]) if nodes[cond].op is Op.EQ else ""
+            if column:
                 iota = {s for s in nodes[cond].src if nodes[s].op is Op.IOTA and users.get(s) == 1}
-                out[k] = ({st.node, cond} | iota, value, test.split(" == ", 1)[1])
+                out[k] = ({st.node, cond} | iota, value, column)
         return out
 
     def ref(self, i: int) -> str:
@@ -281,8 +280,8 @@ class _Emitter:
         if op is Op.STAT:
             index, part = node.arg
             return f"stat{index}{'_' + part if part else ''}[:, None]"
-        if op in (Op.EQ, Op.NE) and self.column_index_test(node):
-            return self.column_index_test(node)
+        if op in (Op.EQ, Op.NE) and (column := self.row_column(node)):
+            return f"offs_n[None, :] {_INFIX[op]} {column}"
         if op in _INFIX:
             return f"{x[0]} {_INFIX[op]} {x[1]}"
         if op in _CALL:
