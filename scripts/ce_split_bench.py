@@ -28,11 +28,13 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import comfuse  # noqa: E402
 from comfuse import settings  # noqa: E402
 from comfuse.bench.timing import graphed, measure  # noqa: E402
 from comfuse.bench.workloads import linear_cross_entropy  # noqa: E402
 from comfuse.runtime import kernel as kernel_mod  # noqa: E402
+from mainloop_bench import planned  # noqa: E402
 
 # bm, bn, bk, warps, stages; 128x128 at 4 warps and 3 stages fits two programs per SM (98 KB
 # of shared memory and 255 registers each), so one's epilogue can run beside the other's mainloop
@@ -52,6 +54,15 @@ def region_and_args(fn, args):
     compiled(*args)
     region.forward = forward
     return region, seen[-1]
+
+
+def split_variant(base, N: int, bm=128, bn=256, bk=64, warps=8, stages=3, per=4, inline=True, flatten=False):
+    """The split plan ``base`` with a TMA mainloop at another tile, ``per`` tiles a slice, in
+    grouped order (the defaults: the autotuner's pick at 8192x4096x32768, 2026-11-30)."""
+    tiles = -(-N // bn)
+    return dataclasses.replace(base, block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
+                               mainloop="tma", tiles_n=tiles, chunks=-(-tiles // per), tiles_per_chunk=per,
+                               grouped=True, inline_tile=inline, flatten=flatten)
 
 
 def kernel_table(label, fn, calls: int = 5) -> None:
@@ -110,9 +121,7 @@ def main() -> None:
     add("cuBLAS mm alone", lambda: torch.mm(x, w))
     compiled = torch.compile(linear_cross_entropy)
     add("torch.compile (loss, mean)", lambda: compiled(x, w, t))
-    with settings.override(autotune="0"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        relu = comfuse.explain(lambda a, b: torch.relu(a @ b), (x, w)).regions[0].planned
+    relu = planned(x, w)  # comfuse's plan for relu(x @ w): the mainloop and one store
     gemm_out = torch.empty(1, M, N, device="cuda", dtype=torch.bfloat16)
     for bm, bn, bk, warps, stages in TILES[:1] if args.quick else TILES:
         plain = kernel_mod.build(dataclasses.replace(relu, block_m=bm, block_n=bn, block_k=bk, num_warps=warps,
@@ -125,15 +134,11 @@ def main() -> None:
     a, b = ext[region.operands[0]], ext[region.operands[1]]
     base = region.plan
     print("planned:", base.describe(), flush=True)
-    tiles_n_of = lambda bn: -(-N // bn)  # noqa: E731
     variants = {"as planned": base}
     for bm, bn, bk, warps, stages in () if args.quick else TILES:
-        tiles = tiles_n_of(bn)
         for per in sorted({base.tiles_per_chunk, 1, 4}):
             for inline in (False, True):
-                v = dataclasses.replace(base, block_m=bm, block_n=bn, block_k=bk, num_warps=warps,
-                                        num_stages=stages, mainloop="tma", tiles_n=tiles, chunks=-(-tiles // per),
-                                        tiles_per_chunk=per, grouped=True, inline_tile=inline)
+                v = split_variant(base, N, bm, bn, bk, warps, stages, per, inline)
                 variants[f"split {bm}x{bn}x{bk} w{warps} s{stages} {per}/slice{' inlined' if inline else ''}"] = v
     for name, plan in variants.items():
         try:
@@ -175,17 +180,13 @@ def main() -> None:
         before = Path(args.out) / f"ce_split_before_{N}.py"
         before.parent.mkdir(parents=True, exist_ok=True)
         before.write_text(re.sub(r"\b32768\b", str(N), saved.read_text()))
-        tiles = tiles_n_of(256)
-        same = dataclasses.replace(base, block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3,
-                                   mainloop="tma", tiles_n=tiles, chunks=-(-tiles // 4), tiles_per_chunk=4,
-                                   grouped=True, inline_tile=True)
-        now = kernel_mod.build(same)
+        now = kernel_mod.build(split_variant(base, N))
         spec = importlib.util.spec_from_file_location("ce_split_before", before)
         old_module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(old_module)
         old = dataclasses.replace(now, fn=old_module.ce_split_before, combine=old_module.ce_split_before_combine,
                                   _scratch={}, _resident={}, _bound={})
-        fused_loops = kernel_mod.build(dataclasses.replace(same, flatten=True))
+        fused_loops = kernel_mod.build(split_variant(base, N, flatten=True))
         for label, k in (("split 4/slice, this codegen", now), ("split 4/slice, this codegen, loops fused", fused_loops),
                          (f"split 4/slice, codegen of {saved.parent.parent.name}", old)):
             run = lambda k=k: region.run_kernel(ext, a, b, k)  # noqa: E731

@@ -94,12 +94,10 @@ def main() -> None:
     for name, f in (("torch.compile", inductor), ("comfuse.compile", fused)):
         err = abs(f(x, w, t).double() - ref).item() / abs(ref).item()
         assert err < 1e-2, f"{name}: loss off by {err:.3g} (relative)"
-    from ce_split_bench import region_and_args
+    from ce_split_bench import region_and_args, split_variant
     region, ext = region_and_args(lambda a, b, c: torch.nn.functional.cross_entropy(
         (a @ b).float(), c, reduction="none"), (x, w, t))
-    tiles = -(-N // TILE["block_n"])  # the autotuner's pick at 8192x4096x32768: 4 tiles a slice
-    split = kernel_mod.build(dataclasses.replace(region.plan, **TILE, tiles_n=tiles, chunks=-(-tiles // 4),
-                                                 tiles_per_chunk=4, grouped=True, inline_tile=True))
+    split = kernel_mod.build(split_variant(region.plan, N))  # TILE, 4 tiles a slice
     got = region.run_kernel(ext, ext[region.operands[0]], ext[region.operands[1]], split)[0].reshape(-1)
     want = torch.nn.functional.cross_entropy(x.double() @ w.double(), t, reduction="none")
     assert ((got.double() - want).abs().max() / want.abs().max()).item() < 2e-2, "split kernel is wrong"

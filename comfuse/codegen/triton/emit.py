@@ -120,9 +120,9 @@ def stat_update(stats, ref, skip=frozenset()) -> list[str]:
     # values are not live across the max and exp passes (cross-entropy's pick of the target
     # column, kept for after the log-sum-exp, spilled 184 bytes at 128x256, sm_90)
     for i, st in sorted(enumerate(stats), key=lambda e: e[1].kind != "sum"):
-        v = f"{ref(st.node)}.to(tl.float32)"
         if i in skip:
             continue
+        v = f"{ref(st.node)}.to(tl.float32)"
         if st.kind == "shift":
             continue  # set on the first chunk, where its value is first needed (codegen/triton/chain.py)
         if st.kind == "sum":
