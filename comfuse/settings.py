@@ -55,6 +55,9 @@ class Settings:
     # COMFUSE_PREFETCH=1: load whole-tile side inputs (residuals) before the mainloop in every
     # plan (default: only in the autotuner's candidates, where it competes on time).
     prefetch: bool
+    # COMFUSE_PERSISTENT=1: tile plans run on a persistent grid (one program per SM walking
+    # the tiles, its tile and K loops fused by Triton). Default: only autotuning candidates.
+    persistent: bool
     # COMFUSE_OVERLAP=1: cooperative plans wait for a strip's first exchange behind the next
     # strip's mainloop (experimental: not among the autotuner's candidates until timed).
     overlap: bool
@@ -89,7 +92,7 @@ class Settings:
     validate: str
 
 
-CODEGEN_SETTINGS = ("row_budget", "schedule", "mainloop", "prefetch", "overlap")
+CODEGEN_SETTINGS = ("row_budget", "schedule", "mainloop", "prefetch", "overlap", "persistent")
 
 _overrides: dict[str, object] = {}
 
@@ -97,7 +100,7 @@ _overrides: dict[str, object] = {}
 _ENV_NAMES = ("COMFUSE_STRICT", "COMFUSE_DISABLE", "COMFUSE_CACHE_DIR", "XDG_CACHE_HOME", "HOME",
               "COMFUSE_ROW_BUDGET", "COMFUSE_MAX_SPECIALIZATIONS", "COMFUSE_CHECK", "COMFUSE_SCHEDULE",
               "COMFUSE_AUTOTUNE", "COMFUSE_MAINLOOP", "COMFUSE_FUEL", "COMFUSE_PREFETCH",
-              "COMFUSE_UNFUSED_MODE", "COMFUSE_OVERLAP", "COMFUSE_TUNE_TIMING",
+              "COMFUSE_UNFUSED_MODE", "COMFUSE_OVERLAP", "COMFUSE_PERSISTENT", "COMFUSE_TUNE_TIMING",
               "COMFUSE_GRAD_COMPILE", "COMFUSE_VALIDATE")
 _ENV_KEYS = tuple(os.environ.encodekey(n) if hasattr(os.environ, "encodekey") else n for n in _ENV_NAMES)
 _memo: dict[tuple, Settings] = {}
@@ -135,6 +138,7 @@ def _read() -> Settings:
         mainloop=os.environ.get("COMFUSE_MAINLOOP", ""),
         prefetch=_flag("COMFUSE_PREFETCH", False),
         overlap=_flag("COMFUSE_OVERLAP", False),
+        persistent=_flag("COMFUSE_PERSISTENT", False),
         fuel=_int("COMFUSE_FUEL", -1),
         unfused_mode=os.environ.get("COMFUSE_UNFUSED_MODE", "best"),
         tune_timing=os.environ.get("COMFUSE_TUNE_TIMING", "launch"),

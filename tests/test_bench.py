@@ -7,7 +7,7 @@ import torch
 
 from comfuse.bench import report, runner, workloads
 from comfuse.bench.profile import parse_csv, profile_markdown, summarize as summarize_ncu
-from comfuse.bench.timing import measure, summarize
+from comfuse.bench.timing import measure, measure_rounds, summarize
 
 
 def test_summarize_median_and_quartiles():
@@ -104,7 +104,7 @@ def test_run_case_survives_a_failing_candidate():
 
 def test_repeat_times_checked_candidates_in_interleaved_rounds():
     """--repeat 3: every candidate that passed its check is timed in three rounds, in the
-    order A B, A B, A B; the median of the round medians is reported with their range."""
+    order A B, then B A; the median of the round medians is reported with their range."""
     x, w = torch.randn(8, 16), torch.randn(16, 8)
     order = []
 
@@ -126,6 +126,27 @@ def test_repeat_times_checked_candidates_in_interleaved_rounds():
     switches = sum(1 for a, b in zip(order, order[1:]) if a != b)
     assert switches >= 4
     assert "[" in report._fmt(row["candidates"]["eager"])
+
+
+def test_measure_rounds_rotates_the_order_and_keeps_rounds_that_ran():
+    """Each round starts one callable later (A B C, B C A, C A B), so none always runs first;
+    a round that raises goes to on_error and the others still count."""
+    starts, failures = [], []
+    calls = {}
+    for name in "abc":
+        def call(name=name):
+            starts.append(name)
+            if name == "c" and starts.count("c") > 21:  # c's second round: warm-up + 20 reps ran once
+                raise RuntimeError("kaputt")
+        calls[name] = call
+    got = measure_rounds(calls, rounds=3, device="cpu", on_error=lambda n, e: failures.append((n, str(e))))
+    firsts = [starts[0]] + [b for a, b in zip(starts, starts[1:]) if a != b]
+    assert firsts[:3] == ["a", "b", "c"] and firsts[3:5] == ["b", "c"]
+    assert failures and failures[0] == ("c", "kaputt")
+    assert len(got["a"].round_medians_ms) == 3 and len(got["c"].round_medians_ms) < 3
+    assert got["a"].pooled.reps >= 60
+    assert set(got["b"].as_dict()) >= {"median_ms", "round_medians_ms", "rounds_min_ms", "q1_ms"}
+    assert measure_rounds({}, rounds=3, device="cpu") == {}
 
 
 def test_suites_list_the_paper_workloads():

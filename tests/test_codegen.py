@@ -210,6 +210,32 @@ def test_cross_entropy_split_tile_reads_targets_per_row_and_does_not_spill_at_sm
         assert result["stack"] <= 32, f"the split tile spills {result['stack']} bytes per thread"
 
 
+def test_persistent_tile_compiles_for_sm90_with_tma_and_without_spills():
+    """The persistent tile plan (bias + ReLU, 128x256x64, 8 warps, TMA): Triton fuses its tile
+    and K loops for sm_90, and the kernel keeps tensor cores, TMA loads and no spills."""
+    script = textwrap.dedent("""
+        import dataclasses, json, torch
+        from comfuse.frontend.capture import capture
+        from comfuse.frontend.regions import find_regions
+        from comfuse.planner import plan
+        from comfuse.runtime.aot import compile_for_gpu, resources
+        bf = torch.bfloat16
+        args = (torch.randn(1024, 512, dtype=bf), torch.randn(512, 1024, dtype=bf), torch.randn(1024, dtype=bf))
+        (cand,) = find_regions(capture(lambda x, w, b: torch.relu(x @ w + b), args))
+        p = dataclasses.replace(plan(cand.region, target="cuda"), block_m=128, block_n=256, block_k=64,
+                                num_warps=8, num_stages=3, mainloop="tma", persistent=True)
+        info = compile_for_gpu(p)
+        print(json.dumps(dict(resources(info["asm"]["cubin"]), wgmma=info["wgmma"], tma=info["tma"],
+                              k_loop=f"step %c{64}_i32" in info["asm"]["ttgir"])))
+    """)
+    result = run_compiler_script(script)
+    assert result["wgmma"] > 0 and result["tma"] > 0, result
+    # fused, the K loop no longer steps by BLOCK_K: one loop counts (tile, K step) pairs by 1
+    assert not result["k_loop"], "the tile and K loops were not fused (a loop steps by BLOCK_K)"
+    if "stack" in result:
+        assert result["stack"] == 0, f"the persistent tile spills {result['stack']} bytes per thread"
+
+
 def test_b2b_chains_compile_for_sm90():
     script = textwrap.dedent("""
         import json, torch

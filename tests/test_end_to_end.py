@@ -255,6 +255,31 @@ def test_side_inputs_loaded_before_the_mainloop_match_reference(schedule):
     assert_matches_reference(fn, args, out)
 
 
+@pytest.mark.parametrize("mainloop", ["tma", "pointer"])
+@pytest.mark.parametrize("case", ["gelu_bias_residual", "linear_bf16", "batched"])
+def test_persistent_tile_plans_match_reference(case, mainloop):
+    """COMFUSE_PERSISTENT=1: a grid of at most one program per SM (three under the
+    interpreter), each walking tiles pid, pid + PROGRAMS, ... with its tile and K loops
+    fused; rows and columns not whole tiles, several tiles per program."""
+    if case == "gelu_bias_residual":
+        fn = lambda x, w, b, r: F.gelu(x @ w + b) + r  # noqa: E731
+        args = (randn(70, 24), weight(24, 100), randn(100), randn(70, 100))
+    elif case == "linear_bf16":
+        fn = lambda x, W: torch.relu(F.linear(x, W))  # noqa: E731  (W read K-major)
+        args = (randn(37, 32, dtype=torch.bfloat16), randn(136, 32, dtype=torch.bfloat16))
+    else:
+        if mainloop == "tma":
+            pytest.skip("batched GEMMs use pointer loads")
+        fn = lambda x, w: torch.sigmoid(torch.bmm(x, w))  # noqa: E731
+        args = (randn(3, 40, 24), randn(3, 24, 72))
+    with settings.override(persistent=True, mainloop=mainloop, schedule="tile"):
+        compiled, out = compile_and_run(fn, args)
+    (r,) = compiled.report.regions
+    assert r.fused and "persistent grid" in r.plan, str(compiled.report)
+    assert "flatten=True" in open(r.kernel_path).read()
+    assert_matches_reference(fn, args, out)
+
+
 def test_tma_mainloop_with_transposed_weight_and_column_strip():
     lin = lambda x, W, b: F.gelu(F.linear(x, W, b))  # noqa: E731  (W is read K-major)
     col = lambda x, w: torch.softmax(x @ w, 0)  # noqa: E731  (run transposed)

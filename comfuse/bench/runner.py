@@ -24,7 +24,7 @@ from ..planner import SCHEDULES
 from ..runtime.check import compare, tolerance
 from . import workloads
 from .env import ceilings, environment
-from .timing import graphed, measure
+from .timing import graphed, measure, measure_rounds
 
 BASELINES = ("eager", "inductor", "inductor-max-autotune")
 ALL_CANDIDATES = ("comfuse", "comfuse-graph", "comfuse-backend") + tuple(f"comfuse[{s}]" for s in SCHEDULES) + BASELINES + (
@@ -135,7 +135,7 @@ _UNCHECKED = ("gemm", "epilogue")  # they compute something else than the progra
 
 def run_case(prog: workloads.Program, candidates, device: str, progress, repeat: int = 1) -> dict:
     """Build, check and time every candidate. With ``repeat`` > 1 the candidates that pass
-    are timed in ``repeat`` interleaved rounds (A B C, A B C, ...), so that a drifting
+    are timed in ``repeat`` interleaved rounds (A B C, then B C A, ...), so that a drifting
     machine affects all of them alike; the reported median is the median of the rounds'
     medians, with the rounds' range beside it."""
     row = {"suite": prog.suite, "workload": prog.workload, "shape": list(prog.shape),
@@ -182,14 +182,11 @@ def run_case(prog: workloads.Program, candidates, device: str, progress, repeat:
             progress(f"    {name:24s} FAILED: {info['reason']}")
         row["candidates"][name] = info
     if repeat > 1 and ready:
-        rounds = {name: [row["candidates"][name]["median_ms"]] for name in ready}
-        for _ in range(repeat - 1):
-            for name, call in ready.items():
-                try:
-                    rounds[name].append(measure(call, device).median_ms)
-                except Exception as e:  # keep the rounds that ran
-                    progress(f"    {name:24s} a timing round failed: {type(e).__name__}")
-        for name, medians in rounds.items():
+        more = measure_rounds(ready, repeat - 1, device, on_error=lambda name, e: progress(
+            f"    {name:24s} a timing round failed: {type(e).__name__}"))
+        for name in ready:
+            medians = [row["candidates"][name]["median_ms"]]
+            medians += list(more[name].round_medians_ms) if name in more else []
             info = row["candidates"][name]
             info.update(median_ms=statistics.median(medians), round_medians_ms=medians,
                         rounds_min_ms=min(medians), rounds_max_ms=max(medians))

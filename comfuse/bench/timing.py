@@ -44,20 +44,26 @@ def summarize(times_ms: Sequence[float]) -> Timing:
 def measure(fn: Callable, device: str = "cuda", warmup_ms: float = 25, rep_ms: float = 100,
             min_reps: int = MIN_REPS) -> Timing:
     """Time ``fn``: warm up, then at least ``min_reps`` repetitions."""
+    return summarize(_times(fn, device, warmup_ms, rep_ms, min_reps))
+
+
+def _times(fn: Callable, device: str = "cuda", warmup_ms: float = 25, rep_ms: float = 100,
+           min_reps: int = MIN_REPS) -> list:
+    """The repetitions' times in ms (see ``measure``)."""
     if device == "cuda":
         from triton.testing import do_bench
         times = do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="all")
         if len(times) < min_reps:  # slow functions: ask for enough repetitions explicitly
             per = max(statistics.median(times), 1e-3)
             times = do_bench(fn, warmup=warmup_ms, rep=per * min_reps * 1.2, return_mode="all")
-        return summarize(times)
+        return list(times)
     fn()
     times = []
     for _ in range(min_reps):
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
-    return summarize(times)
+    return times
 
 
 def graphed(fn: Callable, warmup_calls: int = 3) -> Callable:
@@ -81,3 +87,43 @@ def graphed(fn: Callable, warmup_calls: int = 3) -> Callable:
         return out
     return replay
 
+
+
+@dataclasses.dataclass(frozen=True)
+class Rounds:
+    """A callable timed in several rounds interleaved with others': the median of the rounds'
+    medians, the rounds' medians, and the quartiles of all repetitions pooled."""
+    median_ms: float
+    round_medians_ms: tuple
+    pooled: Timing
+
+    def as_dict(self) -> dict:
+        return {**self.pooled.as_dict(), "median_ms": self.median_ms,
+                "round_medians_ms": list(self.round_medians_ms),
+                "rounds_min_ms": min(self.round_medians_ms), "rounds_max_ms": max(self.round_medians_ms)}
+
+
+def measure_rounds(calls: dict, rounds: int = 3, device: str = "cuda", on_error=None, **kw) -> dict:
+    """Time every callable of ``calls`` (name -> callable) in ``rounds`` interleaved rounds
+    (A B C, B C A, C A B, ...: each round starts one later, so no callable always runs first
+    on a GPU still cool from the last pause). A GPU whose clock follows its power draw (the
+    H200 here falls from 1980 to ~1500 MHz within a second of a long GEMM) then treats them
+    alike. Returns name -> Rounds for the callables that ran; a round that raises is
+    reported to ``on_error(name, exc)`` and left out."""
+    names = list(calls)
+    medians = {n: [] for n in names}
+    pooled = {n: [] for n in names}
+    for r in range(rounds if names else 0):
+        shift = r % len(names)
+        for n in names[shift:] + names[:shift]:
+            try:
+                times = _times(calls[n], device, **kw)
+            except Exception as e:  # keep the rounds that ran
+                if on_error is None:
+                    raise
+                on_error(n, e)
+                continue
+            medians[n].append(statistics.median(times))
+            pooled[n].extend(times)
+    return {n: Rounds(statistics.median(medians[n]), tuple(medians[n]), summarize(pooled[n]))
+            for n in names if medians[n]}

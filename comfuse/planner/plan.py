@@ -40,6 +40,7 @@ class Plan:
     prefetch: bool = False  # load whole-tile side inputs (residuals) before the mainloop
     overlap: bool = False  # cooperative: a strip's first exchange waits behind the next strip's mainloop
     moments: tuple = ()  # cooperative: (sum, sum of squared deviations) pairs exchanged at once
+    persistent: bool = False  # tile, TMA: one program per SM walks the tiles, its tile and K loops fused by Triton
 
     def describe(self) -> str:
         strip = "column strip (reductions along M, run transposed)" if self.transposed else \
@@ -56,7 +57,8 @@ class Plan:
                 f"{self.mainloop} mainloop, tile {self.block_m}x{self.block_n}x{self.block_k}, "
                 f"{self.num_warps} warps, {self.num_stages} pipeline stages"
                 f"{'; side inputs loaded before the mainloop' if self.prefetch else ''}"
-                f"{'; exchange overlapped with the next strip' if self.overlap else ''}")
+                f"{'; exchange overlapped with the next strip' if self.overlap else ''}"
+                f"{'; persistent grid, tile and K loops fused' if self.persistent else ''}")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -297,8 +299,9 @@ def plan(region: Region, target: str = "cuda", settings=None, sm_count: int = 13
                      moments=pairs)
     overlap = settings.overlap and schedule == "cooperative"
     prefetch = settings.prefetch and schedule != "split" and not overlap
+    persistent = settings.persistent and schedule == "tile"
     return Plan(region, transposed, schedule, stages, bm, bn, bk, 8, warps, pipe, tuple(forms),
-                mainloop=mainloop, prefetch=prefetch, overlap=overlap, **extra)
+                mainloop=mainloop, prefetch=prefetch, overlap=overlap, persistent=persistent, **extra)
 
 
 def candidates(region: Region, target: str = "cuda", settings=None, sm_count: int = 132) -> list:
@@ -349,6 +352,13 @@ def candidates(region: Region, target: str = "cuda", settings=None, sm_count: in
     if target != "interpreter" and not settings.mainloop and not tma_blocker(first.region):
         out += [dataclasses.replace(p, mainloop="tma", num_stages=max(p.num_stages, 3))
                 for p in list(out) if p.schedule != "row_in_cta"]
+    if target != "interpreter":
+        # a persistent grid over the tiles with the tile and K loops fused, so that the next
+        # tile's loads are in flight during this tile's epilogue (H200, ninth session, a
+        # hand-written probe of it at 128x256x64: 1.007x / 0.959x cuBLAS at 8192x4096x4096 /
+        # 8192x1024x1024 where one program per tile ran 0.980x / 0.912x)
+        out += [dataclasses.replace(p, persistent=True) for p in list(out)
+                if p.schedule == "tile" and p.mainloop == "tma" and not p.prefetch and not p.persistent]
     # (The split plan with the slice and K loops fused by Triton, ``flatten=True``, is not a
     # candidate: on the H200 it ran 1.43x / 1.18x cuBLAS's GEMM at 8192x4096x32768 / 128256
     # where the same plan with the loops apart ran 1.10x / 1.04x; ninth session.)
@@ -358,5 +368,5 @@ def candidates(region: Region, target: str = "cuda", settings=None, sm_count: in
         # 2026-11-30: the epilogue after a cooperative strip's mainloop cost 3-12 us per strip)
         out += [dataclasses.replace(p, prefetch=True) for p in list(out)
                 if p.schedule in ("cooperative", "row_in_cta", "tile") and p.block_m * p.block_n <= 128 * 128
-                and not p.overlap]
+                and not p.overlap and not p.persistent]
     return out

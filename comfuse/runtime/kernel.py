@@ -19,7 +19,7 @@ from ..planner import Plan
 from ..planner.onepass import parts
 from . import cache
 
-CODEGEN_VERSION = "triton-9"  # bumped when generated code or launch cost changes: stored tuning decisions are re-measured
+CODEGEN_VERSION = "triton-10"  # bumped when generated code or launch cost changes: stored tuning decisions are re-measured
 
 
 class ComfuseWarning(UserWarning):
@@ -176,6 +176,11 @@ class Kernel:
             args = self.arguments(a3, b3, ins, outs, ws, None, 0)
             return [(self.fn, (row_blocks * plan.chunks,), args, options),
                     (self.combine, (row_blocks,), args, options)]
+        if plan.persistent:  # one program per SM (three under the interpreter: still a walk)
+            tiles = triton.cdiv(M, plan.block_m) * triton.cdiv(N, plan.block_n)
+            sms = 3 if on_cpu else torch.cuda.get_device_properties(a3.device).multi_processor_count
+            programs = min(tiles, sms)
+            return [(self.fn, (programs, B), self.arguments(a3, b3, ins, outs, None, None, programs), options)]
         if plan.schedule != "cooperative":
             grid = (triton.cdiv(M, plan.block_m) * triton.cdiv(N, plan.block_n), B)
             return [(self.fn, grid, self.arguments(a3, b3, ins, outs, None, None, 0), options)]

@@ -390,6 +390,8 @@ class _Emitter:
                          "int32 [slots]: arrivals at each strip's exchanges"))
         for axis in ("M", "N", "K"):
             args.append((axis, Param(axis, "size", None, axis), None))
+        if self.plan.persistent:
+            args.append(("PROGRAMS", Param("PROGRAMS", "groups"), "programs of the persistent grid"))
         if self.plan.schedule == "split":
             args.append(("CHUNKS", Param("CHUNKS", "chunks"), "slices of N per row block"))
             args.append(("TILES_PER_CHUNK", Param("TILES_PER_CHUNK", "tiles_per_chunk"),
@@ -423,7 +425,8 @@ class _Emitter:
     def program_ids(self) -> None:
         p, batched = self.plan, self.region.gemm.batched
         self.line("# ---- which tile this program owns ----")
-        self.line("pid = tl.program_id(0)")
+        if not p.persistent:
+            self.line("pid = tl.program_id(0)")
         if self.cooperative:  # inside the strip function (see emit): strip, pid_n, slot given
             self.line(f"exchange = ((strip - slot) // GROUPS) * {self.plan.exchanges}  "
                       "# exchanges this program did before: picks the workspace buffer")
@@ -433,6 +436,8 @@ class _Emitter:
             return
         if batched:
             self.line("pid_b = tl.program_id(1).to(tl.int64)")
+        if p.persistent:
+            self.line("pid = tile")
         if p.schedule == "row_in_cta":
             self.line("pid_m = pid  # one program per strip of BLOCK_M whole rows")
             self.line("pid_n = 0")
@@ -615,6 +620,13 @@ class _Emitter:
                           "strip, pid_n, slot, strips_per_batch,", noinline=True)
         else:
             self.function(self.name, sig, consts, p.describe())
+        if p.persistent:
+            # one program per SM (PROGRAMS of them) walks the tiles; Triton fuses this loop
+            # with the K loop, so the next tile's first loads are issued during this tile's
+            # epilogue instead of after it
+            self.line("for tile in tl.range(tl.program_id(0), tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N), PROGRAMS, "
+                      "flatten=True):")
+            self.base += 1
         self.program_ids()
         self.mainloop()
         exchanges = 0
@@ -634,6 +646,8 @@ class _Emitter:
                 mask_arg = f", mask={mask}" if mask else ""
                 self.line(f"tl.store({self.offsets(f'out{k}', out.axes)}, "
                           f"{self.store_value(out)}{mask_arg})  # {out.name}")
+        if p.persistent:
+            self.base -= 1
         if self.cooperative:
             self.persistent_loop(sig, consts)
         body = "\n".join(self.lines)
