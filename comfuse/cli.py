@@ -85,6 +85,10 @@ def main(argv=None) -> int:
     p_bench.add_argument("--repeat", type=int, default=1,
                          help="time the candidates in this many interleaved rounds; report the median "
                               "of the rounds' medians and their range (for noisy machines)")
+    p_bench.add_argument("--graph", action="store_true",
+                         help="time every candidate as CUDA-graph replays of one call: the GPU's time "
+                              "without Python's launch path (which for ~40 us workloads on a busy host "
+                              "can double a time)")
     p_bench.add_argument("--report-only", action="store_true", help="rewrite the report of OUT/results.json")
     p_prof = sub.add_parser("profile", help="DRAM bytes of a fused kernel and its unfused pipeline (ncu)")
     p_prof.add_argument("workload", help="a workload of the bench suites, e.g. ln_postnorm")
@@ -142,7 +146,7 @@ def main(argv=None) -> int:
             if args.repeat < 1:
                 raise SystemExit("--repeat must be at least 1")
             results = runner.run(args.suite, args.quick, args.out, args.device, args.dtype, cands,
-                                 args.resume, repeat=args.repeat,
+                                 args.resume, repeat=args.repeat, graph=args.graph,
                                  only=[w for w in args.only.split(",") if w] or None)
         for path in report.write(results, args.out):
             print(f"wrote {path}")

@@ -5,7 +5,7 @@
 # GPU-only tests (cooperative-strip stress, cross-entropy memory at vocabulary 32k and 128k,
 # autotuning, DDP where two GPUs are present). Logs and results go to $OUT; a short table
 # is printed last. Knobs: SUITE, ONLY (workloads), CANDIDATES, BENCH_S, MAINLOOP_S, GPU_TESTS_S, GPU_TESTS_K,
-# REPEAT (interleaved timing rounds), MODELS=1, MODEL_CANDIDATES, CE_MEMORY=1, HOST=1, ANATOMY=1,
+# REPEAT (interleaved timing rounds), BENCH_GRAPH=1 (suite candidates timed as CUDA-graph replays), MODELS=1, MODEL_CANDIDATES, CE_MEMORY=1, HOST=1, ANATOMY=1,
 # MATRIX=1 (the tests not marked gpu, run on the GPU: -v, so a timeout still shows each result; MATRIX_S, MATRIX_K, MATRIX_N workers),
 # CE_SPLIT=1 (linear + CE forward variants; CE_SPLIT_SHAPES, CE_SPLIT_QUICK=1, CE_SPLIT_S)
 # TRAIN=1 (training steps of the Hugging Face blocks; TRAIN_S, TRAIN_MODELS), POWER=1 (rested vs sustained timing; POWER_S)
@@ -23,7 +23,7 @@ trap 'mkdir -p "$OUT/tuning"; cp "$COMFUSE_CACHE_DIR"/tuning/*.json "$OUT/tuning
 
 start=$(date +%s)
 [ "${BENCH_S:-270}" = 0 ] || timeout "${BENCH_S:-270}" python3 -m comfuse.cli bench --suite "${SUITE:-all}" --quick --repeat "${REPEAT:-1}" --out "$OUT/bench" \
-  --candidates "${CANDIDATES:-comfuse,eager,inductor,gemm,sdpa}" ${ONLY:+--only "$ONLY"} \
+  --candidates "${CANDIDATES:-comfuse,eager,inductor,gemm,sdpa}" ${ONLY:+--only "$ONLY"} ${BENCH_GRAPH:+--graph} \
   > "$OUT/bench.log" 2>&1
 echo "bench rc=$? in $(( $(date +%s) - start )) s"
 [ "${BENCH_S:-270}" = 0 ] || python3 -m comfuse.cli bench --report-only --out "$OUT/bench" > /dev/null 2>&1

@@ -68,6 +68,13 @@ def test_markdown_reports_wrong_and_unavailable_candidates():
     assert "Geometric-mean speedup of comfuse over the best baseline: 0.89x" in md  # sqrt(1.6 * 0.5)
 
 
+def test_markdown_says_how_repetitions_were_timed():
+    results = _results(_synthetic())
+    assert "each repetition a Python call" in report.markdown(results)
+    results["meta"]["graph"] = True  # comfuse bench --graph
+    assert "CUDA-graph replay of one call" in report.markdown(results)
+
+
 def test_figures_and_files_are_written(tmp_path):
     paths = report.write(_results(_synthetic(), _synthetic(comfuse_ms=0.3)), tmp_path)
     names = {p.name for p in paths}

@@ -80,6 +80,8 @@ def markdown(results: dict) -> str:
         lines.append(f"- measured ceilings: device copy {ceil['copy_tb_s']:.2f} TB/s, bf16 GEMM "
                      f"8192^3 {ceil['bf16_gemm_tflops']:.0f} TFLOP/s")
     how = ("`triton.testing.do_bench`, CUDA events, L2 flushed between repetitions"
+           + (", each repetition a CUDA-graph replay of one call (GPU time, no Python launch)"
+              if meta.get("graph") else ", each repetition a Python call")
            if meta.get("device") == "cuda" else
            "wall clock on the CPU through Triton's interpreter: a smoke test, not a measurement")
     rounds = meta.get("repeat", 1)

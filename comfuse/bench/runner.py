@@ -133,11 +133,14 @@ def _candidate(name: str, prog: workloads.Program) -> tuple[Callable | None, dic
 _UNCHECKED = ("gemm", "epilogue")  # they compute something else than the program: floors
 
 
-def run_case(prog: workloads.Program, candidates, device: str, progress, repeat: int = 1) -> dict:
+def run_case(prog: workloads.Program, candidates, device: str, progress, repeat: int = 1,
+             graph: bool = False) -> dict:
     """Build, check and time every candidate. With ``repeat`` > 1 the candidates that pass
     are timed in ``repeat`` interleaved rounds (A B C, then B C A, ...), so that a drifting
     machine affects all of them alike; the reported median is the median of the rounds'
-    medians, with the rounds' range beside it."""
+    medians, with the rounds' range beside it. With ``graph`` (CUDA only) each checked
+    candidate is timed as CUDA-graph replays of one call (a candidate that cannot be
+    captured is timed as calls, and says so)."""
     row = {"suite": prog.suite, "workload": prog.workload, "shape": list(prog.shape),
            "dtype": str(prog.dtype).replace("torch.", ""), "flops": prog.flops,
            "min_bytes": prog.min_bytes, "candidates": {}}
@@ -171,6 +174,12 @@ def run_case(prog: workloads.Program, candidates, device: str, progress, repeat:
                     row["candidates"][name] = info
                     progress(f"    {name:24s} WRONG: {detail}")
                     continue
+            if graph and device == "cuda":
+                try:
+                    call = graphed(call, warmup_calls=1)
+                    info["timed_as"] = "graph"
+                except Exception as e:  # (a host sync inside, say): time the calls instead
+                    info["timed_as"] = f"calls (graph capture failed: {type(e).__name__})"
             timing = measure(call, device)
             info.update(status="ok", **timing.as_dict())
             ready[name] = call
@@ -197,7 +206,7 @@ def run_case(prog: workloads.Program, candidates, device: str, progress, repeat:
 
 def run(suite: str = "all", quick: bool = False, out_dir: str | Path = "bench/results/latest",
         device: str = "auto", dtype: str = "bf16", candidates=None, resume: bool = False,
-        progress=print, repeat: int = 1, only=None) -> dict:
+        progress=print, repeat: int = 1, only=None, graph: bool = False) -> dict:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and suite not in ("paper", "models"):
@@ -222,7 +231,7 @@ def run(suite: str = "all", quick: bool = False, out_dir: str | Path = "bench/re
         progress("measuring the machine's ceilings ...")
         results = {"meta": environment(device), "ceilings": ceilings(device), "cases": []}
         results["meta"].update(suite=suite, quick=quick, dtype=dtype, candidates=list(candidates),
-                               repeat=repeat, workloads=list(only or []),
+                               repeat=repeat, graph=graph, workloads=list(only or []),
                                unfused_mode=settings.get().unfused_mode)
     done = {(c["workload"], tuple(c["shape"])) for c in results["cases"]}
     start = time.perf_counter()
@@ -232,7 +241,7 @@ def run(suite: str = "all", quick: bool = False, out_dir: str | Path = "bench/re
             progress(f"[{i}/{len(todo)}] {prog.label}: already measured (resume)")
             continue
         progress(f"[{i}/{len(todo)}] {prog.label} ({time.perf_counter() - start:.0f} s so far)")
-        results["cases"].append(run_case(prog, candidates, device, progress, repeat))
+        results["cases"].append(run_case(prog, candidates, device, progress, repeat, graph))
         path.write_text(json.dumps(results, indent=1))
         del prog
         if device == "cuda":
