@@ -1,4 +1,6 @@
 """The planner: reduction axis, passes, stages, schedule choice."""
+import dataclasses
+
 import torch
 
 from comfuse import settings
@@ -156,3 +158,27 @@ def test_moment_pairs_find_layer_norms_variance_and_nothing_else():
     col = cse(dce(region_of(lambda x, w: centred(x @ w, 0, 6.0), *x_w())))
     assert moment_pairs(col) == ()  # along M (the planner pairs it after transposing to rows)
     assert moment_pairs(cse(dce(transpose(col)))) != ()
+
+
+def test_autotuning_candidates_add_persistent_plans_to_tma_tile_plans_only():
+    """Beside each TMA tile plan the autotuner times the same plan on a persistent grid; no
+    reduction schedule gets one, the fused-loop split plans (measured 15-40 % slower on the
+    H200) are not candidates, and the interpreter gets no variants at all."""
+    from comfuse.planner.plan import candidates
+    F = torch.nn.functional
+    bf = torch.bfloat16
+    x, w, b = torch.randn(256, 128, dtype=bf), torch.randn(128, 512, dtype=bf), torch.randn(512, dtype=bf)
+    (tile,) = find_regions(capture(lambda x, w, b: F.gelu(x @ w + b), (x, w, b)))
+    plans = candidates(tile.region, target="cuda")
+    persistent = [p for p in plans if p.persistent]
+    assert persistent and all(p.schedule == "tile" and p.mainloop == "tma" for p in persistent)
+    for p in persistent:  # the same plan, one program per tile, is a candidate too
+        assert any(q == dataclasses.replace(p, persistent=False) for q in plans)
+    t = torch.randint(0, 512, (256,))
+    (ce,) = find_regions(capture(lambda x, w, t: F.cross_entropy(x @ w, t), (x, w, t)))
+    ce_plans = candidates(ce.region, target="cuda")
+    assert ce_plans and not any(p.persistent or p.flatten for p in ce_plans)
+    assert not any(p.persistent for p in candidates(tile.region, target="interpreter"))
+    with settings.override(persistent=True):
+        forced = plan(tile.region, target="cuda")
+    assert forced.persistent and "persistent grid" in forced.describe()

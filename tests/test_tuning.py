@@ -28,8 +28,35 @@ def fake_timer(monkeypatch, times):
         calls.append(t)
         return Timing(t, t, t, 20)
     monkeypatch.setattr(tuning, "measure", measure)
+    monkeypatch.setattr(tuning, "measure_rounds", lambda calls, rounds, device, **kw: {})  # no final rounds
     monkeypatch.setattr(tuning, "separate", lambda unfused, ext, on_cpu=False, form=None: (unfused, "ops"))
     return calls
+
+
+def test_close_contenders_are_timed_again_in_interleaved_rounds(monkeypatch):
+    """On a GPU the contenders within 5 % of the fastest first time (here the unfused ops
+    and plan a; b is 50 % slower) are timed again in interleaved rounds, and the rounds'
+    medians decide: a first timed 2 % slower than the unfused ops wins on the rounds. The
+    first times are kept in the decision."""
+    from comfuse.bench.timing import Rounds, Timing
+    fake_timer(monkeypatch, [1.00, 1.02, 1.50])  # unfused, a, b
+    seen = {}
+
+    def measure_rounds(calls, rounds, device, **kw):
+        seen.update(names=sorted(calls), rounds=rounds)
+        medians = {"unfused": 1.01, "a": 0.98}
+        return {n: Rounds(medians[n], (medians[n],) * rounds, Timing(medians[n], 0, 0, 60)) for n in calls}
+    monkeypatch.setattr(tuning, "measure_rounds", measure_rounds)
+    decision = tuning.decide(["a", "b"], lambda i: (torch.ones(2),), lambda: (torch.ones(2),), torch.device("cuda"))
+    assert seen == {"names": ["a", "unfused"], "rounds": tuning.FINAL_ROUNDS}
+    assert decision["choice"] == "a" and decision["times_ms"]["a"] == 0.98 and decision["times_ms"]["b"] == 1.50
+    assert decision["first_pass_ms"] == {"unfused": 1.00, "a": 1.02}
+    # nobody within 5 % of the fastest: no rounds
+    seen.clear()
+    fake_timer(monkeypatch, [1.00, 1.20, 1.50])
+    monkeypatch.setattr(tuning, "measure_rounds", measure_rounds)
+    decision = tuning.decide(["a", "b"], lambda i: (torch.ones(2),), lambda: (torch.ones(2),), torch.device("cuda"))
+    assert not seen and decision["choice"] == "unfused" and "first_pass_ms" not in decision
 
 
 def fused_module(compiled):
@@ -211,6 +238,7 @@ def test_best_mode_keeps_the_fastest_unfused_form(monkeypatch):
     monkeypatch.setattr(tuning, "_on_gpu", lambda ext: True)
     times = iter([0.5, 0.3, 0.9])  # inductor, inductor-max-autotune, ops: in the order timed
     monkeypatch.setattr(tuning, "measure", lambda *a, **k: Timing(next(times), 0, 0, 1))
+    monkeypatch.setattr(tuning, "measure_rounds", lambda calls, rounds, device, **kw: {})  # (0.9 is not close)
     gm = torch.fx.symbolic_trace(lambda x: torch.relu(x) + 1)
     ext = [torch.randn(4, 4)]
     with settings.override(unfused_mode="best"):
