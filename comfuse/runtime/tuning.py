@@ -41,16 +41,22 @@ FINALIST_MARGIN = 1.05
 FINAL_ROUNDS = 3
 
 
-def final_rounds(times: dict, calls: dict) -> dict:
+def final_rounds(times: dict, call) -> dict:
     """Time again, in ``FINAL_ROUNDS`` interleaved rounds with a rotating order, the
-    contenders of ``calls`` (name -> callable) whose first time in ``times`` is within
-    ``FINALIST_MARGIN`` of the fastest; return name -> median of their round medians (empty
-    when fewer than two are that close). A contender failing a round keeps its first time."""
-    finite = {n: t for n, t in times.items() if math.isfinite(t) and n in calls}
-    if len(finite) < 2:
+    contenders whose first time in ``times`` is within ``FINALIST_MARGIN`` of the fastest;
+    ``call(name)`` gives each one's callable (built only for those; one that raises is left
+    out). Return name -> median of their round medians (empty when fewer than two are that
+    close). A contender failing a round keeps its first time."""
+    best = min(times.values(), default=math.inf)
+    near = [n for n, t in times.items() if math.isfinite(t) and t <= best * FINALIST_MARGIN]
+    if len(near) < 2:
         return {}
-    best = min(finite.values())
-    close = {n: calls[n] for n, t in finite.items() if t <= best * FINALIST_MARGIN}
+    close = {}
+    for name in near:
+        try:
+            close[name] = call(name)
+        except Exception as e:  # (a graph capture, say): it keeps its first time
+            log.info("autotuning: %s not timed again (%s)", name, type(e).__name__)
     if len(close) < 2:
         return {}
     rounds = measure_rounds(close, FINAL_ROUNDS, "cuda", warmup_ms=5, rep_ms=25,
@@ -262,7 +268,7 @@ def separate(unfused, ext, on_cpu: bool = False, form: str | None = None) -> tup
     calls = {name: (lambda c=c: c(*ext)) for name, c in built.items()}
     calls["ops"] = lambda: unfused(*ext)
     times = {name: measure(call, "cuda", warmup_ms=5, rep_ms=25).median_ms for name, call in calls.items()}
-    times.update(final_rounds(times, calls))
+    times.update(final_rounds(times, calls.__getitem__))
     name = min(times, key=times.get)
     log.info("autotuning: unfused forms %s; kept %s",
              ", ".join(f"{n} {t:.4f} ms" for n, t in times.items()), name)
@@ -310,17 +316,11 @@ def decide(names: list, run_fused, run_unfused, device: torch.device, tol: float
             times[name] = math.inf
             rejected[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
     first_pass = {}
-    best = min(times.values())
-    near = [n for n, t in times.items() if math.isfinite(t) and t <= best * FINALIST_MARGIN]
-    if device.type == "cuda" and len(near) > 1:
-        calls = {}
-        for name in near:
+    if device.type == "cuda":
+        def call(name):
             fn = run_unfused if name == UNFUSED else functools.partial(run_fused, names.index(name))
-            try:
-                calls[name] = graphed(fn, warmup_calls=1) if timing == "graph" else fn
-            except Exception as e:  # it keeps its first time
-                log.info("autotuning: %s not timed again (%s)", name, type(e).__name__)
-        again = final_rounds(times, calls)
+            return graphed(fn, warmup_calls=1) if timing == "graph" else fn
+        again = final_rounds(times, call)
         first_pass = {n: times[n] for n in again}
         times.update(again)
     for name in names:
