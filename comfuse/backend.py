@@ -11,7 +11,9 @@ compiled worse than by Inductor alone.
 
 Options (``torch.compile(..., options={...})`` or ``COMFUSE_*`` variables):
 ``disable`` ("gemm_epilogue", "b2b" or both, comma-separated), ``schedule`` (force one),
-``fuel`` (fuse at most this many regions per graph), ``autotune`` ("0", "1", "auto").
+``fuel`` (fuse at most this many regions per graph), ``autotune`` ("0", "1", "auto"),
+``graph_check`` ("0", "1", "auto": time an inference graph with its fused regions against
+Inductor's compilation without them and keep the faster; "auto" on GPUs).
 
 The backward of a fused region recomputes it unfused under autograd (its original
 ops), so gradients match eager; the forward stays fused.
@@ -21,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import itertools
+import logging
 import operator
 import os
 import threading
@@ -32,6 +35,7 @@ import torch.fx as fx
 from . import settings as settings_mod
 from .runtime.kernel import ComfuseWarning
 
+log = logging.getLogger("comfuse.backend")
 _REGISTRY: dict = {}  # id -> (module that runs the region, which arguments are tensors, statistic rows carried)
 _ids = itertools.count()
 _lock = threading.Lock()
@@ -186,7 +190,7 @@ def _split_backward_fake(region_id, tensors, scalars, grads, carried=None):
 
 def _options(options: dict | None) -> dict:
     options = dict(options or {})
-    known = {"disable", "schedule", "fuel", "autotune"}
+    known = {"disable", "schedule", "fuel", "autotune", "graph_check"}
     unknown = set(options) - known
     if unknown:
         raise ValueError(f"comfuse backend: unknown options {sorted(unknown)}; known: {sorted(known)}")
@@ -203,6 +207,8 @@ def _options(options: dict | None) -> dict:
         overrides["fuel"] = int(options["fuel"])
     if "autotune" in options:
         overrides["autotune"] = str(options["autotune"])
+    if "graph_check" in options:
+        overrides["graph_check"] = str(options["graph_check"])
     return {"kinds": set(kinds), "settings": overrides}
 
 
@@ -223,7 +229,139 @@ def comfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = N
     if _symbolic(example_inputs):
         return PerShape(gm, example_inputs, opts)
     compiled = _compile_lowered(gm, example_inputs, opts)
-    return compiled if compiled is not None else compile_fx(gm, example_inputs)
+    if compiled is None:
+        return compile_fx(gm, example_inputs)
+    with settings_mod.override(**opts["settings"]):
+        return _faster_graph(gm, example_inputs, compiled)
+
+
+GRAPH_MARGIN = 0.99  # the graph with fused regions must run at least 1 % faster than Inductor's
+GRAPH_CHECKS: list = []  # the last few whole-graph comparisons (dicts), newest last, for inspection
+
+
+def _checks_graph(gm: fx.GraphModule, example_inputs) -> bool:
+    """Whether to time the fused graph against Inductor's (COMFUSE_GRAPH_CHECK): inference
+    graphs on real tensors that write to none of their inputs."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    from .runtime import tuning
+    s = settings_mod.get()
+    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+    if not tensors or s.graph_check == "0" or any(isinstance(t, FakeTensor) for t in tensors):
+        return False
+    if s.graph_check != "1" and not (tensors[0].device.type == "cuda" and tuning.enabled(tensors[0].device)):
+        return False
+    return not _mutates(gm)
+
+
+def _training(example_inputs) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
+
+
+def _step(fn, args):
+    """A call of ``fn`` and the backward of its differentiable outputs (gradients of ones)
+    into the inputs that require them, returned rather than accumulated into ``.grad``."""
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    grads = {}
+
+    def run():
+        outs = fn(*args)
+        outs = [o for o in (outs if isinstance(outs, (list, tuple)) else [outs])
+                if isinstance(o, torch.Tensor) and o.requires_grad]
+        if not outs:
+            return None
+        key = tuple((o.shape, o.dtype) for o in outs)
+        if key not in grads:
+            grads[key] = [torch.ones_like(o) for o in outs]
+        return torch.autograd.grad(outs, leaves, grads[key], allow_unused=True)
+    return run
+
+
+def _mutates(gm: fx.GraphModule) -> bool:
+    return any(n.op == "call_function" and getattr(n.target, "_schema", None) is not None
+               and n.target._schema.is_mutable for n in gm.graph.nodes)
+
+
+def _time_graphs(calls: dict, device) -> dict:
+    """name -> median ms of ``calls`` timed as Python calls (what a model's caller waits for,
+    host time included) in three interleaved rounds."""
+    from .bench.timing import measure_rounds
+    rounds = measure_rounds(calls, 3, device.type, warmup_ms=10, rep_ms=40)
+    return {n: r.median_ms for n, r in rounds.items()}
+
+
+def _faster_graph(gm: fx.GraphModule, example_inputs, fused, plain=None):
+    """``fused`` (Inductor's compilation of the graph with comfuse's regions in it) or, when
+    the graph is checked (COMFUSE_GRAPH_CHECK), a ``GraphChoice`` between it and Inductor's
+    compilation of ``gm`` as Dynamo gave it (``plain``, compiled here when not given)."""
+    from torch._inductor.compile_fx import compile_fx
+    if not _checks_graph(gm, example_inputs):
+        return fused
+    regions = lower.last_report.regions if lower.last_report is not None else []
+    try:
+        if plain is None:
+            with torch._guards.tracing(None):  # a compilation of its own, as PerShape's
+                plain = compile_fx(gm, list(example_inputs))
+    except Exception as e:  # keep the fused graph: each of its regions won its own timing
+        _check_failed(e)
+        return fused
+    return GraphChoice(fused, plain, sum(bool(r.fused) for r in regions))
+
+
+def _check_failed(e: Exception) -> None:
+    if settings_mod.get().strict:
+        raise e
+    warnings.warn(f"comfuse backend: timing the fused graph against Inductor's failed ({type(e).__name__}: "
+                  f"{str(e).splitlines()[0][:200] if str(e) else ''}); keeping the fused graph",
+                  ComfuseWarning, stacklevel=4)
+
+
+class GraphChoice:
+    """A graph with fused regions and Inductor's compilation of it without them; the first
+    call times both on its arguments and keeps, for good, the fused one only where it is at
+    least 1 % faster (``GRAPH_MARGIN``). With grad on, the forward alone and the training
+    step (forward and backward, gradients returned rather than accumulated) must both win.
+    A region that wins its own timing can still cost the model: its calls add host time,
+    and Inductor can no longer fuse across it. (Timed at the first call, not at compile
+    time: a backward compiled inside Dynamo's compilation fails.)"""
+
+    def __init__(self, fused, plain, regions: int):
+        self.fused, self.plain, self.regions = fused, plain, regions
+        self.chosen = None
+
+    def __call__(self, *args):
+        if self.chosen is None:
+            self.chosen = self._choose(list(args))
+        return self.chosen(*args)
+
+    def _choose(self, args):
+        device = next(t for t in args if isinstance(t, torch.Tensor)).device
+        training = _training(args)
+        try:
+            times = _time_graphs({"fused": lambda: self.fused(*args), "inductor": lambda: self.plain(*args)},
+                                 device)
+            if training:
+                steps = _time_graphs({"fused": _step(self.fused, args), "inductor": _step(self.plain, args)},
+                                     device)
+                times.update({f"{n} step": t for n, t in steps.items()})
+        except Exception as e:
+            _check_failed(e)
+            return self.fused
+        keep = all(times[f"fused{w}"] <= times[f"inductor{w}"] * GRAPH_MARGIN for w in ("", " step")
+                   if f"fused{w}" in times)
+        GRAPH_CHECKS.append({"regions": self.regions, "training": training,
+                             **{f"{n.replace(' ', '_')}_ms": t for n, t in times.items()},
+                             "kept": "fused" if keep else "inductor"})
+        del GRAPH_CHECKS[:-16]
+        log.info("backend: the graph with %d fused region(s) ran %s; Inductor's alone %s; keeping %s",
+                 self.regions, _times_text(times, "fused"), _times_text(times, "inductor"),
+                 "the fused graph" if keep else "Inductor's")
+        return self.fused if keep else self.plain
+
+
+def _times_text(times: dict, form: str) -> str:
+    text = f"{times[form]:.4f} ms a call"
+    return text + (f", {times[form + ' step']:.4f} ms a training step" if form + " step" in times else "")
 
 
 def _compile_lowered(gm: fx.GraphModule, example_inputs, opts: dict, shapes: str = "", own: bool = False):
@@ -299,7 +437,8 @@ class PerShape:
         if compiled is None:
             self.regionless = report is not None and not report.regions and not report.error
             return self.dynamic
-        return compiled
+        with settings_mod.override(**self.opts["settings"]):
+            return _faster_graph(self.gm, args, compiled, plain=self.dynamic)
 
 
 def _shape_key(args, scalars: frozenset) -> tuple:
@@ -399,10 +538,7 @@ def _tune_now(gm: fx.GraphModule, example_inputs) -> None:
     if not tensors or not tuning.enabled(tensors[0].device):  # "auto": GPUs only
         return
     from torch._subclasses.fake_tensor import FakeTensor
-    if any(isinstance(t, FakeTensor) for t in tensors):
-        return
-    if any(n.op == "call_function" and getattr(n.target, "_schema", None) is not None
-           and n.target._schema.is_mutable for n in gm.graph.nodes):
+    if any(isinstance(t, FakeTensor) for t in tensors) or _mutates(gm):
         return
     try:
         with torch.no_grad():

@@ -460,3 +460,78 @@ def test_region_ids_follow_what_the_region_computes(monkeypatch):
         return i
     assert first_id("plan A") == first_id("plan A")
     assert first_id("plan A") != first_id("plan B")
+
+
+@pytest.mark.parametrize("winner", ["fused", "inductor"])
+def test_the_whole_graph_is_timed_against_inductors_and_the_faster_kept(monkeypatch, winner):
+    """A region that wins its own timing can still cost the model (host time, fusions cut
+    around it): the backend times the inference graph with its fused regions against
+    Inductor's compilation of the graph without them and keeps the faster."""
+    from comfuse import backend
+    from comfuse.runtime import tuning
+
+    def decide(names, run_fused, run_unfused, device, tol=None, exact=None):
+        return {"choice": names[0], "times_ms": {tuning.UNFUSED: 1.0, **{n: 0.5 for n in names}}, "rejected": {}}
+    monkeypatch.setattr(tuning, "decide", decide)
+    monkeypatch.setattr(tuning, "load", lambda k: None)
+    monkeypatch.setattr(tuning, "store", lambda k, d: None)
+    timed = []
+
+    def time_graphs(calls, device):
+        timed.append(sorted(calls))
+        outs = {n: fn() for n, fn in calls.items()}  # both forms run, and agree
+        torch.testing.assert_close(outs["fused"], outs["inductor"], rtol=1e-4, atol=1e-5)
+        return {"fused": 1.0 if winner == "fused" else 2.0, "inductor": 1.5}
+    monkeypatch.setattr(backend, "_time_graphs", time_graphs)
+    region_calls = []
+    arguments = backend._arguments
+    monkeypatch.setattr(backend, "_arguments", lambda *a: region_calls.append(1) or arguments(*a))
+    model = PostNorm().to(DEVICE)
+    x, r = torch.randn(2, 5, 32, device=DEVICE), torch.randn(2, 5, 48, device=DEVICE)
+    with torch.no_grad():
+        fn = compiled(model, options={"autotune": "1", "graph_check": "1"})
+        out = fn(x, r)
+        torch.testing.assert_close(out, model(x, r), rtol=1e-4, atol=1e-5)
+        region_calls.clear()
+        fn(x, r)
+    assert timed == [["fused", "inductor"]]
+    assert backend.GRAPH_CHECKS[-1]["kept"] == winner and backend.GRAPH_CHECKS[-1]["regions"] == 1
+    assert bool(region_calls) == (winner == "fused")
+
+
+def test_a_training_graph_keeps_the_fused_form_only_if_its_forward_and_step_both_win(monkeypatch):
+    """Grad on: the forward alone and forward + backward (gradients returned, not accumulated
+    into ``.grad``) are both timed; a fused graph that loses either goes to Inductor."""
+    from comfuse import backend
+    from comfuse.runtime import tuning
+
+    def decide(names, run_fused, run_unfused, device, tol=None, exact=None):
+        return {"choice": names[0], "times_ms": {tuning.UNFUSED: 1.0, **{n: 0.5 for n in names}}, "rejected": {}}
+    monkeypatch.setattr(tuning, "decide", decide)
+    monkeypatch.setattr(tuning, "load", lambda k: None)
+    monkeypatch.setattr(tuning, "store", lambda k, d: None)
+    timed = []
+
+    def time_graphs(calls, device):
+        outs = {n: fn() for n, fn in calls.items()}
+        step = isinstance(outs["fused"], tuple)  # gradients
+        timed.append(step)
+        if step:
+            for a, b in zip(outs["fused"], outs["inductor"]):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        return {"fused": 1.0, "inductor": 2.0 if step else 1.5}  # fused wins both
+    monkeypatch.setattr(backend, "_time_graphs", time_graphs)
+    model = PostNorm().to(DEVICE)
+    x, r = torch.randn(2, 5, 32, device=DEVICE), torch.randn(2, 5, 48, device=DEVICE)
+    out = compiled(model, options={"autotune": "1", "graph_check": "1"})(x, r)
+    out.sum().backward()
+    assert timed == [False, True] and model.lin.weight.grad is not None
+    assert backend.GRAPH_CHECKS[-1]["training"] and backend.GRAPH_CHECKS[-1]["kept"] == "fused"
+    ref = PostNorm().to(DEVICE)
+    ref.load_state_dict(model.state_dict())
+    ref(x, r).sum().backward()  # the timing's backward left no gradient behind: one step's worth
+    torch.testing.assert_close(model.lin.weight.grad, ref.lin.weight.grad, rtol=1e-4, atol=1e-5)
+
+    monkeypatch.setattr(backend, "_time_graphs", lambda calls, device: pytest.fail("timed"))
+    with torch.no_grad():
+        compiled(model, options={"autotune": "0", "graph_check": "0"})(x, r)

@@ -185,15 +185,19 @@ def _split_shape(region: Region, target: str, settings, sm_count: int, blocks=No
     tiles = _cdiv(region.sizes.N, bn)
     row_blocks = _cdiv(region.sizes.M, bm) * region.sizes.B
     op = one_pass(region)
-    # ~16 waves of programs: with 4 (2026-11-30, H200, 8192x4096x32768) the last wave ran a
-    # third full and the split kernel took 1.25x the same tiles as a plain GEMM. Capped so
-    # that the statistics (fp32, one array per slot) stay within 1% of the bf16 row they replace.
+    # 4 tiles per slice: at 8192x4096x128256 it ran 1.041x cuBLAS's GEMM where 16 per slice (the
+    # rule before, ~16 waves of programs) ran 1.080x (H200, tenth session, 3 interleaved rounds;
+    # 1.029x vs 1.056x in the ninth). Fewer per slice where that leaves under ~8 waves of
+    # programs (with 4 waves, 2026-11-30, the last ran a third full: 1.25x the plain tiles); more
+    # where the statistics (fp32, one array per slot) would pass 1% of the bf16 row they replace.
     slots = sum(len(parts(st)) for st in op.stats)
     cap = max(1, region.sizes.N // (256 * max(slots, 1)))
-    chunks = min(tiles, cap, max(1, _cdiv(16 * sm_count, row_blocks)))
+    per = 4
+    while per > 1 and row_blocks * _cdiv(tiles, per) < 8 * sm_count:
+        per //= 2
+    per = min(tiles, max(per, _cdiv(tiles, cap)))
     if target == "interpreter":
-        chunks = min(tiles, 2)
-    per = _cdiv(tiles, chunks)
+        per = _cdiv(tiles, min(tiles, 2))
     # grouped order: 3.92 vs 4.15 ms slice-fastest at 4 tiles per slice; the tile's work inlined
     # in the slice loop: 3.29 vs 3.74 ms, though ptxas spills 296 bytes (H200, 8192x4096x32768
     # cross-entropy, 128x256x64 TMA tiles, cuBLAS mm 3.13; bench/results/h200-2026-11-30-session7)

@@ -1,0 +1,127 @@
+"""Where a model's time goes under comfuse's backend and under Inductor (issue 6).
+
+The tenth session's first call measured the BERT-base layer (batch 32, seq 512, bf16) at
+0.964 ms under ``backend="comfuse"`` against Inductor's 0.569 ms, with one kind of region
+fused (a tile plan that won its own autotuning by 2 %). This script separates the causes:
+for each way of compiling the block, with grad off and on (the models bench calls with grad
+on, so torch.compile builds training forwards), it prints the time of a Python call (``measure``), the
+host time of one call (calls queued without synchronising), the GPU time (CUDA-graph
+replay, where capture works) and the kernels one call launches (profiler), each output
+checked against eager first.
+
+Tuning decisions are read from ``$COMFUSE_CACHE_DIR/tuning`` when present (seed it from an
+earlier run's ``tuning/`` folder with ``--seed DIR`` to skip the autotuning).
+
+    python scripts/model_anatomy.py [--models bert_layer] [--seed DIR]   # on the GPU machine
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import comfuse  # noqa: E402,F401  (registers the backend)
+from comfuse import settings  # noqa: E402
+from comfuse.bench.timing import graphed, measure  # noqa: E402
+from comfuse.bench.workloads import model_program  # noqa: E402
+
+CALLS = 200
+
+
+def host_us(fn) -> float:
+    """Microseconds of host time per call: CALLS calls queued without synchronising."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(CALLS):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / CALLS * 1e6
+
+
+def kernels(fn, calls: int = 5) -> tuple[float, list]:
+    """(GPU ms per call, [(ms, count, name)]) from the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.count]
+    rows = sorted(((e.device_time_total / calls / 1e3, e.count // calls, e.key) for e in events), reverse=True)
+    return sum(r[0] for r in rows), rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="bert_layer")
+    ap.add_argument("--seed", default="", help="a folder of tuning decisions (*.json) to start the cache with")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/comfuse-out"))
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = open(out / "model_anatomy.txt", "w")
+
+    def say(text: str = "") -> None:
+        print(text, flush=True)
+        log.write(text + "\n")
+    if args.seed:
+        dest = settings.get().cache_dir / "tuning"
+        dest.mkdir(parents=True, exist_ok=True)
+        for f in Path(args.seed).glob("*.json"):
+            shutil.copy(f, dest / f.name)
+        say(f"tuning decisions seeded from {args.seed} into {dest}")
+    table = []
+    from comfuse import backend
+    for name, grad in ((n, g) for n in args.models.split(",") for g in (False, True)):
+        prog = model_program(name, torch.bfloat16, "cuda")
+        with torch.no_grad():
+            ref = prog.fn(*prog.args).float()
+        with torch.set_grad_enabled(grad):
+            for label, make in (("eager", lambda: prog.fn),
+                                ("inductor", lambda: torch.compile(prog.fn)),
+                                ("comfuse backend", lambda: torch.compile(prog.fn, backend="comfuse"))):
+                label += ", grad on" if grad else ", no_grad"
+                torch._dynamo.reset()
+                checks = len(backend.GRAPH_CHECKS)
+                fn = make()
+                t0 = time.perf_counter()
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    got = fn(*prog.args)
+                torch.cuda.synchronize()
+                built = time.perf_counter() - t0
+                err = ((got.detach().float() - ref).norm() / ref.norm()).item()
+                call = lambda: fn(*prog.args)  # noqa: E731
+                py = measure(call).median_ms
+                host = host_us(call)
+                try:
+                    gpu = measure(graphed(call)).median_ms
+                except Exception as e:  # (a capture that fails is reported, not fatal)
+                    gpu, why = float("nan"), f"{type(e).__name__}: {e}"
+                    say(f"{name} {label}: graph capture failed: {why[:200]}")
+                busy, rows = kernels(call)
+                table.append((name, label, py, host, gpu, busy, len(rows), err, built))
+                for check in backend.GRAPH_CHECKS[checks:]:
+                    say(f"{name} / {label}: whole-graph check {check}")
+                say(f"\n{name} / {label}: call {py:.4f} ms, host {host:.1f} us, graph {gpu:.4f} ms, "
+                    f"kernels {busy:.4f} ms, err {err:.2e}, first call {built:.1f} s")
+                for ms, count, key in rows[:16]:
+                    say(f"  {ms:8.4f} ms  x{count}  {key[:120]}")
+    say("\n| model | compiled by | Python call ms | host us per call | graph replay ms | kernel time ms | kernels | rel. err | first call s |")
+    say("|---|---|---|---|---|---|---|---|---|")
+    for name, label, py, host, gpu, busy, n, err, built in table:
+        say(f"| {name} | {label} | {py:.4f} | {host:.1f} | {gpu:.4f} | {busy:.4f} | {n} | {err:.1e} | {built:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
