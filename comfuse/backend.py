@@ -282,12 +282,41 @@ def _mutates(gm: fx.GraphModule) -> bool:
                and n.target._schema.is_mutable for n in gm.graph.nodes)
 
 
+GRAPH_TIMING_S = 0.3  # about how long each form is timed per round (3 rounds of 3-20 calls)
+
+
 def _time_graphs(calls: dict, device) -> dict:
-    """name -> median ms of ``calls`` timed as Python calls (what a model's caller waits for,
-    host time included) in three interleaved rounds."""
-    from .bench.timing import measure_rounds
-    rounds = measure_rounds(calls, 3, device.type, warmup_ms=10, rep_ms=40)
-    return {n: r.median_ms for n, r in rounds.items()}
+    """name -> ms per call of ``calls``, each timed as Python calls queued back to back with
+    one synchronisation at the end (what a model's caller waits for, host time included, as
+    in a training or serving loop), in three interleaved rounds with a rotating order: the
+    median of the rounds. 3 to 20 calls a round, fewer the slower a call (a one-second
+    training step costs ~20 s here, not minutes)."""
+    import statistics
+    import time
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    names = list(calls)
+    slowest = 0.0
+    for name in names:  # a first call each (its compilation and autotuning stay out), then one timed
+        calls[name]()
+        sync()
+        t0 = time.perf_counter()
+        calls[name]()
+        sync()
+        slowest = max(slowest, time.perf_counter() - t0)
+    reps = max(3, min(20, int(GRAPH_TIMING_S / max(slowest, 1e-6))))
+    rounds = {n: [] for n in names}
+    for r in range(3):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                calls[name]()
+            sync()
+            rounds[name].append((time.perf_counter() - t0) / reps * 1e3)
+    return {n: statistics.median(t) for n, t in rounds.items()}
 
 
 def _faster_graph(gm: fx.GraphModule, example_inputs, fused, plain=None):

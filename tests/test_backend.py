@@ -535,3 +535,23 @@ def test_a_training_graph_keeps_the_fused_form_only_if_its_forward_and_step_both
     monkeypatch.setattr(backend, "_time_graphs", lambda calls, device: pytest.fail("timed"))
     with torch.no_grad():
         compiled(model, options={"autotune": "0", "graph_check": "0"})(x, r)
+
+
+def test_graph_timing_rounds_are_bounded_and_interleaved():
+    """The whole-graph timing: three rounds of 3 to 20 calls per form (fewer the slower a
+    call), each round starting with another form."""
+    import time as time_mod
+    from comfuse import backend
+    order = []
+
+    def form(name, seconds):
+        def call():
+            order.append(name)
+            time_mod.sleep(seconds)
+        return call
+    times = backend._time_graphs({"a": form("a", 0.0), "b": form("b", 0.05)}, torch.device("cpu"))
+    assert times["b"] > times["a"] and 40 < times["b"] < 200
+    per_form = (len(order) - 4) // 6  # 2 untimed calls per form, then 3 rounds of both
+    assert len(order) == 4 + 6 * per_form and 3 <= per_form <= 6  # 0.3 s / 0.05 s a call
+    rounds = [order[4 + i * per_form] for i in range(6)]
+    assert rounds == ["a", "b", "b", "a", "a", "b"]

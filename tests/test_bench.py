@@ -188,3 +188,18 @@ def test_profile_without_ncu_says_so(monkeypatch):
     monkeypatch.setattr(profile, "find_ncu", lambda: None)
     with pytest.raises(SystemExit, match="Nsight Compute"):
         profile.profile("ln_postnorm", "8192,1024,1024")
+
+
+def test_bench_measures_the_paper_workloads_at_given_shapes(tmp_path):
+    """`comfuse bench --shapes` (issue 3's shapes outside the suite: M not a multiple of the
+    tile, other N): each chosen workload at each shape, checked against float64."""
+    from comfuse import cli
+    out = tmp_path / "b"
+    assert cli.main(["bench", "--suite", "paper", "--device", "cpu", "--dtype", "fp32", "--only", "rmsnorm",
+                     "--shapes", "33,16,40;8,16,24", "--candidates", "eager,comfuse", "--out", str(out)]) == 0
+    import json
+    cases = json.loads((out / "results.json").read_text())["cases"]
+    assert [(c["workload"], c["shape"]) for c in cases] == [("rmsnorm", [33, 16, 40]), ("rmsnorm", [8, 16, 24])]
+    assert all(c["candidates"][n]["status"] == "ok" for c in cases for n in ("eager", "comfuse"))
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--suite", "paper", "--device", "cpu", "--shapes", "1,2", "--out", str(out)])

@@ -206,7 +206,9 @@ def run_case(prog: workloads.Program, candidates, device: str, progress, repeat:
 
 def run(suite: str = "all", quick: bool = False, out_dir: str | Path = "bench/results/latest",
         device: str = "auto", dtype: str = "bf16", candidates=None, resume: bool = False,
-        progress=print, repeat: int = 1, only=None, graph: bool = False) -> dict:
+        progress=print, repeat: int = 1, only=None, graph: bool = False, shapes=None) -> dict:
+    """Build, check and time the suite's cases into ``out_dir``/results.json (``shapes``: for
+    the paper suite, these (M, K, N) for each workload instead of its own)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and suite not in ("paper", "models"):
@@ -223,6 +225,11 @@ def run(suite: str = "all", quick: bool = False, out_dir: str | Path = "bench/re
             raise SystemExit(f"no workload {sorted(unknown)} in suite {suite!r}; it has "
                              f"{', '.join(sorted({name for _, name, _ in todo}))}")
         todo = [c for c in todo if c[1] in only]
+    if shapes:
+        if suite != "paper":
+            raise SystemExit("--shapes applies to --suite paper (GEMM + epilogue workloads)")
+        names = list(dict.fromkeys(name for _, name, _ in todo))
+        todo = [("paper", name, tuple(shape)) for name in names for shape in shapes]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "results.json"
@@ -232,11 +239,12 @@ def run(suite: str = "all", quick: bool = False, out_dir: str | Path = "bench/re
         results = {"meta": environment(device), "ceilings": ceilings(device), "cases": []}
         results["meta"].update(suite=suite, quick=quick, dtype=dtype, candidates=list(candidates),
                                repeat=repeat, graph=graph, workloads=list(only or []),
+                               shapes=[list(x) for x in shapes or []],
                                unfused_mode=settings.get().unfused_mode)
     done = {(c["workload"], tuple(c["shape"])) for c in results["cases"]}
     start = time.perf_counter()
     for i, case in enumerate(todo, 1):
-        prog = workloads.build(case, DTYPES[dtype], device, cpu_scale=device == "cpu")
+        prog = workloads.build(case, DTYPES[dtype], device, cpu_scale=device == "cpu" and not shapes)
         if (prog.workload, tuple(prog.shape)) in done:
             progress(f"[{i}/{len(todo)}] {prog.label}: already measured (resume)")
             continue
