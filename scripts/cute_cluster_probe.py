@@ -1,0 +1,190 @@
+"""What does a row statistic exchanged through a thread-block cluster cost on Hopper?
+
+Issue 3's cooperative strip exchanges per-tile partials through global memory and an
+arrival counter: 1.4-8.2 us per strip on the H200 (third session), the reason fused GEMM +
+norm kernels sit at 1.4-2.0x the GEMM. Triton 3.6 cannot reduce across the CTAs of a
+cluster on sm_90; the CuTe DSL can (``mapa`` + ``st.shared::cluster`` + ``barrier.cluster``).
+This probe measures that exchange alone: clusters of C CTAs (2, 4, 8), each thread of each
+CTA sends one fp32 partial to the same slot of every CTA of its cluster, waits at the cluster
+barrier and sums the C slots, ``iters`` times in a row (two buffers, alternating). Time per
+exchange = (time at ITERS - time at 0 iterations) / ITERS.
+
+Two steps, so that the GPU machine needs no CuTe DSL (its 63 MiB archive would not travel
+with the working tree):
+
+    # CPU, with nvidia-cutlass-dsl==4.8.1 in some environment (not a comfuse dependency):
+    python scripts/cute_cluster_probe.py build --out build/cute      # sm_90a cubins + manifest
+    # GPU machine (torch, cuda-python), carrying build/cute:
+    python scripts/cute_cluster_probe.py run --dir build/cute
+
+``build`` keeps the cubins the DSL compiles for sm_90a (``CUTE_DSL_KEEP=cubin``; the DSL's
+``export_to_c`` is not implemented in 4.8.1's backend). ``run`` loads them with the CUDA
+driver API and launches with a cluster dimension (``cuLaunchKernelEx``), checks every CTA's
+result (after the first exchange every CTA of a cluster holds the mean of its initial
+values, exactly representable) and times with CUDA events (median of 50 launches).
+Written 2026-12-01 (tenth session) and compiled on the CPU only: the run step is untested.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+BM = 128  # threads per CTA, one partial each
+CLUSTERS = (2, 4, 8)
+GROUPS = 33  # clusters per launch (33 x 4 = 132 CTAs: one per SM of an H200 at C = 4)
+ITERS = 1000
+
+
+def _kernel_source() -> str:
+    """The DSL program, run in a subprocess with the DSL's environment variables set."""
+    return r'''
+import json, sys
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.runtime import make_fake_compact_tensor
+
+BM, GROUPS, C = %(BM)d, %(GROUPS)d, int(sys.argv[1])
+
+
+def to_cluster_shared(ptr):
+    """A peer CTA's shared-memory pointer (``mapa``) as the address ``st.shared::cluster`` takes."""
+    return llvm.inttoptr(llvm.PointerType.get(3), ptr.toint().ir_value())
+
+
+@cute.kernel
+def exchange(out: cute.Tensor, iters: Int32):
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    rank = cute.arch.block_idx_in_cluster()
+    buf = cute.arch.alloc_smem(Float32, 2 * C * BM, alignment=16)  # two rounds of C x BM slots
+    mine = cute.make_tensor(buf, cute.make_layout(2 * C * BM))
+    v = Float32(rank * BM + tidx)
+    for it in cutlass.range(iters):
+        slot = (it %% 2) * (C * BM)
+        for peer in cutlass.range_constexpr(C):
+            there = cute.arch.map_dsmem_ptr(buf + slot + rank * BM + tidx, Int32(peer))
+            cute.arch.store(to_cluster_shared(there), v, ss="cluster")
+        cute.arch.cluster_arrive()  # release: the stores above are visible to the cluster
+        cute.arch.cluster_wait()    # acquire: every peer's stores to this CTA have landed
+        total = Float32(0.0)
+        for c in cutlass.range_constexpr(C):
+            total += mine[slot + c * BM + tidx]
+        v = total * (1.0 / C)
+    out[bidx, tidx] = v
+
+
+@cute.jit
+def launch(out: cute.Tensor, iters: Int32):
+    exchange(out, iters).launch(grid=[C * GROUPS, 1, 1], block=[BM, 1, 1], cluster=[C, 1, 1])
+
+
+out = make_fake_compact_tensor(Float32, (C * GROUPS, BM), stride_order=(1, 0), assumed_align=16)
+cute.compile(launch, out, Int32(1))
+''' % {"BM": BM, "GROUPS": GROUPS}
+
+
+def build(out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    program = out / "exchange_program.py"
+    program.write_text(_kernel_source())
+    manifest = []
+    for c in CLUSTERS:
+        dump = out / f"c{c}"
+        dump.mkdir(exist_ok=True)
+        env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_KEEP": "ptx,cubin",
+               "CUTE_DSL_DUMP_DIR": str(dump), "CUTE_DSL_CACHE_DIR": str(out / "cache")}
+        subprocess.run([sys.executable, str(program), str(c)], env=env, check=True)
+        cubin = next(dump.glob("*.cubin"))
+        ptx = next(dump.glob("*.ptx")).read_text()
+        entry = next(line.split()[2].rstrip("(") for line in ptx.splitlines() if ".entry" in line)
+        for needed in ("mapa.shared::cluster", "st.shared::cluster", "barrier.cluster.arrive",
+                       "barrier.cluster.wait"):
+            assert needed in ptx, f"{needed} missing from the PTX of cluster size {c}"
+        manifest.append({"cluster": c, "cubin": str(cubin.relative_to(out)), "entry": entry,
+                         "grid": c * GROUPS, "block": BM})
+        print(f"cluster {c}: {cubin.name} ({cubin.stat().st_size} bytes), entry {entry}")
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+
+
+def run(folder: Path) -> None:
+    import ctypes
+
+    import torch
+    try:
+        from cuda.bindings import driver as cu
+    except ImportError:  # older cuda-python
+        from cuda import cuda as cu
+
+    def check(result):
+        err, *rest = result if isinstance(result, tuple) else (result,)
+        if int(err) != 0:
+            raise RuntimeError(f"CUDA driver error {err}")
+        return rest[0] if len(rest) == 1 else rest
+
+    torch.cuda.init()
+    torch.empty(1, device="cuda")  # a current context (torch's primary one)
+    rows = []
+    for item in json.loads((folder / "manifest.json").read_text()):
+        c = item["cluster"]
+        module = check(cu.cuModuleLoadData((folder / item["cubin"]).read_bytes()))
+        fn = check(cu.cuModuleGetFunction(module, item["entry"].encode()))
+        out = torch.full((item["grid"], item["block"]), float("nan"), device="cuda")
+
+        def launch(iters: int):
+            config = cu.CUlaunchConfig()
+            config.gridDimX, config.gridDimY, config.gridDimZ = item["grid"], 1, 1
+            config.blockDimX, config.blockDimY, config.blockDimZ = item["block"], 1, 1
+            config.sharedMemBytes = 0
+            config.hStream = cu.CUstream(torch.cuda.current_stream().cuda_stream)
+            attr = cu.CUlaunchAttribute()
+            attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = c, 1, 1
+            config.attrs, config.numAttrs = [attr], 1
+            args = ((out.data_ptr(), iters), (ctypes.c_void_p, ctypes.c_uint32))
+            check(cu.cuLaunchKernelEx(config, fn, args, 0))
+
+        launch(3)
+        torch.cuda.synchronize()
+        t = torch.arange(item["block"], device="cuda", dtype=torch.float32)
+        want = (t + item["block"] * (c - 1) / 2).expand_as(out)  # mean over the cluster of rank * BM + t
+        ok = torch.equal(out, want)
+        times = {}
+        for iters in (0, ITERS):
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(50)]
+            launch(iters)
+            for start, end in events:
+                start.record()
+                launch(iters)
+                end.record()
+            torch.cuda.synchronize()
+            times[iters] = statistics.median(s.elapsed_time(e) for s, e in events)
+        per = (times[ITERS] - times[0]) / ITERS * 1e3
+        rows.append((c, ok, times[0], times[ITERS], per))
+        print(f"cluster {c}: correct {ok}, 0 iterations {times[0]:.4f} ms, {ITERS} {times[ITERS]:.4f} ms, "
+              f"{per:.3f} us per exchange", flush=True)
+    print("\n| CTAs per cluster | correct | launch, 0 exchanges (ms) | 1000 exchanges (ms) | us per exchange |")
+    print("|---|---|---|---|---|")
+    for c, ok, t0, t1, per in rows:
+        print(f"| {c} | {ok} | {t0:.4f} | {t1:.4f} | {per:.3f} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="step", required=True)
+    b = sub.add_parser("build", help="compile the sm_90a cubins (CPU; needs nvidia-cutlass-dsl)")
+    b.add_argument("--out", default="build/cute")
+    r = sub.add_parser("run", help="load the cubins and time them (GPU; needs cuda-python)")
+    r.add_argument("--dir", default="build/cute")
+    args = ap.parse_args()
+    build(Path(args.out)) if args.step == "build" else run(Path(args.dir))
+
+
+if __name__ == "__main__":
+    main()
