@@ -158,6 +158,44 @@ def test_dynamic_lengths_tune_and_run_per_shape_through_the_backend(tmp_path):
             assert err < 2e-2, f"input gradient off by {err:.3g} (relative norm) at {tokens} tokens"
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["inference", "training"])
+def test_the_backend_times_a_fused_graph_against_inductors_on_the_gpu(tmp_path, grad):
+    """COMFUSE_GRAPH_CHECK on the GPU: a graph that keeps a fused region (forced: autotuning
+    off) is timed at its first call against Inductor's compilation without it; both forms
+    were timed (with grad on, the training step too), one was kept, and the result and the
+    gradients match eager."""
+    import torch.nn.functional as F
+    from comfuse import backend
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(1024, 1024).to("cuda", torch.bfloat16)
+    norm = torch.nn.LayerNorm(1024).to("cuda", torch.bfloat16)
+
+    def block(x, r):
+        return norm(F.gelu(lin(x)) + r)
+    x = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+    r = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    before = len(backend.GRAPH_CHECKS)
+    with comfuse.settings.override(cache_dir=tmp_path), warnings.catch_warnings(), torch.set_grad_enabled(grad):
+        warnings.simplefilter("ignore", comfuse.ComfuseWarning)
+        cm = torch.compile(block, backend="comfuse", dynamic=False,
+                           options={"autotune": "0", "graph_check": "1"})
+        out = cm(x, r)
+        out = cm(x, r)
+        torch.testing.assert_close(out.float(), block(x, r).float(), rtol=2e-2, atol=2e-2)
+        if grad:
+            g = torch.randn_like(out, dtype=torch.float32)
+            (out.float() * g).sum().backward()
+            gx = x.grad.float()
+            x.grad = None
+            (block(x, r).float() * g).sum().backward()
+            assert ((gx - x.grad.float()).norm() / x.grad.float().norm()).item() < 2e-2
+    checks = backend.GRAPH_CHECKS[before:]
+    assert len(checks) == 1 and checks[0]["regions"] >= 1 and checks[0]["kept"] in ("fused", "inductor")
+    timed = ("fused_ms", "inductor_ms") + (("fused_step_ms", "inductor_step_ms") if grad else ())
+    assert all(0 < checks[0][k] < 100 for k in timed), checks[0]
+
+
 @pytest.mark.parametrize("vocab", [32768, 128256])
 def test_linear_cross_entropy_never_allocates_logits(vocab):
     """LM head + cross-entropy at 8192 tokens, hidden 4096: correct, and the memory the
