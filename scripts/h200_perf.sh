@@ -5,7 +5,7 @@
 # GPU-only tests (cooperative-strip stress, cross-entropy memory at vocabulary 32k and 128k,
 # autotuning, DDP where two GPUs are present). Logs and results go to $OUT; a short table
 # is printed last. Knobs: SUITE, ONLY (workloads), CANDIDATES, BENCH_S, MAINLOOP_S, GPU_TESTS_S, GPU_TESTS_K,
-# REPEAT (interleaved timing rounds), BENCH_GRAPH=1 (suite candidates timed as CUDA-graph replays), MODELS=1, MODEL_CANDIDATES, CE_MEMORY=1, HOST=1, ANATOMY=1,
+# REPEAT (interleaved timing rounds), SHAPES (paper suite at these M,K,N;... instead of --quick), CUTE=1 (scripts/cute_cluster_probe.py run; carry build/cute), BENCH_GRAPH=1 (suite candidates timed as CUDA-graph replays), MODELS=1, MODEL_CANDIDATES, CE_MEMORY=1, HOST=1, ANATOMY=1,
 # MATRIX=1 (the tests not marked gpu, run on the GPU: -v, so a timeout still shows each result; MATRIX_S, MATRIX_K, MATRIX_N workers),
 # CE_SPLIT=1 (linear + CE forward variants; CE_SPLIT_SHAPES, CE_SPLIT_QUICK=1, CE_SPLIT_S)
 # TRAIN=1 (training steps of the Hugging Face blocks; TRAIN_S, TRAIN_MODELS), POWER=1 (rested vs sustained timing; POWER_S)
@@ -22,7 +22,8 @@ trap 'mkdir -p "$OUT/tuning"; cp "$COMFUSE_CACHE_DIR"/tuning/*.json "$OUT/tuning
       (cd "$OUT" && tar czf all.tgz --exclude=all.tgz . && find . -mindepth 1 ! -name all.tgz -delete)' EXIT
 
 start=$(date +%s)
-[ "${BENCH_S:-270}" = 0 ] || timeout "${BENCH_S:-270}" python3 -m comfuse.cli bench --suite "${SUITE:-all}" --quick --repeat "${REPEAT:-1}" --out "$OUT/bench" \
+[ "${BENCH_S:-270}" = 0 ] || timeout "${BENCH_S:-270}" python3 -m comfuse.cli bench --suite "${SUITE:-all}" \
+  ${SHAPES:+--shapes "$SHAPES"} $([ -z "${SHAPES:-}" ] && echo --quick) --repeat "${REPEAT:-1}" --out "$OUT/bench" \
   --candidates "${CANDIDATES:-comfuse,eager,inductor,gemm,sdpa}" ${ONLY:+--only "$ONLY"} ${BENCH_GRAPH:+--graph} \
   > "$OUT/bench.log" 2>&1
 echo "bench rc=$? in $(( $(date +%s) - start )) s"
@@ -72,6 +73,10 @@ if [ -n "${MODELS:-}" ]; then  # Hugging Face blocks: comfuse's backend against 
   timeout "${MODELS_S:-240}" python3 -m comfuse.cli bench --suite models --out "$OUT/models" \
     --candidates "${MODEL_CANDIDATES:-comfuse-backend,eager,inductor,inductor-max-autotune}" > "$OUT/models.log" 2>&1
   echo "models rc=$?"; grep -E "^\| (bert_layer|llama_mlp) " "$OUT/models/results.md" | cut -c1-220
+fi
+if [ -n "${CUTE:-}" ]; then  # the CuTe DSL cluster-exchange probe (cubins built on the CPU into build/cute; carry it)
+  timeout "${CUTE_S:-120}" python3 scripts/cute_cluster_probe.py run --dir "${CUTE_DIR:-build/cute}" > "$OUT/cute.log" 2>&1
+  echo "cute rc=$?"; grep -E "^\||cluster" "$OUT/cute.log" | head -12
 fi
 if [ -n "${TRAIN:-}" ]; then  # training steps of the Hugging Face blocks against Inductor (issue 6)
   timeout "${TRAIN_S:-450}" python3 scripts/model_train_bench.py --models "${TRAIN_MODELS:-llama_mlp,bert_layer}" \
