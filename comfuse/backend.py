@@ -69,8 +69,11 @@ def region_op(region_id: int, tensors: list[torch.Tensor], scalars: list[int]) -
     region (a loss over a wide row) returns one more tensor, last: its merged per-row
     statistics for the backward ([rows, M] fp32; NaN when this call ran something else)."""
     module = _REGISTRY[region_id][0]
-    outs = module(*_arguments(region_id, tensors, scalars))
-    # a custom op's outputs must not alias its inputs
+    # (forward directly: region modules carry no hooks, and nn.Module's call path costs
+    # microseconds on every call of a compiled graph)
+    outs = module.forward(*_arguments(region_id, tensors, scalars))
+    # a custom op's outputs must not alias its inputs (the fused path returns fresh tensors;
+    # the unfused ops may return views)
     outs = [o.clone() if o._base is not None and any(o._base is x or o._base is x._base for x in tensors)
             else o for o in outs]
     rows = _statistic_rows(region_id)

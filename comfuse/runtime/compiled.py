@@ -183,7 +183,12 @@ class FusedRegion(torch.nn.Module):
         ins = [self.prepare_cached(j, ext[bind.ext], bind, device) for j, bind in enumerate(self.cand_inputs)]
         if self._canon_outs is None:
             self._canon_outs = [(canonical_shape(region, o.axes), o.dtype) for o in region.outputs]
-        outs = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self._canon_outs]
+        # each output allocated in its own shape, the kernel given its canonical view: the
+        # tensors returned are bases of their own (no view of a temporary for a caller, such
+        # as the backend's custom op, to inspect)
+        results = [torch.empty(shape, dtype=dtype, device=device)
+                   for shape, (_, dtype) in zip(self.out_shapes, self._canon_outs)]
+        outs = [r.view(canon) for r, (canon, _) in zip(results, self._canon_outs)]
         if kernel.plan.transposed:
             kernel.launch(b3.transpose(1, 2), a3.transpose(1, 2),
                           [t.transpose(1, 2) for t in ins], [t.transpose(1, 2) for t in outs])
@@ -193,7 +198,7 @@ class FusedRegion(torch.nn.Module):
                 self._split_ran = (kernel, device, a3.shape[1])
         if check:
             self.check(a3, b3, ins, outs, kernel)
-        return tuple(o.view(shape) for o, shape in zip(outs, self.out_shapes))
+        return tuple(results)
 
     def check(self, a3, b3, ins, outs, kernel) -> None:
         refs, scales = evaluate_with_scale(self.region, a3, b3, ins)
