@@ -370,12 +370,15 @@ class GraphChoice:
         device = next(t for t in args if isinstance(t, torch.Tensor)).device
         training = _training(args)
         try:
-            times = _time_graphs({"fused": lambda: self.fused(*args), "inductor": lambda: self.plain(*args)},
-                                 device)
-            if training:
-                steps = _time_graphs({"fused": _step(self.fused, args), "inductor": _step(self.plain, args)},
+            # the random state is put back afterwards: the caller's first call draws the same
+            # numbers (dropout, say) as it would have without the timing
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                times = _time_graphs({"fused": lambda: self.fused(*args), "inductor": lambda: self.plain(*args)},
                                      device)
-                times.update({f"{n} step": t for n, t in steps.items()})
+                if training:
+                    steps = _time_graphs({"fused": _step(self.fused, args), "inductor": _step(self.plain, args)},
+                                         device)
+                    times.update({f"{n} step": t for n, t in steps.items()})
         except Exception as e:
             _check_failed(e)
             return self.fused

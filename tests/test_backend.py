@@ -555,3 +555,39 @@ def test_graph_timing_rounds_are_bounded_and_interleaved():
     assert len(order) == 4 + 6 * per_form and 3 <= per_form <= 6  # 0.3 s / 0.05 s a call
     rounds = [order[4 + i * per_form] for i in range(6)]
     assert rounds == ["a", "b", "b", "a", "a", "b"]
+
+
+def test_the_graph_timing_leaves_the_random_state_as_it_found_it(monkeypatch):
+    """The first call's timing runs the graph many times; dropout in it must not shift the
+    random numbers the caller's own first call draws: with Inductor's graph kept, the first
+    output equals Inductor alone's under the same seed."""
+    from comfuse import backend
+    from comfuse.runtime import tuning
+
+    def decide(names, run_fused, run_unfused, device, tol=None, exact=None):
+        return {"choice": names[0], "times_ms": {tuning.UNFUSED: 1.0, **{n: 0.5 for n in names}}, "rejected": {}}
+    monkeypatch.setattr(tuning, "decide", decide)
+    monkeypatch.setattr(tuning, "load", lambda k: None)
+    monkeypatch.setattr(tuning, "store", lambda k, d: None)
+
+    def time_graphs(calls, device):
+        for fn in calls.values():
+            fn()  # draws random numbers
+        return {"fused": 2.0, "inductor": 1.0}
+    monkeypatch.setattr(backend, "_time_graphs", time_graphs)
+
+    class Dropped(PostNorm):
+        def forward(self, x, r):
+            return F.dropout(self.ln(self.lin(x) + r), 0.5, training=True)
+    model = Dropped().to(DEVICE)
+    x, r = torch.randn(2, 5, 32, device=DEVICE), torch.randn(2, 5, 48, device=DEVICE)
+    with torch.no_grad():
+        torch._dynamo.reset()
+        alone = torch.compile(model, dynamic=False)
+        torch.manual_seed(7)
+        want = alone(x, r)
+        cm = compiled(model, options={"autotune": "1", "graph_check": "1"})
+        torch.manual_seed(7)
+        got = cm(x, r)
+    assert backend.GRAPH_CHECKS[-1]["kept"] == "inductor"
+    assert torch.equal(got, want)
