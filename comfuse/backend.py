@@ -329,6 +329,10 @@ def _faster_graph(gm: fx.GraphModule, example_inputs, fused, plain=None):
     from torch._inductor.compile_fx import compile_fx
     if not _checks_graph(gm, example_inputs):
         return fused
+    if lower.saves_memory:  # Inductor's graph would hold (and, timed, allocate) that tensor
+        log.info("backend: a fused region saves a large intermediate (a loss over a vocabulary): "
+                 "the graph keeps it without timing Inductor's")
+        return fused
     regions = lower.last_report.regions if lower.last_report is not None else []
     try:
         if plain is None:
@@ -531,6 +535,7 @@ def lower(gm: fx.GraphModule, example_inputs, disabled_kinds=frozenset()):
 
     spec = Specialization(gm, _static(example_inputs), execute=False, disabled_kinds=disabled_kinds)
     lower.last_report = spec.report  # for tests and debugging
+    lower.saves_memory = False
     if spec.gm is None:
         return None
     graph = spec.gm.graph
@@ -554,12 +559,18 @@ def lower(gm: fx.GraphModule, example_inputs, disabled_kinds=frozenset()):
         spec.gm.delete_submodule(node.target)  # the registry holds it; Inductor need not pickle it
     if not any(n.target is torch.ops.comfuse.region.default for n in graph.nodes):
         return None  # autotuning left every region unfused: Inductor gets the graph as Dynamo gave it
+    from .runtime import tuning
+    lower.saves_memory = any(tuning.saves_memory(m.region) for m, _, _ in
+                             (_REGISTRY[n.args[0]] for n in graph.nodes
+                              if n.target is torch.ops.comfuse.region.default)
+                             if getattr(m, "region", None) is not None)
     graph.lint()
     spec.gm.recompile()
     return spec.gm
 
 
 lower.last_report = None
+lower.saves_memory = False  # the last graph lowered keeps a region whose unfused ops would hold a huge tensor
 
 
 def _tune_now(gm: fx.GraphModule, example_inputs) -> None:

@@ -591,3 +591,20 @@ def test_the_graph_timing_leaves_the_random_state_as_it_found_it(monkeypatch):
         got = cm(x, r)
     assert backend.GRAPH_CHECKS[-1]["kept"] == "inductor"
     assert torch.equal(got, want)
+
+
+def test_a_graph_whose_region_saves_a_vocabulary_sized_tensor_is_not_timed_against_inductors(monkeypatch):
+    """Linear + cross-entropy over a vocabulary stays fused for memory (issue 6: peak at most
+    half of Inductor's) even where slower; the whole-graph check must not undo that, nor
+    allocate the logits Inductor's graph would hold by timing it."""
+    from comfuse import backend
+    from comfuse.runtime import tuning
+    monkeypatch.setattr(tuning, "MEMORY_FIRST_BYTES", 1)  # this small vocabulary counts as huge
+    monkeypatch.setattr(backend, "_time_graphs", lambda calls, device: pytest.fail("timed"))
+    lm = torch.nn.Linear(64, 100, bias=False).to(DEVICE)
+    x, t = torch.randn(8, 64, device=DEVICE), torch.randint(0, 100, (8,), device=DEVICE)
+    loss_fn = lambda x, t: F.cross_entropy(lm(x), t)  # noqa: E731
+    with torch.no_grad():
+        loss = compiled(loss_fn, options={"autotune": "0", "graph_check": "1"})(x, t)
+    assert lower.saves_memory
+    torch.testing.assert_close(loss, loss_fn(x, t), rtol=1e-5, atol=1e-6)

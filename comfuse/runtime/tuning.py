@@ -69,12 +69,18 @@ def intermediate_text(region) -> str:
     return f"unfused, an fp32 [{s.B * s.M}, {s.N}] intermediate of {s.B * s.M * s.N * 4 / 2**30:.1f} GiB"
 
 
+def saves_memory(region) -> bool:
+    """Whether fusing ``region`` avoids a large tensor: per-row outputs only, where its
+    unfused ops would hold an fp32 [M, N] intermediate of MEMORY_FIRST_BYTES or more (a loss
+    over a vocabulary)."""
+    s = region.sizes
+    return s.B * s.M * s.N * 4 >= MEMORY_FIRST_BYTES and not any("N" in o.axes for o in region.outputs)
+
+
 def memory_first(region, decision: dict) -> str:
     """The fastest correct fused plan when the region must stay fused to save memory
-    (per-row outputs only, and an unfused intermediate of MEMORY_FIRST_BYTES or more),
-    else ''."""
-    s = region.sizes
-    if s.B * s.M * s.N * 4 < MEMORY_FIRST_BYTES or any("N" in o.axes for o in region.outputs):
+    (``saves_memory``), else ''."""
+    if not saves_memory(region):
         return ""  # small, or the outputs are [M, N] anyway: nothing to save
     fused = {n: t for n, t in decision["times_ms"].items() if n != UNFUSED and t < math.inf}
     return min(fused, key=fused.get) if fused else ""
