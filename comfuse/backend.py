@@ -12,8 +12,8 @@ compiled worse than by Inductor alone.
 Options (``torch.compile(..., options={...})`` or ``COMFUSE_*`` variables):
 ``disable`` ("gemm_epilogue", "b2b" or both, comma-separated), ``schedule`` (force one),
 ``fuel`` (fuse at most this many regions per graph), ``autotune`` ("0", "1", "auto"),
-``graph_check`` ("0", "1", "auto": time an inference graph with its fused regions against
-Inductor's compilation without them and keep the faster; "auto" on GPUs).
+``graph_check`` ("0", "1", "auto": time a graph that keeps fused regions against Inductor's
+compilation without them at its first call and keep the faster; "auto" on GPUs).
 
 The backward of a fused region recomputes it unfused under autograd (its original
 ops), so gradients match eager; the forward stays fused.
@@ -243,8 +243,8 @@ GRAPH_CHECKS: list = []  # the last few whole-graph comparisons (dicts), newest 
 
 
 def _checks_graph(gm: fx.GraphModule, example_inputs) -> bool:
-    """Whether to time the fused graph against Inductor's (COMFUSE_GRAPH_CHECK): inference
-    graphs on real tensors that write to none of their inputs."""
+    """Whether to time the fused graph against Inductor's (COMFUSE_GRAPH_CHECK): graphs on
+    real tensors that write to none of their inputs (running them again repeats no write)."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     from .runtime import tuning
