@@ -6,8 +6,9 @@ norm kernels sit at 1.4-2.0x the GEMM. Triton 3.6 cannot reduce across the CTAs 
 cluster on sm_90; the CuTe DSL can (``mapa`` + ``st.shared::cluster`` + ``barrier.cluster``).
 This probe measures that exchange alone: clusters of C CTAs (2, 4, 8), each thread of each
 CTA sends one fp32 partial to the same slot of every CTA of its cluster, waits at the cluster
-barrier and sums the C slots, ``iters`` times in a row (two buffers, alternating). Time per
-exchange = (time at ITERS - time at 0 iterations) / ITERS.
+barrier and sums the C slots, ``iters`` times in a row (two buffers, alternating); and, for
+comparison, the same through global memory and an arrival counter per group of C CTAs (the
+cooperative strip's way). Time per exchange = (time at ITERS - time at 0) / ITERS.
 
 Two steps, so that the GPU machine needs no CuTe DSL (its 63 MiB archive would not travel
 with the working tree):
@@ -80,13 +81,52 @@ def exchange(out: cute.Tensor, iters: Int32):
     out[bidx, tidx] = v
 
 
+@cute.kernel
+def exchange_global(out: cute.Tensor, parts: cute.Tensor, counters: cute.Tensor, iters: Int32):
+    """The same exchange through global memory, as Triton's cooperative strip does it: each
+    group of C CTAs (not a cluster) writes its partials, counts arrivals on a counter and
+    spins until the group has arrived (every CTA resident: C * GROUPS <= 2 per SM)."""
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    g = bidx // C
+    rank = bidx %% C
+    v = Float32(rank * BM + tidx)
+    for it in cutlass.range(iters):
+        slot = it %% 2
+        parts[g, slot, rank, tidx] = v
+        cute.arch.sync_threads()
+        if tidx == 0:
+            cute.arch.fence_acq_rel_gpu()  # release the CTA's partials
+            cute.arch.atomic_add(counters.iterator + g, Int32(1), sem="relaxed", scope="gpu")
+            target = (it + 1) * C
+            seen = cute.arch.load(counters.iterator + g, Int32, sem="acquire", scope="gpu")
+            while seen < target:
+                seen = cute.arch.load(counters.iterator + g, Int32, sem="acquire", scope="gpu")
+        cute.arch.sync_threads()
+        total = Float32(0.0)
+        for c in cutlass.range_constexpr(C):
+            total += cute.arch.load(parts.iterator + (((g * 2 + slot) * C + c) * BM + tidx), Float32, cop="cg")
+        v = total * (1.0 / C)
+    out[bidx, tidx] = v
+
+
 @cute.jit
 def launch(out: cute.Tensor, iters: Int32):
     exchange(out, iters).launch(grid=[C * GROUPS, 1, 1], block=[BM, 1, 1], cluster=[C, 1, 1])
 
 
+@cute.jit
+def launch_global(out: cute.Tensor, parts: cute.Tensor, counters: cute.Tensor, iters: Int32):
+    exchange_global(out, parts, counters, iters).launch(grid=[C * GROUPS, 1, 1], block=[BM, 1, 1])
+
+
 out = make_fake_compact_tensor(Float32, (C * GROUPS, BM), stride_order=(1, 0), assumed_align=16)
-cute.compile(launch, out, Int32(1))
+if sys.argv[2] == "cluster":
+    cute.compile(launch, out, Int32(1))
+else:
+    parts = make_fake_compact_tensor(Float32, (GROUPS, 2, C, BM), stride_order=(3, 2, 1, 0), assumed_align=16)
+    counters = make_fake_compact_tensor(Int32, (GROUPS,), assumed_align=16)
+    cute.compile(launch_global, out, parts, counters, Int32(1))
 ''' % {"BM": BM, "GROUPS": GROUPS}
 
 
@@ -95,21 +135,24 @@ def build(out: Path) -> None:
     program = out / "exchange_program.py"
     program.write_text(_kernel_source())
     manifest = []
+    needs = {"cluster": ("mapa.shared::cluster", "st.shared::cluster", "barrier.cluster.arrive",
+                         "barrier.cluster.wait"),
+             "global": ("atom.global.add", "ld.acquire.gpu", "fence.acq_rel.gpu")}
     for c in CLUSTERS:
-        dump = out / f"c{c}"
-        dump.mkdir(exist_ok=True)
-        env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_KEEP": "ptx,cubin",
-               "CUTE_DSL_DUMP_DIR": str(dump), "CUTE_DSL_CACHE_DIR": str(out / "cache")}
-        subprocess.run([sys.executable, str(program), str(c)], env=env, check=True)
-        cubin = next(dump.glob("*.cubin"))
-        ptx = next(dump.glob("*.ptx")).read_text()
-        entry = next(line.split()[2].rstrip("(") for line in ptx.splitlines() if ".entry" in line)
-        for needed in ("mapa.shared::cluster", "st.shared::cluster", "barrier.cluster.arrive",
-                       "barrier.cluster.wait"):
-            assert needed in ptx, f"{needed} missing from the PTX of cluster size {c}"
-        manifest.append({"cluster": c, "cubin": str(cubin.relative_to(out)), "entry": entry,
-                         "grid": c * GROUPS, "block": BM})
-        print(f"cluster {c}: {cubin.name} ({cubin.stat().st_size} bytes), entry {entry}")
+        for kind in ("cluster", "global"):
+            dump = out / f"{kind}{c}"
+            dump.mkdir(exist_ok=True)
+            env = {**os.environ, "CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_KEEP": "ptx,cubin",
+                   "CUTE_DSL_DUMP_DIR": str(dump), "CUTE_DSL_CACHE_DIR": str(out / "cache")}
+            subprocess.run([sys.executable, str(program), str(c), kind], env=env, check=True)
+            cubin = next(dump.glob("*.cubin"))
+            ptx = next(dump.glob("*.ptx")).read_text()
+            entry = next(line.split()[2].rstrip("(") for line in ptx.splitlines() if ".entry" in line)
+            for needed in needs[kind]:
+                assert needed in ptx, f"{needed} missing from the PTX of the {kind} exchange, C = {c}"
+            manifest.append({"kind": kind, "cluster": c, "cubin": str(cubin.relative_to(out)), "entry": entry,
+                             "grid": c * GROUPS, "block": BM, "groups": GROUPS})
+            print(f"{kind} exchange, {c} CTAs: {cubin.name} ({cubin.stat().st_size} bytes)")
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
 
 
@@ -136,6 +179,9 @@ def run(folder: Path) -> None:
         module = check(cu.cuModuleLoadData((folder / item["cubin"]).read_bytes()))
         fn = check(cu.cuModuleGetFunction(module, item["entry"].encode()))
         out = torch.full((item["grid"], item["block"]), float("nan"), device="cuda")
+        parts = torch.zeros(item["groups"], 2, c, item["block"], device="cuda")
+        counters = torch.zeros(item["groups"], dtype=torch.int32, device="cuda")
+        cluster = item["kind"] == "cluster"
 
         def launch(iters: int):
             config = cu.CUlaunchConfig()
@@ -143,11 +189,16 @@ def run(folder: Path) -> None:
             config.blockDimX, config.blockDimY, config.blockDimZ = item["block"], 1, 1
             config.sharedMemBytes = 0
             config.hStream = cu.CUstream(torch.cuda.current_stream().cuda_stream)
-            attr = cu.CUlaunchAttribute()
-            attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = c, 1, 1
-            config.attrs, config.numAttrs = [attr], 1
-            args = ((out.data_ptr(), iters), (ctypes.c_void_p, ctypes.c_uint32))
+            if cluster:
+                attr = cu.CUlaunchAttribute()
+                attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+                attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = c, 1, 1
+                config.attrs, config.numAttrs = [attr], 1
+                args = ((out.data_ptr(), iters), (ctypes.c_void_p, ctypes.c_uint32))
+            else:  # arrival counts start at zero every launch (a memset in both timings)
+                counters.zero_()
+                args = ((out.data_ptr(), parts.data_ptr(), counters.data_ptr(), iters),
+                        (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32))
             check(cu.cuLaunchKernelEx(config, fn, args, 0))
 
         launch(3)
@@ -166,13 +217,13 @@ def run(folder: Path) -> None:
             torch.cuda.synchronize()
             times[iters] = statistics.median(s.elapsed_time(e) for s, e in events)
         per = (times[ITERS] - times[0]) / ITERS * 1e3
-        rows.append((c, ok, times[0], times[ITERS], per))
-        print(f"cluster {c}: correct {ok}, 0 iterations {times[0]:.4f} ms, {ITERS} {times[ITERS]:.4f} ms, "
-              f"{per:.3f} us per exchange", flush=True)
-    print("\n| CTAs per cluster | correct | launch, 0 exchanges (ms) | 1000 exchanges (ms) | us per exchange |")
-    print("|---|---|---|---|---|")
-    for c, ok, t0, t1, per in rows:
-        print(f"| {c} | {ok} | {t0:.4f} | {t1:.4f} | {per:.3f} |")
+        rows.append((item["kind"], c, ok, times[0], times[ITERS], per))
+        print(f"{item['kind']} exchange, {c} CTAs: correct {ok}, 0 iterations {times[0]:.4f} ms, "
+              f"{ITERS} {times[ITERS]:.4f} ms, {per:.3f} us per exchange", flush=True)
+    print("\n| exchange | CTAs per group | correct | launch, 0 exchanges (ms) | 1000 exchanges (ms) | us per exchange |")
+    print("|---|---|---|---|---|---|")
+    for kind, c, ok, t0, t1, per in rows:
+        print(f"| {kind} | {c} | {ok} | {t0:.4f} | {t1:.4f} | {per:.3f} |")
 
 
 def main() -> None:
