@@ -368,6 +368,7 @@ class GraphChoice:
     def __call__(self, *args):
         if self.chosen is None:
             self.chosen = self._choose(list(args))
+            self.fused = self.plain = None  # (the other form's code and buffers go)
         return self.chosen(*args)
 
     def _choose(self, args):
