@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import comfuse  # noqa: E402
 from comfuse import settings  # noqa: E402
-from comfuse.bench.timing import graphed, measure_rounds  # noqa: E402
+from comfuse.bench.timing import graphed, kernel_times, measure_rounds  # noqa: E402
 from comfuse.bench.workloads import linear_cross_entropy  # noqa: E402
 from comfuse.runtime import kernel as kernel_mod  # noqa: E402
 from mainloop_bench import planned  # noqa: E402
@@ -70,18 +70,10 @@ def split_variant(base, N: int, bm=128, bn=256, bk=64, warps=8, stages=3, per=4,
 
 def kernel_table(label, fn, calls: int = 5) -> None:
     """Every GPU kernel one call launches, with its mean time over ``calls`` calls (profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.count]
-    total = sum(e.device_time_total for e in events) / calls / 1e3
+    total, rows = kernel_times(fn, calls)
     print(f"\n{label}: kernels per call ({total:.4f} ms of GPU time)", flush=True)
-    for e in sorted(events, key=lambda e: -e.device_time_total):
-        print(f"  {e.device_time_total / calls / 1e3:8.4f} ms  x{e.count // calls}  {e.key[:110]}", flush=True)
+    for ms, count, key in rows:
+        print(f"  {ms:8.4f} ms  x{count}  {key[:110]}", flush=True)
 
 
 def main() -> None:

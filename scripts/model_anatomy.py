@@ -29,37 +29,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import comfuse  # noqa: E402,F401  (registers the backend)
 from comfuse import settings  # noqa: E402
-from comfuse.bench.timing import graphed, measure  # noqa: E402
+from comfuse.bench.timing import graphed, kernel_times, measure  # noqa: E402
 from comfuse.bench.workloads import model_program  # noqa: E402
 
-CALLS = 200
-
-
-def host_us(fn) -> float:
-    """Microseconds of host time per call: CALLS calls queued without synchronising."""
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(CALLS):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / CALLS * 1e6
-
-
-def kernels(fn, calls: int = 5) -> tuple[float, list]:
-    """(GPU ms per call, [(ms, count, name)]) from the profiler."""
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.count]
-    rows = sorted(((e.device_time_total / calls / 1e3, e.count // calls, e.key) for e in events), reverse=True)
-    return sum(r[0] for r in rows), rows
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from host_overhead import host_us  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -109,7 +83,7 @@ def main() -> None:
                 except Exception as e:  # (a capture that fails is reported, not fatal)
                     gpu, why = float("nan"), f"{type(e).__name__}: {e}"
                     say(f"{name} {label}: graph capture failed: {why[:200]}")
-                busy, rows = kernels(call)
+                busy, rows = kernel_times(call)
                 table.append((name, label, py, host, gpu, busy, len(rows), err, built))
                 for check in backend.GRAPH_CHECKS[checks:]:
                     say(f"{name} / {label}: whole-graph check {check}")

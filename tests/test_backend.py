@@ -462,12 +462,10 @@ def test_region_ids_follow_what_the_region_computes(monkeypatch):
     assert first_id("plan A") != first_id("plan B")
 
 
-@pytest.mark.parametrize("winner", ["fused", "inductor"])
-def test_the_whole_graph_is_timed_against_inductors_and_the_faster_kept(monkeypatch, winner):
-    """A region that wins its own timing can still cost the model (host time, fusions cut
-    around it): the backend times the inference graph with its fused regions against
-    Inductor's compilation of the graph without them and keeps the faster."""
-    from comfuse import backend
+
+@pytest.fixture
+def fused_regions_win(monkeypatch):
+    """Every region's autotuning picks its first fused plan (no timing, nothing stored)."""
     from comfuse.runtime import tuning
 
     def decide(names, run_fused, run_unfused, device, tol=None, exact=None):
@@ -475,6 +473,13 @@ def test_the_whole_graph_is_timed_against_inductors_and_the_faster_kept(monkeypa
     monkeypatch.setattr(tuning, "decide", decide)
     monkeypatch.setattr(tuning, "load", lambda k: None)
     monkeypatch.setattr(tuning, "store", lambda k, d: None)
+
+@pytest.mark.parametrize("winner", ["fused", "inductor"])
+def test_the_whole_graph_is_timed_against_inductors_and_the_faster_kept(monkeypatch, fused_regions_win, winner):
+    """A region that wins its own timing can still cost the model (host time, fusions cut
+    around it): the backend times the inference graph with its fused regions against
+    Inductor's compilation of the graph without them and keeps the faster."""
+    from comfuse import backend
     timed = []
 
     def time_graphs(calls, device):
@@ -499,17 +504,10 @@ def test_the_whole_graph_is_timed_against_inductors_and_the_faster_kept(monkeypa
     assert bool(region_calls) == (winner == "fused")
 
 
-def test_a_training_graph_keeps_the_fused_form_only_if_its_forward_and_step_both_win(monkeypatch):
+def test_a_training_graph_keeps_the_fused_form_only_if_its_forward_and_step_both_win(monkeypatch, fused_regions_win):
     """Grad on: the forward alone and forward + backward (gradients returned, not accumulated
     into ``.grad``) are both timed; a fused graph that loses either goes to Inductor."""
     from comfuse import backend
-    from comfuse.runtime import tuning
-
-    def decide(names, run_fused, run_unfused, device, tol=None, exact=None):
-        return {"choice": names[0], "times_ms": {tuning.UNFUSED: 1.0, **{n: 0.5 for n in names}}, "rejected": {}}
-    monkeypatch.setattr(tuning, "decide", decide)
-    monkeypatch.setattr(tuning, "load", lambda k: None)
-    monkeypatch.setattr(tuning, "store", lambda k, d: None)
     timed = []
 
     def time_graphs(calls, device):
@@ -557,18 +555,11 @@ def test_graph_timing_rounds_are_bounded_and_interleaved():
     assert rounds == ["a", "b", "b", "a", "a", "b"]
 
 
-def test_the_graph_timing_leaves_the_random_state_as_it_found_it(monkeypatch):
+def test_the_graph_timing_leaves_the_random_state_as_it_found_it(monkeypatch, fused_regions_win):
     """The first call's timing runs the graph many times; dropout in it must not shift the
     random numbers the caller's own first call draws: with Inductor's graph kept, the first
     output equals Inductor alone's under the same seed."""
     from comfuse import backend
-    from comfuse.runtime import tuning
-
-    def decide(names, run_fused, run_unfused, device, tol=None, exact=None):
-        return {"choice": names[0], "times_ms": {tuning.UNFUSED: 1.0, **{n: 0.5 for n in names}}, "rejected": {}}
-    monkeypatch.setattr(tuning, "decide", decide)
-    monkeypatch.setattr(tuning, "load", lambda k: None)
-    monkeypatch.setattr(tuning, "store", lambda k, d: None)
 
     def time_graphs(calls, device):
         for fn in calls.values():

@@ -127,3 +127,19 @@ def measure_rounds(calls: dict, rounds: int = 3, device: str = "cuda", on_error=
             pooled[n].extend(times)
     return {n: Rounds(statistics.median(medians[n]), tuple(medians[n]), summarize(pooled[n]))
             for n in names if medians[n]}
+
+
+def kernel_times(fn: Callable, calls: int = 5) -> tuple[float, list]:
+    """(GPU ms per call, [(ms per call, launches per call, kernel name)], slowest first): every
+    kernel ``calls`` calls of ``fn`` launch, from the profiler (CUDA)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.count]
+    rows = sorted(((e.device_time_total / calls / 1e3, e.count // calls, e.key) for e in events), reverse=True)
+    return sum(r[0] for r in rows), rows
