@@ -29,14 +29,10 @@ import comfuse  # noqa: E402,F401  (registers the backend)
 from comfuse import backend  # noqa: E402
 
 
-class PostNorm(torch.nn.Module):
-    def __init__(self, d=32, h=48):
-        super().__init__()
-        self.lin = torch.nn.Linear(d, h)
-        self.ln = torch.nn.LayerNorm(h)
-
-    def forward(self, x, r):
-        return self.ln(self.lin(x) + r)
+def post_norm(d: int = 32, h: int = 48):
+    """Linear -> + residual -> LayerNorm as a function of (x, r) over its own modules."""
+    lin, norm = torch.nn.Linear(d, h), torch.nn.LayerNorm(h)
+    return lin, norm, lambda x, r: norm(lin(x) + r)
 
 
 @torch.library.custom_op("comfuse_probe::ident", mutates_args=())
@@ -71,7 +67,8 @@ def main() -> None:
     dev = args.device
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     torch.manual_seed(0)
-    model = PostNorm().to(dev)
+    lin, norm, model = post_norm()
+    lin.to(dev), norm.to(dev)
     x, r = torch.randn(2, 5, 32, device=dev), torch.randn(2, 5, 48, device=dev)
     warnings.simplefilter("ignore")
     with torch.no_grad():
