@@ -23,7 +23,9 @@ with the working tree):
 driver API and launches with a cluster dimension (``cuLaunchKernelEx``), checks every CTA's
 result (after the first exchange every CTA of a cluster holds the mean of its initial
 values, exactly representable) and times with CUDA events (median of 50 launches).
-Written 2026-12-01 (tenth session) and compiled on the CPU only: the run step is untested.
+Written 2026-12-01 (tenth session); first run on the H200 in the eleventh: all correct, per
+exchange 0.24 / 0.32 / 0.63 us through the cluster (C = 2 / 4 / 8) against 1.00 / 1.01 / 1.26 us
+through global memory (bench/results/h200-2026-12-01-session11/call1/cute.log).
 """
 from __future__ import annotations
 
