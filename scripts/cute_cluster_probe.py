@@ -19,7 +19,7 @@ with the working tree):
     python scripts/cute_cluster_probe.py run --dir build/cute
 
 ``build`` keeps the cubins the DSL compiles for sm_90a (``CUTE_DSL_KEEP=cubin``; the DSL's
-``export_to_c`` is not implemented in 4.8.1's backend). ``run`` loads them with the CUDA
+``export_to_c`` also works, but needs the static CUDA runtime linked in). ``run`` loads them with the CUDA
 driver API and launches with a cluster dimension (``cuLaunchKernelEx``), checks every CTA's
 result (after the first exchange every CTA of a cluster holds the mean of its initial
 values, exactly representable) and times with CUDA events (median of 50 launches).
