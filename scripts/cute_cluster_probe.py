@@ -37,6 +37,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 BM = 128  # threads per CTA, one partial each
 CLUSTERS = (2, 4, 8)
 GROUPS = 33  # clusters per launch (33 x 4 = 132 CTAs: one per SM of an H200 at C = 4)
@@ -159,49 +161,31 @@ def build(out: Path) -> None:
 
 
 def run(folder: Path) -> None:
-    import ctypes
-
     import torch
-    try:
-        from cuda.bindings import driver as cu
-    except ImportError:  # older cuda-python
-        from cuda import cuda as cu
 
-    def check(result):
-        err, *rest = result if isinstance(result, tuple) else (result,)
-        if int(err) != 0:
-            raise RuntimeError(f"CUDA driver error {err}")
-        return rest[0] if len(rest) == 1 else rest
+    from cute_launch import Kernel, parse_ptx_params, u32, u64
 
     torch.cuda.init()
     torch.empty(1, device="cuda")  # a current context (torch's primary one)
     rows = []
     for item in json.loads((folder / "manifest.json").read_text()):
         c = item["cluster"]
-        module = check(cu.cuModuleLoadData((folder / item["cubin"]).read_bytes()))
-        fn = check(cu.cuModuleGetFunction(module, item["entry"].encode()))
+        cubin = folder / item["cubin"]
+        _, params = parse_ptx_params(next(cubin.parent.glob("*.ptx")).read_text())
+        kernel = Kernel(cubin.read_bytes(), item["entry"], params, 0)
         out = torch.full((item["grid"], item["block"]), float("nan"), device="cuda")
         parts = torch.zeros(item["groups"], 2, c, item["block"], device="cuda")
         counters = torch.zeros(item["groups"], dtype=torch.int32, device="cuda")
         cluster = item["kind"] == "cluster"
 
         def launch(iters: int):
-            config = cu.CUlaunchConfig()
-            config.gridDimX, config.gridDimY, config.gridDimZ = item["grid"], 1, 1
-            config.blockDimX, config.blockDimY, config.blockDimZ = item["block"], 1, 1
-            config.sharedMemBytes = 0
-            config.hStream = cu.CUstream(torch.cuda.current_stream().cuda_stream)
             if cluster:
-                attr = cu.CUlaunchAttribute()
-                attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-                attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = c, 1, 1
-                config.attrs, config.numAttrs = [attr], 1
-                args = ((out.data_ptr(), iters), (ctypes.c_void_p, ctypes.c_uint32))
+                blobs = [u64(out.data_ptr()), u32(iters)]
             else:  # arrival counts start at zero every launch (a memset in both timings)
                 counters.zero_()
-                args = ((out.data_ptr(), parts.data_ptr(), counters.data_ptr(), iters),
-                        (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32))
-            check(cu.cuLaunchKernelEx(config, fn, args, 0))
+                blobs = [u64(out.data_ptr()), u64(parts.data_ptr()), u64(counters.data_ptr()), u32(iters)]
+            kernel.launch(blobs, grid=(item["grid"],), block=(item["block"],),
+                          stream=torch.cuda.current_stream().cuda_stream, cluster=(c,) if cluster else None)
 
         launch(3)
         torch.cuda.synchronize()
