@@ -10,6 +10,9 @@ from .onepass import NotOnePass, one_pass, parts
 from .stages import Stage, partition
 
 SCHEDULES = ("tile", "row_in_cta", "cooperative", "split")
+# "ws_strip": the warp-specialised Gluon template (codegen/gluon/strip.py) for LayerNorm /
+# RMSNorm epilogues on sm_90; an autotuning candidate, or forced with COMFUSE_SCHEDULE=ws_strip
+TEMPLATE_SCHEDULES = ("ws_strip", )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -41,8 +44,15 @@ class Plan:
     overlap: bool = False  # cooperative: a strip's first exchange waits behind the next strip's mainloop
     moments: tuple = ()  # cooperative: (sum, sum of squared deviations) pairs exchanged at once
     persistent: bool = False  # tile, TMA: one program per SM walks the tiles, its tile and K loops fused by Triton
+    template: object = None  # ws_strip: the planner.template.StripTemplate the region matched
 
     def describe(self) -> str:
+        if self.schedule == "ws_strip":
+            return (f"ws_strip: warp-specialised Gluon template computing {self.template.describe()}; "
+                    f"persistent grid of {self.block_m}x{self.block_n}x{self.block_k} tiles, TMA mainloop in "
+                    f"8 warps, the epilogue in 4 warps of its own beside the next tile's mainloop; "
+                    f"{self.tiles_n} tiles per row strip exchange per-row partials through global memory"
+                    f"{'; residual TMA-loaded during the mainloop' if self.prefetch else ''}")
         strip = "column strip (reductions along M, run transposed)" if self.transposed else \
             ("row strip (reductions along N)" if self.region.reductions() else "no reductions")
         coop = (f", {self.tiles_n} tiles per strip exchange {self.exchanges} time(s)"
@@ -277,6 +287,9 @@ def plan(region: Region, target: str = "cuda", settings=None, sm_count: int = 13
         forms.append(("transposed", region))
     stages = partition(region)                     # reductions are stage boundaries
     forced = settings.schedule                     # the schedule: forced, or the first that fits
+    if forced in TEMPLATE_SCHEDULES:
+        return strip_template_plan(region, transposed, stages, tuple(forms), target, sm_count,
+                                   prefetch=settings.prefetch)
     if forced:
         why = _feasible(forced, region, target, settings, sm_count)
         if why:
@@ -308,6 +321,32 @@ def plan(region: Region, target: str = "cuda", settings=None, sm_count: int = 13
                 mainloop=mainloop, prefetch=prefetch, overlap=overlap, persistent=persistent, **extra)
 
 
+def strip_template_plan(region: Region, transposed: bool, stages, forms: tuple, target: str,
+                        sm_count: int, prefetch: bool = False) -> Plan | NotFused:
+    """The ws_strip plan for ``region`` (row form), or why the template does not apply;
+    ``prefetch``: the residual TMA-loaded into the hand-off buffer during the mainloop."""
+    from .template import fits, match
+
+    def no(why):
+        return NotFused(f"ws_strip: {why}", forms)
+    if target != "cuda":
+        return no("Gluon templates do not run in Triton's interpreter (sm_90 GPUs only)")
+    if transposed:
+        return no("the template reduces along N only")
+    template, why = match(region)
+    if why:
+        return no(why)
+    s = region.sizes
+    why = fits(s.M, s.N, s.K)
+    if why:
+        return no(why)
+    tiles = s.N // 256
+    if tiles > sm_count:
+        return no(f"a strip of {tiles} tiles cannot be resident at once on {sm_count} SMs")
+    return Plan(region, False, "ws_strip", stages, 128, 256, 64, 8, 8, 3, forms, tiles_n=tiles, mainloop="tma",
+                persistent=True, template=template, prefetch=prefetch and template.residual is not None)
+
+
 def candidates(region: Region, target: str = "cuda", settings=None, sm_count: int = 132) -> list:
     """The plans worth timing for ``region``: the planner's choice first, then every other
     feasible schedule and a few tile shapes. Empty when nothing fits (``plan`` says why)."""
@@ -316,6 +355,8 @@ def candidates(region: Region, target: str = "cuda", settings=None, sm_count: in
     if isinstance(first, NotFused):
         return []
     out = [first]
+    if first.schedule in TEMPLATE_SCHEDULES:
+        return out
     schedules = [settings.schedule] if settings.schedule else list(SCHEDULES)
     for schedule in schedules:
         if _feasible(schedule, first.region, target, settings, sm_count):
@@ -373,4 +414,13 @@ def candidates(region: Region, target: str = "cuda", settings=None, sm_count: in
         out += [dataclasses.replace(p, prefetch=True) for p in list(out)
                 if p.schedule in ("cooperative", "row_in_cta", "tile") and p.block_m * p.block_n <= 128 * 128
                 and not p.overlap and not p.persistent]
+    if target == "cuda" and not settings.schedule and not settings.mainloop:
+        # the warp-specialised template, where it applies (H200, 2026-12-01: LayerNorm at
+        # 8192x4096x4096 1.11x cuBLAS's GEMM against torch.compile's 1.39x; at 8192x1024x1024
+        # its last tile's epilogue is exposed and Inductor's two kernels win)
+        ws = strip_template_plan(first.region, first.transposed, first.stages, first.forms, target, sm_count)
+        if isinstance(ws, Plan):
+            out.append(ws)
+            if ws.template.residual is not None:  # residual by TMA during the mainloop, or after it
+                out.append(dataclasses.replace(ws, prefetch=True))
     return out

@@ -345,6 +345,9 @@ def build(plan: Plan) -> Kernel:
     """Generate (or reuse) the kernel for ``plan``; under the interpreter a cooperative plan
     also gets its phase kernels (see codegen.triton.emit)."""
     name = kernel_name(plan)
+    if plan.schedule == "ws_strip":  # a hand-written Gluon template, not generated source
+        from .strip_kernel import build as build_strip
+        return _kernels.setdefault(name, build_strip(plan, name))
     if name not in _kernels:
         source = emit(plan, name)
         module = cache.load_source(name, source.text)

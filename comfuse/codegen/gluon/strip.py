@@ -1,0 +1,375 @@
+"""A warp-specialised Gluon template (Triton 3.6, sm_90): GEMM + a row normalisation whose row
+strip spans several tiles, the epilogue in warps of its own beside the next tile's mainloop.
+
+    v   = x @ W (+ bias[N]) (+ residual[M, N])            rounded to bf16, as eager rounds it
+    out = LayerNorm(v) (* gamma) (+ beta) (ReLU)          KIND_LAYERNORM
+    out = v * rsqrt(mean(v^2) + eps) (* gamma)            KIND_RMSNORM
+    out = v                                               KIND_PLAIN (the GEMM alone, for timing)
+
+Triton's ``tl`` language cannot warp-specialise on sm_90, so the code generator's kernels run
+their epilogue after the mainloop with the tensor cores idle (7-24 us per fused GEMM + norm on
+the H200, third session). Gluon, shipped with the same Triton, exposes TMA, mbarriers, WGMMA
+and ``warp_specialize``, which works on Hopper. The schedule:
+
+- A persistent grid, one CTA per SM, walking the 128 x 256 tiles in row-strip order (tile t:
+  strip t // TILES_N, column tile t % TILES_N), so a strip's tiles run on neighbouring CTAs in
+  the same round.
+- The default partition (8 warps, two warpgroups) issues the TMA loads of A 128x64 and B
+  into a ring of STAGES slots, STAGES - 1 steps ahead across tile boundaries, runs WGMMA
+  128x256, and hands the finished tile to the epilogue partition through shared memory (bf16,
+  64 KB; RES_TMA: first adding the residual tile the epilogue partition TMA-loaded into that
+  buffer meanwhile). It starts the next tile at once. (A separate load warp would make 13
+  warps, rounded to 16: 512 threads cannot have the 154+ registers the 128x256 accumulator
+  needs; 12 warps can have 168.)
+- The epilogue partition (EPI_WARPS warps), per 32-row chunk: v = tile + bias (+ residual),
+  rounded to bf16 and kept in the buffer; each row's partial statistics over the tile's 256
+  columns, exact from registers (LayerNorm: mean and M2; RMSNorm: the sum of squares), to a
+  workspace; one arrival on the strip's counter and a wait for the strip; all 128 rows'
+  partials combined in one batch of loads (Chan's combination); the chunks normalised and
+  written once. Its waiting happens in its own warps: the tensor cores are on the next tile.
+
+Co-residency: the grid is at most the SM count and every CTA needs > 114 KB of shared memory,
+so each SM holds one and all are resident (given nothing else occupies the GPU). A wait by
+tile t's epilogue needs its strip's other tiles to finish their mainloops; a CTA's mainloop of
+tile u waits only for its own epilogue of tile u - G (the hand-off buffer), whose strip is an
+earlier one (G >= TILES_N). The waits point strictly to earlier strips and cannot form a
+cycle. The counters only grow (generation = launch): nothing is reset between launches, and
+two launches must not run at once on the same workspace (the runtime gives each device one).
+
+No interpreter form: Gluon does not run in Triton's CPU interpreter. CI compiles every
+variant for sm_90 (``compile_sm90``); the H200 checks the results against the float64 IR
+interpreter (tests/test_gpu.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from ...planner.template import TILE, fits
+
+BM, BN, BK = TILE
+CHUNK = 32  # rows of the tile the epilogue holds in registers at once
+KIND_PLAIN, KIND_LAYERNORM, KIND_RMSNORM = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class StripConfig:
+    """What one compiled variant of the template does (all constexprs of the kernel)."""
+    kind: int = KIND_LAYERNORM
+    has_bias: bool = False
+    residual: int = 2  # 0 none; 1 loaded by the epilogue chunk by chunk; 2 TMA into the hand-off buffer
+    has_gamma: bool = False
+    has_beta: bool = False
+    relu: bool = False
+    b_kmajor: bool = False  # B given as [N, K] (K contiguous, nn.Linear's weight) rather than [K, N]
+    stages: int = 3
+    epi_warps: int = 4
+    epi_regs: int = 152
+    maxnreg: int = 168
+    wait: bool = True  # False: an ablation that skips the strip exchange (wrong results, timing only)
+
+    def constexprs(self, tiles_n: int, trace: bool = False) -> dict:
+        return dict(KIND=self.kind, HAS_BIAS=self.has_bias, RES=self.residual, HAS_GAMMA=self.has_gamma,
+                    HAS_BETA=self.has_beta, RELU=self.relu, B_KMAJOR=self.b_kmajor, WAIT=self.wait,
+                    TRACE=trace, TILES_N=tiles_n, TILES_P2=_pow2(tiles_n), STAGES=self.stages, CHUNK=CHUNK,
+                    EPI_WARPS=self.epi_warps, EPI_REGS=self.epi_regs)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@gluon.jit
+def _mark(trace_ptr, n, slot: gl.constexpr, TRACE: gl.constexpr):
+    """TRACE: the global timer (ns) at this point of this program's n-th tile, to
+    trace[program, n, slot]: a timeline of where each partition's time goes."""
+    if TRACE:
+        now = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False,
+                                        pack=1)
+        gl.store(trace_ptr + (gl.program_id(0) * 64 + n) * 16 + slot, now)
+
+
+@gluon.jit
+def _issue_load(a_desc, b_desc, a_bufs, b_bufs, ready, i, total, k_steps, B_KMAJOR: gl.constexpr,
+                TILES_N: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
+    """TMA loads of this program's flattened iteration ``i`` (its tile i // k_steps, K step
+    i % k_steps) into ring slot i % STAGES, if there is such an iteration."""
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    s = i % STAGES
+    t = gl.program_id(0) + (i // k_steps) * gl.num_programs(0)
+    kk = i % k_steps
+    pred = i < total
+    mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(a_desc, [(t // TILES_N) * BM, kk * BK], ready.index(s), a_bufs.index(s),
+                                    pred=pred)
+    if B_KMAJOR:
+        tma.async_copy_global_to_shared(b_desc, [(t % TILES_N) * BN, kk * BK], ready.index(s), b_bufs.index(s),
+                                        pred=pred)
+    else:
+        tma.async_copy_global_to_shared(b_desc, [kk * BK, (t % TILES_N) * BN], ready.index(s), b_bufs.index(s),
+                                        pred=pred)
+
+
+@gluon.jit
+def _mma_partition(a_desc, b_desc, a_bufs, b_bufs, ready, tile_smem, tile_ready, tile_free, num_tiles, k_steps,
+                   trace_ptr, TRACE: gl.constexpr, RES: gl.constexpr, B_KMAJOR: gl.constexpr,
+                   TILES_N: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                   num_warps: gl.constexpr):
+    """The mainloop and the hand-off (see the module's docstring)."""
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, BN, 16])
+    my_tiles = gl.cdiv(num_tiles - gl.program_id(0), gl.num_programs(0))
+    total = my_tiles * k_steps
+    for i in gl.static_range(STAGES - 1):
+        _issue_load(a_desc, b_desc, a_bufs, b_bufs, ready, i, total, k_steps, B_KMAJOR, TILES_N, BM, BN, BK)
+    i = 0
+    for n in range(my_tiles):
+        _mark(trace_ptr, n, 0, TRACE)
+        acc = gl.zeros((BM, BN), dtype=gl.float32, layout=acc_layout)
+        for kk in range(k_steps):
+            s = i % STAGES
+            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            if B_KMAJOR:
+                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+            else:
+                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
+            # at most this step's WGMMA in flight: the previous step's slot is free for the load
+            # STAGES - 1 iterations ahead
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            _issue_load(a_desc, b_desc, a_bufs, b_bufs, ready, i + STAGES - 1, total, k_steps, B_KMAJOR, TILES_N,
+                        BM, BN, BK)
+            i += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        _mark(trace_ptr, n, 1, TRACE)
+        if RES == 2:  # the buffer holds this tile's residual, TMA-loaded by the epilogue partition
+            mbarrier.wait(tile_free, n & 1)
+            acc = acc + tile_smem.load(acc_layout).to(gl.float32)
+        else:
+            mbarrier.wait(tile_free, (n & 1) ^ 1)  # the epilogue is done with the last tile
+        _mark(trace_ptr, n, 2, TRACE)
+        tile_smem.store(acc.to(gl.bfloat16))
+        gl.thread_barrier()
+        mbarrier.arrive(tile_ready)
+        _mark(trace_ptr, n, 3, TRACE)
+
+
+@gluon.jit
+def _load_residual(r_desc, tile_smem, bar, t, num_tiles, TILES_N: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr):
+    """TMA load of tile t's residual into the hand-off buffer, completing ``bar`` (if t exists)."""
+    pred = t < num_tiles
+    mbarrier.expect(bar, r_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(r_desc, [(t // TILES_N) * BM, (t % TILES_N) * BN], bar, tile_smem, pred=pred)
+
+
+@gluon.jit
+def _epilogue_partition(tile_smem, mean_smem, rstd_smem, tile_ready, tile_free, r_desc, bias_ptr, res_ptr, gamma_ptr,
+                        beta_ptr, out_ptr, ws_ptr, counter_ptr, num_tiles, N, eps, trace_ptr,
+                        TRACE: gl.constexpr, KIND: gl.constexpr, HAS_BIAS: gl.constexpr, RES: gl.constexpr,
+                        HAS_GAMMA: gl.constexpr, HAS_BETA: gl.constexpr, RELU: gl.constexpr, WAIT: gl.constexpr,
+                        TILES_N: gl.constexpr, TILES_P2: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                        CHUNK: gl.constexpr, EPI_WARPS: gl.constexpr):
+    """The epilogue (see the module's docstring). Workspace: [strips, 2, TILES_N, BM] fp32."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [EPI_WARPS, 1], [1, 0])
+    row_l: gl.constexpr = gl.SliceLayout(1, layout)
+    rows = gl.arange(0, CHUNK, layout=row_l)
+    cols = gl.arange(0, BN, layout=gl.SliceLayout(0, layout))
+    # the partials [TILES_P2, BM]: each warp reads whole rows of BM contiguous floats (coalesced)
+    part_l: gl.constexpr = gl.BlockedLayout([1, BM // 32], [1, 32], [EPI_WARPS, 1], [1, 0])
+    prow = gl.arange(0, TILES_P2, layout=gl.SliceLayout(1, part_l))
+    pcol = gl.arange(0, BM, layout=gl.SliceLayout(0, part_l))
+    pmask = (prow < TILES_N)[:, None] & (pcol < BM)[None, :]
+    if RES == 2:
+        _load_residual(r_desc, tile_smem, tile_free, gl.program_id(0), num_tiles, TILES_N, BM, BN)
+    n = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        strip = t // TILES_N
+        tn = t % TILES_N
+        off_m = strip * BM
+        off_n = tn * BN
+        if HAS_BIAS:
+            bias = gl.load(bias_ptr + off_n + cols).to(gl.float32)
+        if RES == 1:
+            r_next = gl.load(res_ptr + (off_m + rows)[:, None] * N + (off_n + cols)[None, :])
+        _mark(trace_ptr, n, 4, TRACE)
+        mbarrier.wait(tile_ready, n & 1)
+        _mark(trace_ptr, n, 5, TRACE)
+        for c in gl.static_range(BM // CHUNK):
+            part = tile_smem.slice(c * CHUNK, CHUNK, dim=0)
+            v = part.load(layout).to(gl.float32)
+            if HAS_BIAS:
+                v = v + bias[None, :]
+            if RES == 1:
+                v = v + r_next.to(gl.float32)
+                if c + 1 < BM // CHUNK:
+                    r_next = gl.load(res_ptr + (off_m + (c + 1) * CHUNK + rows)[:, None] * N + (off_n + cols)[None, :])
+            if KIND == 0:
+                gl.store(out_ptr + (off_m + c * CHUNK + rows)[:, None] * N + (off_n + cols)[None, :],
+                         v.to(gl.bfloat16))
+            else:
+                v = v.to(gl.bfloat16)
+                if HAS_BIAS or RES == 1:
+                    part.store(v)
+                v = v.to(gl.float32)
+                slot = ws_ptr + (strip * 2 * TILES_N + tn) * BM + c * CHUNK + rows
+                if KIND == 1:  # this tile's mean and M2 per row
+                    mean = gl.sum(v, axis=1) / BN
+                    d = v - mean[:, None]
+                    gl.store(slot, mean)
+                    gl.store(slot + TILES_N * BM, gl.sum(d * d, axis=1))
+                else:  # this tile's sum of squares per row
+                    gl.store(slot, gl.sum(v * v, axis=1))
+        if KIND != 0:
+            gl.thread_barrier()  # every warp has published its partials
+            _mark(trace_ptr, n, 6, TRACE)
+            if WAIT:
+                old = gl.atomic_add(counter_ptr + strip, 1, sem="acq_rel", scope="gpu")
+                target = (old // TILES_N + 1) * TILES_N
+                seen = gl.atomic_add(counter_ptr + strip, 0, sem="acquire", scope="gpu")
+                while seen < target:
+                    seen = gl.atomic_add(counter_ptr + strip, 0, sem="acquire", scope="gpu")
+                gl.thread_barrier()
+            _mark(trace_ptr, n, 7, TRACE)
+            # all TILES_N partials of all BM rows in one batch of loads
+            pbase = ws_ptr + strip * 2 * TILES_N * BM + prow[:, None] * BM + pcol[None, :]
+            first = gl.load(pbase, mask=pmask, other=0.0, cache_modifier=".cg")
+            if KIND == 1:  # Chan: mean of the means; M2 = sum of M2_j + BN (mean_j - mean)^2
+                mean = gl.sum(first, axis=0) / TILES_N
+                dm = gl.where(pmask, first - mean[None, :], 0.0)
+                m2 = gl.sum(gl.load(pbase + TILES_N * BM, mask=pmask, other=0.0, cache_modifier=".cg")
+                            + BN * dm * dm, axis=0)
+                mean_smem.store(mean)
+                rstd_smem.store(gl.rsqrt(m2 / N + eps))
+            else:
+                rstd_smem.store(gl.rsqrt(gl.sum(first, axis=0) / N + eps))
+            gl.thread_barrier()
+            _mark(trace_ptr, n, 8, TRACE)
+            if HAS_GAMMA:
+                gamma = gl.load(gamma_ptr + off_n + cols).to(gl.float32)
+            if HAS_BETA:
+                beta = gl.load(beta_ptr + off_n + cols).to(gl.float32)
+            for c in gl.static_range(BM // CHUNK):
+                v = tile_smem.slice(c * CHUNK, CHUNK, dim=0).load(layout).to(gl.float32)
+                rstd_c = rstd_smem.slice(c * CHUNK, CHUNK).load(row_l)
+                if KIND == 1:
+                    v = v - mean_smem.slice(c * CHUNK, CHUNK).load(row_l)[:, None]
+                o = v * rstd_c[:, None]
+                if HAS_GAMMA:
+                    o = o * gamma[None, :]
+                if HAS_BETA:
+                    o = o + beta[None, :]
+                if RELU:
+                    o = gl.maximum(o, 0.0)
+                gl.store(out_ptr + (off_m + c * CHUNK + rows)[:, None] * N + (off_n + cols)[None, :],
+                         o.to(gl.bfloat16))
+        gl.thread_barrier()  # every warp has read the tile (and the statistics)
+        _mark(trace_ptr, n, 9, TRACE)
+        if RES == 2:
+            fence_async_shared()  # generic reads of the buffer before the TMA writes into it
+            _load_residual(r_desc, tile_smem, tile_free, t + gl.num_programs(0), num_tiles, TILES_N, BM, BN)
+        else:
+            mbarrier.arrive(tile_free)
+        n += 1
+
+
+@gluon.jit
+def strip_kernel(a_desc, b_desc, r_desc, bias_ptr, res_ptr, gamma_ptr, beta_ptr, out_ptr, ws_ptr, counter_ptr,
+                 M, N, K, eps, trace_ptr,
+                 KIND: gl.constexpr, HAS_BIAS: gl.constexpr, RES: gl.constexpr, HAS_GAMMA: gl.constexpr,
+                 HAS_BETA: gl.constexpr, RELU: gl.constexpr, B_KMAJOR: gl.constexpr, WAIT: gl.constexpr,
+                 TRACE: gl.constexpr, TILES_N: gl.constexpr, TILES_P2: gl.constexpr, STAGES: gl.constexpr,
+                 CHUNK: gl.constexpr, EPI_WARPS: gl.constexpr, EPI_REGS: gl.constexpr, num_warps: gl.constexpr):
+    BM: gl.constexpr = a_desc.block_type.shape[0]
+    BK: gl.constexpr = a_desc.block_type.shape[1]
+    BN: gl.constexpr = r_desc.block_type.shape[1]
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    tile_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, BN], r_desc.layout)
+    mean_smem = gl.allocate_shared_memory(gl.float32, [BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    rstd_smem = gl.allocate_shared_memory(gl.float32, [BM], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    tile_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    tile_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+    mbarrier.init(tile_ready, count=1)
+    mbarrier.init(tile_free, count=1)
+    fence_async_shared()
+    num_tiles = (M // BM) * TILES_N
+    k_steps = gl.cdiv(K, BK)
+    gl.warp_specialize([
+        (_mma_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, tile_smem, tile_ready, tile_free, num_tiles,
+                          k_steps, trace_ptr, TRACE, RES, B_KMAJOR, TILES_N, BM, BN, BK, num_warps)),
+        (_epilogue_partition, (tile_smem, mean_smem, rstd_smem, tile_ready, tile_free, r_desc, bias_ptr, res_ptr,
+                               gamma_ptr, beta_ptr, out_ptr, ws_ptr, counter_ptr, num_tiles, N, eps, trace_ptr,
+                               TRACE, KIND, HAS_BIAS, RES, HAS_GAMMA, HAS_BETA, RELU, WAIT, TILES_N, TILES_P2,
+                               BM, BN, CHUNK, EPI_WARPS)),
+    ], [EPI_WARPS], [EPI_REGS])
+
+
+def layouts(b_kmajor: bool):
+    """Shared-memory layouts of the A, B and tile (residual / hand-off) blocks."""
+    return (gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16),
+            gl.NVMMASharedLayout.get_default_for([BN, BK] if b_kmajor else [BK, BN], gl.bfloat16),
+            gl.NVMMASharedLayout.get_default_for([BM, BN], gl.bfloat16))
+
+
+def launch(cfg: StripConfig, a, b, out, *, bias=None, residual=None, gamma=None, beta=None, eps=1e-5,
+           ws=None, counters=None, num_sms: int = 132, trace=None) -> int:
+    """One launch: ``a`` [M, K] row-major, ``b`` [K, N] (or [N, K] when cfg.b_kmajor) with unit
+    inner stride, ``out`` [M, N] contiguous, all bf16; bias / gamma / beta [N]; residual
+    [M, N] contiguous; ``ws`` (float32, at least workspace_numel) and ``counters`` (int32,
+    M / 128 entries, zero before the first launch, never reset). Returns the grid size."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    M, K = a.shape
+    N = out.shape[1]
+    why = fits(M, N, K)
+    if why:
+        raise ValueError(why)
+    tiles_n = N // BN
+    if cfg.kind and tiles_n > num_sms:
+        raise ValueError(f"a strip of {tiles_n} tiles cannot be resident at once on {num_sms} SMs")
+    la, lb, lt = layouts(cfg.b_kmajor)
+    a_desc = TensorDescriptor.from_tensor(a, [BM, BK], la)
+    b_desc = TensorDescriptor.from_tensor(b, [BN, BK] if cfg.b_kmajor else [BK, BN], lb)
+    r_desc = TensorDescriptor.from_tensor(residual if residual is not None else out, [BM, BN], lt)
+    dummy = out
+    grid = (min(num_sms, (M // BM) * tiles_n), )
+    strip_kernel[grid](a_desc, b_desc, r_desc, dummy if bias is None else bias,
+                       dummy if residual is None else residual, dummy if gamma is None else gamma,
+                       dummy if beta is None else beta, out, ws if ws is not None else out,
+                       counters if counters is not None else torch.zeros(1, dtype=torch.int32, device=out.device),
+                       M, N, K, eps, counters if trace is None else trace,
+                       **cfg.constexprs(tiles_n, trace is not None), num_warps=8, maxnreg=cfg.maxnreg)
+    return grid[0]
+
+
+def workspace_numel(M: int, N: int) -> int:
+    return (M // BM) * 2 * (N // BN) * BM
+
+
+def compile_sm90(cfg: StripConfig, M: int = 8192, N: int = 1024, K: int = 1024):
+    """Compile one variant for sm_90 on any machine (no GPU needed); returns Triton's kernel
+    (``.asm["cubin"]``, ``.metadata``). Integers are marked divisible by 16 as Triton's JIT
+    specialises them at a launch."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    la, lb, lt = layouts(cfg.b_kmajor)
+    bshape = [BN, BK] if cfg.b_kmajor else [BK, BN]
+    sig = {"a_desc": f"tensordesc<bf16[{BM}, {BK}],{la!r}>",
+           "b_desc": f"tensordesc<bf16[{bshape[0]}, {bshape[1]}],{lb!r}>",
+           "r_desc": f"tensordesc<bf16[{BM}, {BN}],{lt!r}>",
+           "bias_ptr": "*bf16", "res_ptr": "*bf16", "gamma_ptr": "*bf16", "beta_ptr": "*bf16",
+           "out_ptr": "*bf16", "ws_ptr": "*fp32", "counter_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
+           "eps": "fp32", "trace_ptr": "*i32"}
+    constexprs = dict(cfg.constexprs(N // BN), num_warps=8)
+    sig.update({k: "constexpr" for k in constexprs})
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(3, 13)}
+    return triton.compile(GluonASTSource(strip_kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 8, "maxnreg": cfg.maxnreg})

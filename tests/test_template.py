@@ -1,0 +1,119 @@
+"""The warp-specialised Gluon template (ws_strip): which regions it computes, how the planner
+offers it, and that every variant compiles for sm_90. Gluon does not run in Triton's CPU
+interpreter, so its results are checked on the H200 (tests/test_gpu.py)."""
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from comfuse import settings
+from comfuse.bench.workloads import SUITE
+from comfuse.frontend.capture import capture
+from comfuse.frontend.regions import find_regions
+from comfuse.planner import plan
+from comfuse.planner.plan import NotFused, candidates
+from comfuse.planner.template import fits, match
+
+from test_codegen import run_compiler_script
+
+bf = torch.bfloat16
+
+
+def region_of(fn, *args):
+    (cand,) = find_regions(capture(fn, args))
+    p = plan(cand.region, target="cuda")
+    return p.region
+
+
+def suite_region(name, M=256, K=64, N=1024):
+    wl = SUITE[name]
+    return region_of(wl.fn, *wl.inputs(M, K, N, dtype=bf, device="cpu"))
+
+
+@pytest.mark.parametrize("name, expect", [
+    ("ln_postnorm", "LayerNorm(x @ W + bias + residual, eps=1e-05) * gamma + beta"),
+    ("rmsnorm", "RMSNorm(x @ W, eps=1e-06) * gamma"),
+    ("mblr", "relu(LayerNorm(x @ W + bias, eps=1e-05) * gamma + beta)"),
+])
+def test_the_template_matches_the_suites_norms(name, expect):
+    t, why = match(suite_region(name))
+    assert why == "" and t.describe() == expect
+
+
+@pytest.mark.parametrize("name", ["softmax", "multi_stage", "linear_ce"])
+def test_the_template_refuses_what_it_does_not_compute(name):
+    t, why = match(suite_region(name))
+    assert t is None and why
+
+
+def test_roles_follow_the_math_not_the_argument_order():
+    """gamma passed before the bias, LayerNorm written out by hand, nn.Linear's weight layout."""
+    def f(x, g, w, b, be):
+        v = F.linear(x, w, b)
+        mu = v.float().mean(-1, keepdim=True)
+        var = ((v.float() - mu) ** 2).mean(-1, keepdim=True)
+        return ((v.float() - mu) / torch.sqrt(var + 1e-6) * g + be).to(bf)
+    args = (torch.randn(128, 64, dtype=bf), torch.randn(512, dtype=bf), torch.randn(512, 64, dtype=bf),
+            torch.randn(512, dtype=bf), torch.randn(512, dtype=bf))
+    region = region_of(f, *args)
+    t, why = match(region)
+    assert why == "", why
+    names = [i.name for i in region.inputs]
+    assert (names[t.gamma], names[t.bias], names[t.beta]) == ("g_1", "b_1", "be_1"), (names, t)
+    assert t.eps == 1e-6 and region.gemm.b.major == "K"
+
+
+def test_a_near_miss_is_not_matched():
+    """LayerNorm with the variance over N - 1 (unbiased) is not the template's math."""
+    def f(x, w, r):
+        v = (x @ w + r).float()
+        return ((v - v.mean(-1, keepdim=True)) / torch.sqrt(v.var(-1, keepdim=True) + 1e-5)).to(bf)
+    t, why = match(region_of(f, torch.randn(128, 64, dtype=bf), torch.randn(64, 512, dtype=bf),
+                             torch.randn(128, 512, dtype=bf)))
+    assert t is None and "not LayerNorm or RMSNorm" in why
+
+
+def test_the_planner_offers_the_template_on_cuda_only_and_at_whole_tiles():
+    region = suite_region("ln_postnorm")
+    ws = [p for p in candidates(region, target="cuda") if p.schedule == "ws_strip"]
+    assert [p.prefetch for p in ws] == [False, True]
+    assert "warp-specialised Gluon template computing LayerNorm" in ws[0].describe()
+    assert ws[0].tiles_n == 4
+    assert not [p for p in candidates(suite_region("ln_postnorm", M=200), target="cuda")
+                if p.schedule == "ws_strip"]
+    assert "whole 128x256x64 tiles" in fits(200, 1024, 64)
+    with settings.override(schedule="ws_strip"):
+        refused = plan(region, target="interpreter")
+    assert isinstance(refused, NotFused) and "interpreter" in refused.reason
+
+
+def test_every_variant_compiles_for_sm90_without_spilling_much():
+    """LayerNorm (residual by TMA or by the epilogue, nn.Linear's B), RMSNorm, MBLR, and a strip
+    of 12 tiles (not a power of two): 12 warps at <= 168 registers, <= 227 KB of shared memory,
+    the two partitions' register budgets (setmaxnreg) as planned."""
+    script = textwrap.dedent("""
+        import json, re
+        from comfuse.codegen.gluon import strip as S
+        from comfuse.runtime.aot import resources
+        cfgs = {"ln_tma": (S.StripConfig(kind=1, has_bias=True, residual=2, has_gamma=True, has_beta=True), 1024),
+                "ln_ldg_kmajor": (S.StripConfig(kind=1, has_bias=True, residual=1, has_gamma=True, has_beta=True,
+                                                b_kmajor=True), 3072),
+                "rms": (S.StripConfig(kind=2, residual=0, has_gamma=True), 4096),
+                "mblr": (S.StripConfig(kind=1, has_bias=True, residual=0, has_gamma=True, has_beta=True,
+                                       relu=True), 2048)}
+        out = {}
+        for name, (cfg, n) in cfgs.items():
+            k = S.compile_sm90(cfg, N=n)
+            regs = sorted(set(int(v) for v in re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+);",
+                                                          k.asm["ptx"])))
+            out[name] = dict(resources(k.asm["cubin"]), smem=k.metadata.shared, warps=k.metadata.num_warps,
+                             setmaxnreg=regs)
+        print(json.dumps(out))
+    """)
+    result = run_compiler_script(script)
+    for name, info in result.items():
+        assert info["smem"] <= 227 * 1024, (name, info)
+        assert 152 in info["setmaxnreg"], (name, info)  # the epilogue partition's budget
+        if "reg" in info:
+            assert info["reg"] <= 168 and info["stack"] <= 64, (name, info)
