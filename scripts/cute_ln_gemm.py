@@ -29,13 +29,13 @@ import argparse
 import json
 import os
 import re
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))  # (comfuse.bench.timing)
 
 BM, BN, BK, STAGES = 128, 256, 64, 4
 SHAPES = {"check": (512, 1024, 256), "suite": (8192, 1024, 1024)}  # (M, N, K), static per cubin
@@ -325,21 +325,11 @@ def occupancy(k, item) -> str:
     return "; ".join(out)
 
 
-def _graph_time(fn, rounds_of: dict, name: str, reps: int = 20) -> None:
-    import torch
-    g = torch.cuda.CUDAGraph()
-    fn()
-    torch.cuda.synchronize()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    rounds_of[name] = (g, reps)
-
-
 def run(folder: Path, rounds: int) -> None:
     import torch
     import torch.nn.functional as F
     from cute_launch import DTYPE, Kernel, encode_tiled, f32, u8, u64
+    from comfuse.bench.timing import graph_rounds, print_ratio_table, ratio_rows
     torch.cuda.init()
     torch.empty(1, device="cuda")
     dev = torch.cuda.get_device_name()
@@ -404,34 +394,8 @@ def run(folder: Path, rounds: int) -> None:
             forms["torch.compile"] = compiled
         except Exception as e:  # (report, do not stop the timing)
             print("torch.compile failed:", type(e).__name__, str(e)[:200])
-        graphs = {}
-        for name, fn in forms.items():
-            _graph_time(fn, graphs, name)
-        times = {n: [] for n in graphs}
-        names = list(graphs)
-        torch.cuda.synchronize()
-        for _ in range(50):  # heat the GPU first: it is power-capped, whatever runs first runs cooler
-            graphs[names[0]][0].replay()
-        for rnd in range(rounds):
-            for name in names[rnd % len(names):] + names[:rnd % len(names)]:
-                g, reps = graphs[name]
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                per = []
-                for _ in range(10):
-                    start.record()
-                    g.replay()
-                    end.record()
-                    end.synchronize()
-                    per.append(start.elapsed_time(end) / reps)
-                times[name].append(statistics.median(per))
-        gemm = statistics.median(times["cuBLAS F.linear"])
-        for name in names:
-            med = statistics.median(times[name])
-            rows.append((f"{M}x{N}x{K}", name, med, min(times[name]), max(times[name]), med / gemm))
-    print("\n| shape (MxNxK) | form | median ms | rounds min..max | / cuBLAS GEMM |")
-    print("|---|---|---|---|---|")
-    for s, name, med, lo, hi, ratio in rows:
-        print(f"| {s} | {name} | {med:.4f} | {lo:.4f}..{hi:.4f} | {ratio:.3f} |")
+        rows += ratio_rows(f"{M}x{N}x{K}", graph_rounds(forms, rounds), "cuBLAS F.linear")
+    print_ratio_table(rows)
 
 
 def main() -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ os.environ.setdefault("TRITON_INTERPRET", "0")  # (comfuse would pick the interp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton  # noqa: E402
 
+from comfuse.bench.timing import graph_rounds, print_ratio_table, ratio_rows  # noqa: E402
 from comfuse.codegen.gluon import strip  # noqa: E402
 
 LN = dict(kind=strip.KIND_LAYERNORM, has_bias=True, has_gamma=True, has_beta=True, b_kmajor=True)
@@ -83,17 +83,6 @@ def _check(out, ref, eager_err):
     err = (out.double() - ref).abs().max().item()
     ok = bool(torch.isfinite(out).all()) and err <= 1.25 * eager_err + 0.01
     return f"max abs error {err:.4f} (eager's {eager_err:.4f})", ok
-
-
-def _graph(fn, reps=20):
-    import torch
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    return g, reps
 
 
 def run_step(names, rounds, shapes):
@@ -163,31 +152,8 @@ def run_step(names, rounds, shapes):
             return F.layer_norm(F.linear(x, w, b) + r, (N,), gamma, beta, 1e-5)
         forms["eager"] = eager
         forms["torch.compile"] = torch.compile(eager)
-        graphs = {name: _graph(fn) for name, fn in forms.items()}
-        times = {n: [] for n in graphs}
-        order = list(graphs)
-        for _ in range(50):  # heat the GPU: it is power-capped, whatever runs first runs cooler
-            graphs[order[0]][0].replay()
-        for rnd in range(rounds):
-            for name in order[rnd % len(order):] + order[:rnd % len(order)]:
-                g, reps = graphs[name]
-                per = []
-                for _ in range(10):
-                    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    s.record()
-                    g.replay()
-                    e.record()
-                    e.synchronize()
-                    per.append(s.elapsed_time(e) / reps)
-                times[name].append(statistics.median(per))
-        gemm = statistics.median(times["cuBLAS F.linear"])
-        for name in order:
-            med = statistics.median(times[name])
-            table.append((f"{M}x{N}x{K}", name, med, min(times[name]), max(times[name]), med / gemm))
-    print("\n| shape (MxNxK) | form | median ms | rounds min..max | / cuBLAS GEMM |")
-    print("|---|---|---|---|---|")
-    for s, name, med, lo, hi, ratio in table:
-        print(f"| {s} | {name} | {med:.4f} | {lo:.4f}..{hi:.4f} | {ratio:.3f} |")
+        table += ratio_rows(f"{M}x{N}x{K}", graph_rounds(forms, rounds), "cuBLAS F.linear")
+    print_ratio_table(table)
 
 
 def main() -> None:

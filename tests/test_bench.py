@@ -203,3 +203,11 @@ def test_bench_measures_the_paper_workloads_at_given_shapes(tmp_path):
     assert all(c["candidates"][n]["status"] == "ok" for c in cases for n in ("eager", "comfuse"))
     with pytest.raises(SystemExit):
         cli.main(["bench", "--suite", "paper", "--device", "cpu", "--shapes", "1,2", "--out", str(out)])
+
+
+def test_ratio_rows_take_medians_of_rounds_against_the_base(capsys):
+    from comfuse.bench.timing import print_ratio_table, ratio_rows
+    rows = ratio_rows("8x8x8", {"gemm": [1.0, 2.0, 3.0], "fused": [2.0, 4.0, 9.0]}, "gemm")
+    assert rows == [("8x8x8", "gemm", 2.0, 1.0, 3.0, 1.0), ("8x8x8", "fused", 4.0, 2.0, 9.0, 2.0)]
+    print_ratio_table(rows)
+    assert "| 8x8x8 | fused | 4.0000 | 2.0000..9.0000 | 2.000 |" in capsys.readouterr().out

@@ -143,3 +143,50 @@ def kernel_times(fn: Callable, calls: int = 5) -> tuple[float, list]:
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.count]
     rows = sorted(((e.device_time_total / calls / 1e3, e.count // calls, e.key) for e in events), reverse=True)
     return sum(r[0] for r in rows), rows
+
+
+def graph_rounds(forms: dict, rounds: int = 3, reps: int = 20, heat: int = 50) -> dict:
+    """name -> the medians (ms per call) of ``rounds`` interleaved rounds: each callable of
+    ``forms`` is captured ``reps`` times in one CUDA graph; the first graph is replayed ``heat``
+    times first (the H200 here is power-capped: whatever runs first runs cooler); each round
+    times 10 replays of every graph, starting one later than the last round."""
+    import torch
+    graphs = {}
+    for name, fn in forms.items():
+        fn()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(reps):
+                fn()
+        graphs[name] = g
+    names = list(graphs)
+    times = {n: [] for n in names}
+    torch.cuda.synchronize()
+    for _ in range(heat if names else 0):
+        graphs[names[0]].replay()
+    for rnd in range(rounds if names else 0):
+        for name in names[rnd % len(names):] + names[:rnd % len(names)]:
+            per = []
+            for _ in range(10):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graphs[name].replay()
+                end.record()
+                end.synchronize()
+                per.append(start.elapsed_time(end) / reps)
+            times[name].append(statistics.median(per))
+    return times
+
+
+def ratio_rows(label: str, times: dict, base: str) -> list:
+    """(label, name, median, min, max, median / base's median) per name of ``graph_rounds``."""
+    ref = statistics.median(times[base])
+    return [(label, n, statistics.median(t), min(t), max(t), statistics.median(t) / ref) for n, t in times.items()]
+
+
+def print_ratio_table(rows: list, base: str = "cuBLAS GEMM") -> None:
+    print(f"\n| shape (MxNxK) | form | median ms | rounds min..max | / {base} |")
+    print("|---|---|---|---|---|")
+    for s, name, med, lo, hi, ratio in rows:
+        print(f"| {s} | {name} | {med:.4f} | {lo:.4f}..{hi:.4f} | {ratio:.3f} |")
