@@ -347,7 +347,9 @@ def build(plan: Plan) -> Kernel:
     name = kernel_name(plan)
     if plan.schedule == "ws_strip":  # a hand-written Gluon template, not generated source
         from .strip_kernel import build as build_strip
-        return _kernels.setdefault(name, build_strip(plan, name))
+        if name not in _kernels:
+            _kernels[name] = build_strip(plan, name)
+        return _kernels[name]
     if name not in _kernels:
         source = emit(plan, name)
         module = cache.load_source(name, source.text)
