@@ -330,6 +330,7 @@ def run(folder: Path, rounds: int) -> None:
     import torch.nn.functional as F
     from cute_launch import DTYPE, Kernel, encode_tiled, f32, u8, u64
     from comfuse.bench.timing import graph_rounds, print_ratio_table, ratio_rows
+    from comfuse.bench.workloads import linear_ln_problem
     torch.cuda.init()
     torch.empty(1, device="cuda")
     dev = torch.cuda.get_device_name()
@@ -338,15 +339,9 @@ def run(folder: Path, rounds: int) -> None:
     rows = []
     for shape in sorted({tuple(i["shape"]) for i in items}):
         M, N, K = shape
-        torch.manual_seed(0)
-        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-        w = (torch.randn(N, K, device="cuda") / K ** 0.5).to(torch.bfloat16)
-        b = torch.randn(N, device="cuda", dtype=torch.bfloat16)
-        r = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-        gamma = torch.randn(N, device="cuda", dtype=torch.bfloat16)
-        beta = torch.randn(N, device="cuda", dtype=torch.bfloat16)
-        ref_y = x.double() @ w.double().t() + b.double()
-        ref_ln = F.layer_norm(ref_y + r.double(), (N,), gamma.double(), beta.double(), 1e-5)
+        p = linear_ln_problem(M, N, K)
+        x, w, b, r, gamma, beta, ref_y, ref_ln = (p[k] for k in ("x", "w", "b", "r", "gamma", "beta", "ref_y",
+                                                                 "ref_ln"))
         chunks = (ref_y + r.double()).view(M, N // BN, BN)
         ref_local = (F.layer_norm(chunks, (BN,), eps=1e-5).view(M, N) * gamma.double() + beta.double())
         forms = {}

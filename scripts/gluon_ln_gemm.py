@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton  # noqa: E402
 
 from comfuse.bench.timing import graph_rounds, print_ratio_table, ratio_rows  # noqa: E402
+from comfuse.bench.workloads import linear_ln_problem  # noqa: E402
 from comfuse.codegen.gluon import strip  # noqa: E402
 
 LN = dict(kind=strip.KIND_LAYERNORM, has_bias=True, has_gamma=True, has_beta=True, b_kmajor=True)
@@ -93,15 +94,9 @@ def run_step(names, rounds, shapes):
           f"{num_sms} SMs", flush=True)
     table = []
     for (M, N, K) in shapes:
-        torch.manual_seed(0)
-        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-        w = (torch.randn(N, K, device="cuda") / K ** 0.5).to(torch.bfloat16)
-        b = torch.randn(N, device="cuda", dtype=torch.bfloat16)
-        r = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-        gamma = torch.randn(N, device="cuda", dtype=torch.bfloat16)
-        beta = torch.randn(N, device="cuda", dtype=torch.bfloat16)
-        ref_y = x.double() @ w.double().t() + b.double()
-        ref_ln = F.layer_norm(ref_y + r.double(), (N,), gamma.double(), beta.double(), 1e-5)
+        p = linear_ln_problem(M, N, K)
+        x, w, b, r, gamma, beta, ref_y, ref_ln = (p[k] for k in ("x", "w", "b", "r", "gamma", "beta", "ref_y",
+                                                                 "ref_ln"))
         eager_err = {True: (F.layer_norm(F.linear(x, w, b) + r, (N,), gamma, beta, 1e-5).double() - ref_ln)
                      .abs().max().item(),
                      False: (F.linear(x, w, b).double() - ref_y).abs().max().item()}
