@@ -35,13 +35,14 @@ def suite_region(name, M=256, K=64, N=1024):
     ("ln_postnorm", "LayerNorm(x @ W + bias + residual, eps=1e-05) * gamma + beta"),
     ("rmsnorm", "RMSNorm(x @ W, eps=1e-06) * gamma"),
     ("mblr", "relu(LayerNorm(x @ W + bias, eps=1e-05) * gamma + beta)"),
+    ("softmax", "softmax(x @ W, dim=N)"),
 ])
 def test_the_template_matches_the_suites_norms(name, expect):
     t, why = match(suite_region(name))
     assert why == "" and t.describe() == expect
 
 
-@pytest.mark.parametrize("name", ["softmax", "multi_stage", "linear_ce"])
+@pytest.mark.parametrize("name", ["multi_stage", "linear_ce"])
 def test_the_template_refuses_what_it_does_not_compute(name):
     t, why = match(suite_region(name))
     assert t is None and why
@@ -89,7 +90,7 @@ def test_the_planner_offers_the_template_on_cuda_only_and_at_whole_tiles():
 
 
 def test_every_variant_compiles_for_sm90_without_spilling_much():
-    """LayerNorm (residual by TMA or by the epilogue, nn.Linear's B), RMSNorm, MBLR, and a strip
+    """LayerNorm (residual by TMA or by the epilogue, nn.Linear's B), RMSNorm, MBLR, softmax, and a strip
     of 12 tiles (not a power of two): 12 warps at <= 168 registers, <= 227 KB of shared memory,
     the two partitions' register budgets (setmaxnreg) as planned."""
     script = textwrap.dedent("""
@@ -101,7 +102,8 @@ def test_every_variant_compiles_for_sm90_without_spilling_much():
                                                 b_kmajor=True), 3072),
                 "rms": (S.StripConfig(kind=2, residual=0, has_gamma=True), 4096),
                 "mblr": (S.StripConfig(kind=1, has_bias=True, residual=0, has_gamma=True, has_beta=True,
-                                       relu=True), 2048)}
+                                       relu=True), 2048),
+                "softmax": (S.StripConfig(kind=3, residual=0), 1024)}
         out = {}
         for name, (cfg, n) in cfgs.items():
             k = S.compile_sm90(cfg, N=n)

@@ -1,7 +1,8 @@
 """Which regions the warp-specialised Gluon template (codegen/gluon/strip.py) computes.
 
 The template is hand-written, not generated: it computes LayerNorm or RMSNorm of
-``x @ W (+ bias) (+ residual)`` with optional gamma, beta and ReLU. A region is matched in two
+``x @ W (+ bias) (+ residual)`` with optional gamma, beta and ReLU, or the softmax along N of
+``x @ W (+ bias) (+ residual)``. A region is matched in two
 steps: its shape must allow such a reading (one [M, N] bf16 output; side inputs of axes [N] or
 [M, N]; a reduction along N), then each assignment of its side inputs to the template's roles
 is tried by evaluating the region's float64 reference interpreter and the template's formula
@@ -20,7 +21,8 @@ import torch
 from ..ir import Op, Region
 from ..ir.interpret import evaluate
 
-KINDS = ("layernorm", "rmsnorm")
+KINDS = ("layernorm", "rmsnorm", "softmax")
+ROLES = {"layernorm": ("bias", "gamma", "beta"), "rmsnorm": ("bias", "gamma"), "softmax": ("bias",)}
 TILE = (128, 256, 64)  # the template's BM, BN, BK
 MAX_TILES_N = 64  # the combine loads [next_pow2(TILES_N), 128] partials at once
 
@@ -37,7 +39,7 @@ def fits(M: int, N: int, K: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class StripTemplate:
-    kind: str  # "layernorm" or "rmsnorm"
+    kind: str  # one of KINDS
     bias: int | None  # indices into Region.inputs
     residual: int | None
     gamma: int | None
@@ -48,6 +50,8 @@ class StripTemplate:
     def describe(self) -> str:
         v = "x @ W" + (" + bias" if self.bias is not None else "") + \
             (" + residual" if self.residual is not None else "")
+        if self.kind == "softmax":
+            return f"softmax({v}, dim=N)"
         out = f"{'LayerNorm' if self.kind == 'layernorm' else 'RMSNorm'}({v}, eps={self.eps:g})"
         out += " * gamma" if self.gamma is not None else ""
         out += " + beta" if self.beta is not None else ""
@@ -63,6 +67,8 @@ def formula(t: StripTemplate, a: torch.Tensor, b: torch.Tensor, ins: list) -> to
         v = v + vec(t.bias)
     if t.residual is not None:
         v = v + ins[t.residual].reshape(v.shape)
+    if t.kind == "softmax":
+        return torch.softmax(v, -1)
     if t.kind == "layernorm":
         mean = v.mean(-1, keepdim=True)
         out = (v - mean) * torch.rsqrt(((v - mean) ** 2).mean(-1, keepdim=True) + t.eps)
@@ -107,11 +113,11 @@ def _assignments(region: Region):
     eps_values = sorted({float(n.arg) for n in region.nodes
                          if n.op is Op.CONST and isinstance(n.arg, (int, float)) and 0 < n.arg < 1e-2}) or [0.0]
     for kind in KINDS:
-        roles = ("bias", "gamma", "beta") if kind == "layernorm" else ("bias", "gamma")
+        roles = ROLES[kind]
         for chosen in itertools.permutations(roles, len(rows)):
             which = dict(zip(chosen, rows))
             for relu in ((False, True) if kind == "layernorm" else (False,)):
-                for eps in eps_values:
+                for eps in (eps_values if kind != "softmax" else [0.0]):
                     yield StripTemplate(kind, which.get("bias"), residual, which.get("gamma"), which.get("beta"),
                                         relu, eps)
 
@@ -135,4 +141,5 @@ def match(region: Region, trials: int = 2) -> tuple[StripTemplate | None, str]:
         if all(torch.allclose(formula(t, a[0], b[0], [x.reshape(-1) if x.shape[1] == 1 else x[0] for x in ins]),
                               ref, rtol=1e-9, atol=1e-9) for a, b, ins, ref in draws):
             return t, ""
-    return None, "the epilogue is not LayerNorm or RMSNorm of x @ W (+ bias) (+ residual) with affine / ReLU"
+    return None, ("the epilogue is not LayerNorm or RMSNorm (with affine / ReLU) or softmax of "
+                  "x @ W (+ bias) (+ residual)")

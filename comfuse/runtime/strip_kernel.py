@@ -9,15 +9,16 @@ import torch
 
 from ..codegen.triton import KernelSource
 from ..planner import Plan
-from .kernel import UnsupportedLayout
+from .kernel import UnsupportedLayout, launch_direct
 
 
 def config(plan: Plan):
     """The template's constexprs for ``plan`` (prefetch: the residual TMA-loaded into the
     hand-off buffer while the mainloop runs, else loaded by the epilogue chunk by chunk)."""
-    from ..codegen.gluon.strip import KIND_LAYERNORM, KIND_RMSNORM, StripConfig
+    from ..codegen.gluon import strip
     t = plan.template
-    return StripConfig(kind=KIND_LAYERNORM if t.kind == "layernorm" else KIND_RMSNORM,
+    kind = {"layernorm": strip.KIND_LAYERNORM, "rmsnorm": strip.KIND_RMSNORM, "softmax": strip.KIND_SOFTMAX}[t.kind]
+    return strip.StripConfig(kind=kind,
                        has_bias=t.bias is not None, residual=0 if t.residual is None else (2 if plan.prefetch else 1),
                        has_gamma=t.gamma is not None, has_beta=t.beta is not None, relu=t.relu,
                        b_kmajor=plan.region.gemm.b.major == "K")
@@ -34,35 +35,70 @@ def _tma_ready(t: torch.Tensor, what: str) -> torch.Tensor:
 class StripKernel:
     plan: Plan
     source: KernelSource
-    _scratch: dict = dataclasses.field(default_factory=dict)  # device -> (workspace, counters)
+    _scratch: dict = dataclasses.field(default_factory=dict)  # (device, M, N) -> (workspace, counters)
+    _bound: dict = dataclasses.field(default_factory=dict)  # tensor layout -> (run, statics, config)
 
     @property
     def path(self) -> str:
         from ..codegen.gluon import strip
         return str(Path(strip.__file__))
 
-    def launch(self, a3: torch.Tensor, b3: torch.Tensor, ins: list, outs: list) -> None:
-        from ..codegen.gluon import strip
-        dev = a3.device
-        if dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] != 9:
-            raise UnsupportedLayout("ws_strip: the Gluon template runs on sm_90 (Hopper) GPUs only")
-        cfg = config(self.plan)
+    def operands(self, a3, b3, ins, outs) -> tuple:
+        """(a, b, out, bias, residual, gamma, beta): the template's 2-D and 1-D views of a call's
+        tensors (None for a role the template does not take)."""
         t = self.plan.template
-        a = _tma_ready(a3[0], "A")
-        b = _tma_ready(b3[0].t() if cfg.b_kmajor else b3[0], "B")
-        out = _tma_ready(outs[0][0], "the output")
-        M, N = out.shape
+        out = outs[0][0]
 
         def vec(i):
             return None if i is None else ins[i].reshape(-1).contiguous()
-        residual = None if t.residual is None else _tma_ready(ins[t.residual].reshape(M, N), "the residual")
+        return (a3[0], b3[0].t() if self.plan.region.gemm.b.major == "K" else b3[0], out, vec(t.bias),
+                None if t.residual is None else ins[t.residual].reshape(out.shape), vec(t.gamma), vec(t.beta))
+
+    def launch(self, a3: torch.Tensor, b3: torch.Tensor, ins: list, outs: list) -> None:
+        """The first call per layout of the tensors (shapes, strides, 16-byte alignment) checks
+        them and launches through Triton's JIT; later calls launch the compiled kernel directly
+        with new descriptors (``kernel.launch_direct``: the JIT's argument binding and
+        specialisation skipped)."""
+        from ..codegen.gluon import strip
+        tensors = (a3, b3, *ins, *outs)
+        layout = tuple((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors)
+        bound = self._bound.get(layout)
+        a, b, out, bias, residual, gamma, beta = self.operands(a3, b3, ins, outs)
+        if bound is None:
+            if len(self._bound) > 64:
+                self._bound.clear()
+            self._bound[layout] = self.bind(a, b, out, bias, residual, gamma, beta)
+            return
+        run, statics, cfg = bound
+        args = list(statics)
+        args[strip.A_DESC:strip.R_DESC + 1] = strip.descriptors(cfg, a, b, out, residual)
+        for j, v in ((strip.BIAS, bias), (strip.RES_PTR, residual), (strip.GAMMA, gamma), (strip.BETA, beta)):
+            args[j] = out if v is None else v
+        args[strip.OUT] = out
+        run(*args)
+
+    def bind(self, a, b, out, bias, residual, gamma, beta):
+        """Check a layout's tensors, launch once through the JIT; return (run, statics, config)."""
+        from ..codegen.gluon import strip
+        dev = a.device
+        if dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] != 9:
+            raise UnsupportedLayout("ws_strip: the Gluon template runs on sm_90 (Hopper) GPUs only")
+        _tma_ready(a, "A")
+        _tma_ready(b, "B")
+        _tma_ready(out, "the output")
+        if residual is not None:
+            _tma_ready(residual, "the residual")
+        M, N = out.shape
         key = (dev, M, N)
         if key not in self._scratch:
             self._scratch[key] = (torch.empty(strip.workspace_numel(M, N), dtype=torch.float32, device=dev),
                                   torch.zeros(M // strip.BM, dtype=torch.int32, device=dev))
         ws, counters = self._scratch[key]
-        strip.launch(cfg, a, b, out, bias=vec(t.bias), residual=residual, gamma=vec(t.gamma), beta=vec(t.beta),
-                     eps=t.eps, ws=ws, counters=counters, num_sms=_sm_count(dev))
+        cfg = config(self.plan)
+        grid, args, options = strip.arguments(cfg, a, b, out, bias=bias, residual=residual, gamma=gamma, beta=beta,
+                                              eps=self.plan.template.eps, ws=ws, counters=counters,
+                                              num_sms=_sm_count(dev))
+        return (*launch_direct(strip.strip_kernel, grid, args, options, set(range(strip.OUT + 1))), cfg)
 
 
 def _sm_count(device: torch.device) -> int:

@@ -4,6 +4,7 @@ strip spans several tiles, the epilogue in warps of its own beside the next tile
     v   = x @ W (+ bias[N]) (+ residual[M, N])            rounded to bf16, as eager rounds it
     out = LayerNorm(v) (* gamma) (+ beta) (ReLU)          KIND_LAYERNORM
     out = v * rsqrt(mean(v^2) + eps) (* gamma)            KIND_RMSNORM
+    out = softmax(v) along N                              KIND_SOFTMAX
     out = v                                               KIND_PLAIN (the GEMM alone, for timing)
 
 Triton's ``tl`` language cannot warp-specialise on sm_90, so the code generator's kernels run
@@ -23,10 +24,11 @@ and ``warp_specialize``, which works on Hopper. The schedule:
   needs; 12 warps can have 168.)
 - The epilogue partition (EPI_WARPS warps), per 32-row chunk: v = tile + bias (+ residual),
   rounded to bf16 and kept in the buffer; each row's partial statistics over the tile's 256
-  columns, exact from registers (LayerNorm: mean and M2; RMSNorm: the sum of squares), to a
-  workspace; one arrival on the strip's counter and a wait for the strip; all 128 rows'
-  partials combined in one batch of loads (Chan's combination); the chunks normalised and
-  written once. Its waiting happens in its own warps: the tensor cores are on the next tile.
+  columns, exact from registers (LayerNorm: mean and M2; RMSNorm: the sum of squares; softmax:
+  the max and the sum of exp(v - max)), to a workspace; one arrival on the strip's counter and
+  a wait for the strip; all 128 rows' partials combined in one batch of loads (Chan's
+  combination; for softmax each tile's sum rescaled by exp(max_j - max)); the chunks
+  normalised and written once. Its waiting happens in its own warps: the tensor cores are on the next tile.
 
 Co-residency: the grid is at most the SM count and every CTA needs > 114 KB of shared memory,
 so each SM holds one and all are resident (given nothing else occupies the GPU). A wait by
@@ -43,6 +45,7 @@ interpreter (tests/test_gpu.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -53,7 +56,8 @@ from ...planner.template import TILE, fits
 
 BM, BN, BK = TILE
 CHUNK = 32  # rows of the tile the epilogue holds in registers at once
-KIND_PLAIN, KIND_LAYERNORM, KIND_RMSNORM = 0, 1, 2
+KIND_PLAIN, KIND_LAYERNORM, KIND_RMSNORM, KIND_SOFTMAX = 0, 1, 2, 3
+LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,8 +225,12 @@ def _epilogue_partition(tile_smem, mean_smem, rstd_smem, tile_ready, tile_free, 
                     d = v - mean[:, None]
                     gl.store(slot, mean)
                     gl.store(slot + TILES_N * BM, gl.sum(d * d, axis=1))
-                else:  # this tile's sum of squares per row
+                elif KIND == 2:  # this tile's sum of squares per row
                     gl.store(slot, gl.sum(v * v, axis=1))
+                else:  # this tile's max and sum of exp(v - max) per row
+                    mx = gl.max(v, axis=1)
+                    gl.store(slot, mx)
+                    gl.store(slot + TILES_N * BM, gl.sum(gl.exp2((v - mx[:, None]) * LOG2E), axis=1))
         if KIND != 0:
             gl.thread_barrier()  # every warp has published its partials
             _mark(trace_ptr, n, 6, TRACE)
@@ -244,8 +252,16 @@ def _epilogue_partition(tile_smem, mean_smem, rstd_smem, tile_ready, tile_free, 
                             + BN * dm * dm, axis=0)
                 mean_smem.store(mean)
                 rstd_smem.store(gl.rsqrt(m2 / N + eps))
-            else:
+            elif KIND == 2:
                 rstd_smem.store(gl.rsqrt(gl.sum(first, axis=0) / N + eps))
+            else:  # the row max over the strip, and 1 / the sum of exp(v - max), rescaled per tile
+                first = gl.where(pmask, first, -float("inf"))
+                mx = gl.max(first, axis=0)
+                scale = gl.where(pmask, gl.exp2((first - mx[None, :]) * LOG2E), 0.0)
+                total = gl.sum(gl.load(pbase + TILES_N * BM, mask=pmask, other=0.0, cache_modifier=".cg") * scale,
+                               axis=0)
+                mean_smem.store(mx * LOG2E)
+                rstd_smem.store(1.0 / total)
             gl.thread_barrier()
             _mark(trace_ptr, n, 8, TRACE)
             if HAS_GAMMA:
@@ -257,6 +273,8 @@ def _epilogue_partition(tile_smem, mean_smem, rstd_smem, tile_ready, tile_free, 
                 rstd_c = rstd_smem.slice(c * CHUNK, CHUNK).load(row_l)
                 if KIND == 1:
                     v = v - mean_smem.slice(c * CHUNK, CHUNK).load(row_l)[:, None]
+                if KIND == 3:  # exp2(v log2e - max log2e) / sum
+                    v = gl.exp2(v * LOG2E - mean_smem.slice(c * CHUNK, CHUNK).load(row_l)[:, None])
                 o = v * rstd_c[:, None]
                 if HAS_GAMMA:
                     o = o * gamma[None, :]
@@ -311,21 +329,34 @@ def strip_kernel(a_desc, b_desc, r_desc, bias_ptr, res_ptr, gamma_ptr, beta_ptr,
     ], [EPI_WARPS], [EPI_REGS])
 
 
+@functools.cache
 def layouts(b_kmajor: bool):
-    """Shared-memory layouts of the A, B and tile (residual / hand-off) blocks."""
+    """Shared-memory layouts of the A, B and tile (residual / hand-off) blocks (remembered:
+    building them was 15 % of a call's profiled host time; H200, thirteenth session)."""
     return (gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16),
             gl.NVMMASharedLayout.get_default_for([BN, BK] if b_kmajor else [BK, BN], gl.bfloat16),
             gl.NVMMASharedLayout.get_default_for([BM, BN], gl.bfloat16))
 
 
-def launch(cfg: StripConfig, a, b, out, *, bias=None, residual=None, gamma=None, beta=None, eps=1e-5,
-           ws=None, counters=None, num_sms: int = 132, trace=None) -> int:
-    """One launch: ``a`` [M, K] row-major, ``b`` [K, N] (or [N, K] when cfg.b_kmajor) with unit
-    inner stride, ``out`` [M, N] contiguous, all bf16; bias / gamma / beta [N]; residual
-    [M, N] contiguous; ``ws`` (float32, at least workspace_numel) and ``counters`` (int32,
-    M / 128 entries, zero before the first launch, never reset). Returns the grid size."""
-    import torch
+def descriptors(cfg: StripConfig, a, b, out, residual=None) -> tuple:
+    """The kernel's three TMA descriptors (A, B, and the residual's, or the output's where there
+    is no residual: it only gives the tile's shape and layout then). They hold data pointers, so
+    each call builds its own."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    la, lb, lt = layouts(cfg.b_kmajor)
+    return (TensorDescriptor.from_tensor(a, [BM, BK], la),
+            TensorDescriptor.from_tensor(b, [BN, BK] if cfg.b_kmajor else [BK, BN], lb),
+            TensorDescriptor.from_tensor(residual if residual is not None else out, [BM, BN], lt))
+
+
+# positions of the per-call arguments of strip_kernel (the rest depend only on the layout)
+A_DESC, B_DESC, R_DESC, BIAS, RES_PTR, GAMMA, BETA, OUT = range(8)
+
+
+def arguments(cfg: StripConfig, a, b, out, *, bias=None, residual=None, gamma=None, beta=None, eps=1e-5,
+              ws=None, counters=None, num_sms: int = 132, trace=None) -> tuple:
+    """(grid, positional arguments, options) of one launch: see ``launch``."""
+    import torch
     M, K = a.shape
     N = out.shape[1]
     why = fits(M, N, K)
@@ -334,18 +365,25 @@ def launch(cfg: StripConfig, a, b, out, *, bias=None, residual=None, gamma=None,
     tiles_n = N // BN
     if cfg.kind and tiles_n > num_sms:
         raise ValueError(f"a strip of {tiles_n} tiles cannot be resident at once on {num_sms} SMs")
-    la, lb, lt = layouts(cfg.b_kmajor)
-    a_desc = TensorDescriptor.from_tensor(a, [BM, BK], la)
-    b_desc = TensorDescriptor.from_tensor(b, [BN, BK] if cfg.b_kmajor else [BK, BN], lb)
-    r_desc = TensorDescriptor.from_tensor(residual if residual is not None else out, [BM, BN], lt)
     dummy = out
     grid = (min(num_sms, (M // BM) * tiles_n), )
-    strip_kernel[grid](a_desc, b_desc, r_desc, dummy if bias is None else bias,
-                       dummy if residual is None else residual, dummy if gamma is None else gamma,
-                       dummy if beta is None else beta, out, ws if ws is not None else out,
-                       counters if counters is not None else torch.zeros(1, dtype=torch.int32, device=out.device),
-                       M, N, K, eps, counters if trace is None else trace,
-                       **cfg.constexprs(tiles_n, trace is not None), num_warps=8, maxnreg=cfg.maxnreg)
+    args = [*descriptors(cfg, a, b, out, residual), dummy if bias is None else bias,
+            dummy if residual is None else residual, dummy if gamma is None else gamma,
+            dummy if beta is None else beta, out, ws if ws is not None else out,
+            counters if counters is not None else torch.zeros(1, dtype=torch.int32, device=out.device),
+            M, N, K, eps, counters if trace is None else trace]
+    return grid, args, dict(cfg.constexprs(tiles_n, trace is not None), num_warps=8, maxnreg=cfg.maxnreg)
+
+
+def launch(cfg: StripConfig, a, b, out, **kw) -> int:
+    """One launch through Triton's JIT: ``a`` [M, K] row-major, ``b`` [K, N] (or [N, K] when
+    cfg.b_kmajor) with unit inner stride, ``out`` [M, N] contiguous, all bf16; bias / gamma /
+    beta [N]; residual [M, N] contiguous; ``ws`` (float32, at least workspace_numel) and
+    ``counters`` (int32, M / 128 entries, zero before the first launch, never reset). Returns
+    the grid size. (runtime/strip_kernel.py launches the compiled kernel directly after its
+    first call per layout.)"""
+    grid, args, options = arguments(cfg, a, b, out, **kw)
+    strip_kernel[grid](*args, **options)
     return grid[0]
 
 
