@@ -332,7 +332,7 @@ def strip_kernel(a_desc, b_desc, r_desc, bias_ptr, res_ptr, gamma_ptr, beta_ptr,
 @functools.cache
 def layouts(b_kmajor: bool):
     """Shared-memory layouts of the A, B and tile (residual / hand-off) blocks (remembered:
-    building them was 15 % of a call's profiled host time; H200, thirteenth session)."""
+    building them was a fifth of a call's profiled host time; H200, thirteenth session)."""
     return (gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16),
             gl.NVMMASharedLayout.get_default_for([BN, BK] if b_kmajor else [BK, BN], gl.bfloat16),
             gl.NVMMASharedLayout.get_default_for([BM, BN], gl.bfloat16))
