@@ -119,3 +119,47 @@ def test_every_variant_compiles_for_sm90_without_spilling_much():
         assert 152 in info["setmaxnreg"], (name, info)  # the epilogue partition's budget
         if "reg" in info:
             assert info["reg"] <= 168 and info["stack"] <= 64, (name, info)
+
+
+def test_later_calls_launch_with_the_arguments_the_jit_would_get(monkeypatch):
+    """After the first call per layout, runtime/strip_kernel.py assembles the launch itself
+    (new descriptors and tensors, the layout's statics): for new tensors it must equal what
+    ``strip.arguments`` gives the JIT. (The launch is recorded, not run: no GPU here.)"""
+    from comfuse.codegen.gluon import strip
+    from comfuse.runtime import strip_kernel
+    from comfuse.runtime.kernel import build
+    region = suite_region("ln_postnorm", M=256, K=64, N=512)
+    (ws,) = [p for p in candidates(region, target="cuda") if p.schedule == "ws_strip" and not p.prefetch]
+    kernel = build(ws)
+    launched = []
+    scratch = (torch.empty(strip.workspace_numel(256, 512)), torch.zeros(2, dtype=torch.int32))
+
+    def bind(self, a, b, out, bias, residual, gamma, beta):  # the JIT's launch, minus the GPU
+        grid, args, options = strip.arguments(strip_kernel.config(self.plan), a, b, out, bias=bias,
+                                              residual=residual, gamma=gamma, beta=beta, eps=self.plan.template.eps,
+                                              ws=scratch[0], counters=scratch[1])
+        statics = [None] * strip.PER_CALL + args[strip.PER_CALL:]
+        return (lambda *full: launched.append(full)), statics, strip_kernel.config(self.plan)
+    monkeypatch.setattr(strip_kernel.StripKernel, "bind", bind)
+
+    def call(seed):
+        x, w, b, r, g, be = SUITE["ln_postnorm"].inputs(256, 64, 512, dtype=bf, seed=seed)
+        ins = [v.reshape(1, 1, -1) if v.dim() == 1 else v.unsqueeze(0) for v in (b, r, g, be)]
+        out = torch.empty(1, 256, 512, dtype=bf)
+        kernel.launch(x.unsqueeze(0), w.unsqueeze(0), ins, [out])
+        return x, w, b, r, g, be, out[0]
+    call(0)
+    assert not launched  # (the first call binds)
+    x, w, b, r, g, be, out = call(1)
+    (got,) = launched
+    _, want, _ = strip.arguments(strip_kernel.config(ws), x, w, out, bias=b, residual=r, gamma=g, beta=be,
+                                 eps=ws.template.eps, ws=scratch[0], counters=scratch[1])
+    assert len(got) == len(want)
+    for j, (u, v) in enumerate(zip(got, want)):
+        if j < 3:  # descriptors
+            assert (u.base.data_ptr(), u.shape, u.strides, u.block_shape) == \
+                (v.base.data_ptr(), v.shape, v.strides, v.block_shape), j
+        elif isinstance(v, torch.Tensor):
+            assert u.data_ptr() == v.data_ptr(), j
+        else:
+            assert u == v, j

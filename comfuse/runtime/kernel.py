@@ -44,6 +44,12 @@ def launch_direct(fn, grid, args: list, options: dict, fresh: set):
     return run, [None if j in fresh else v for j, v in enumerate(full)]  # scratch stays referenced
 
 
+def layout_key(tensors) -> tuple:
+    """What a direct launch depends on besides the data: each tensor's shape, strides, dtype,
+    device and 16-byte alignment (Triton specialises on alignment too)."""
+    return tuple((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors)
+
+
 class UnsupportedLayout(RuntimeError):
     """These tensors cannot go through this kernel (a TMA operand that is not 16-byte aligned
     or not unit-stride along its rows): the call runs unfused and the kernel stays for the
@@ -126,9 +132,7 @@ class Kernel:
             for fn, grid, args, options in self.launches(a3, b3, ins, outs):
                 fn[grid](*args, **options)
             return
-        # Triton specialises on 16-byte alignment too: it belongs to the layout
-        layout = (torch.backends.cuda.matmul.allow_tf32,
-                  *((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors))
+        layout = (torch.backends.cuda.matmul.allow_tf32, *layout_key(tensors))
         bound = self._bound.get(layout)
         if bound is None:
             if len(self._bound) > 64:

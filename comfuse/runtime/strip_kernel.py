@@ -9,7 +9,7 @@ import torch
 
 from ..codegen.triton import KernelSource
 from ..planner import Plan
-from .kernel import UnsupportedLayout, launch_direct
+from .kernel import UnsupportedLayout, launch_direct, layout_key
 
 
 def config(plan: Plan):
@@ -18,10 +18,10 @@ def config(plan: Plan):
     from ..codegen.gluon import strip
     t = plan.template
     kind = {"layernorm": strip.KIND_LAYERNORM, "rmsnorm": strip.KIND_RMSNORM, "softmax": strip.KIND_SOFTMAX}[t.kind]
-    return strip.StripConfig(kind=kind,
-                       has_bias=t.bias is not None, residual=0 if t.residual is None else (2 if plan.prefetch else 1),
-                       has_gamma=t.gamma is not None, has_beta=t.beta is not None, relu=t.relu,
-                       b_kmajor=plan.region.gemm.b.major == "K")
+    return strip.StripConfig(kind=kind, has_bias=t.bias is not None,
+                             residual=0 if t.residual is None else (2 if plan.prefetch else 1),
+                             has_gamma=t.gamma is not None, has_beta=t.beta is not None, relu=t.relu,
+                             b_kmajor=plan.region.gemm.b.major == "K")
 
 
 def _tma_ready(t: torch.Tensor, what: str) -> torch.Tensor:
@@ -60,8 +60,7 @@ class StripKernel:
         with new descriptors (``kernel.launch_direct``: the JIT's argument binding and
         specialisation skipped)."""
         from ..codegen.gluon import strip
-        tensors = (a3, b3, *ins, *outs)
-        layout = tuple((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors)
+        layout = layout_key((a3, b3, *ins, *outs))
         bound = self._bound.get(layout)
         a, b, out, bias, residual, gamma, beta = self.operands(a3, b3, ins, outs)
         if bound is None:
@@ -70,12 +69,7 @@ class StripKernel:
             self._bound[layout] = self.bind(a, b, out, bias, residual, gamma, beta)
             return
         run, statics, cfg = bound
-        args = list(statics)
-        args[strip.A_DESC:strip.R_DESC + 1] = strip.descriptors(cfg, a, b, out, residual)
-        for j, v in ((strip.BIAS, bias), (strip.RES_PTR, residual), (strip.GAMMA, gamma), (strip.BETA, beta)):
-            args[j] = out if v is None else v
-        args[strip.OUT] = out
-        run(*args)
+        run(*strip.call_arguments(cfg, a, b, out, bias, residual, gamma, beta), *statics[strip.PER_CALL:])
 
     def bind(self, a, b, out, bias, residual, gamma, beta):
         """Check a layout's tensors, launch once through the JIT; return (run, statics, config)."""
@@ -98,7 +92,7 @@ class StripKernel:
         grid, args, options = strip.arguments(cfg, a, b, out, bias=bias, residual=residual, gamma=gamma, beta=beta,
                                               eps=self.plan.template.eps, ws=ws, counters=counters,
                                               num_sms=_sm_count(dev))
-        return (*launch_direct(strip.strip_kernel, grid, args, options, set(range(strip.OUT + 1))), cfg)
+        return (*launch_direct(strip.strip_kernel, grid, args, options, set(range(strip.PER_CALL))), cfg)
 
 
 def _sm_count(device: torch.device) -> int:

@@ -334,7 +334,7 @@ def decide(names: list, run_fused, run_unfused, device: torch.device, tol: float
         except Exception as e:
             times[name] = math.inf
             rejected[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-    first_pass = {}
+    first_pass, again = {}, {}
     if device.type == "cuda":
         def call(name):
             fn = run_unfused if name == UNFUSED else functools.partial(run_fused, names.index(name))
@@ -344,7 +344,7 @@ def decide(names: list, run_fused, run_unfused, device: torch.device, tol: float
         times.update(again)
     for name in names:
         log.debug("  %s: %s", name, f"{times[name]:.4f} ms" if name not in rejected else rejected[name])
-    choice = fastest(times, first_pass and {n: times[n] for n in first_pass})
+    choice = fastest(times, again)
     log.info("autotuning: chose %s (%.4f ms; unfused %.4f ms) in %.1f s", choice, times[choice],
              times[UNFUSED], time.perf_counter() - start)
     decision = {"choice": choice, "times_ms": times, "rejected": rejected, "timing": timing}

@@ -338,19 +338,20 @@ def layouts(b_kmajor: bool):
             gl.NVMMASharedLayout.get_default_for([BM, BN], gl.bfloat16))
 
 
-def descriptors(cfg: StripConfig, a, b, out, residual=None) -> tuple:
-    """The kernel's three TMA descriptors (A, B, and the residual's, or the output's where there
-    is no residual: it only gives the tile's shape and layout then). They hold data pointers, so
-    each call builds its own."""
+def call_arguments(cfg: StripConfig, a, b, out, bias=None, residual=None, gamma=None, beta=None) -> list:
+    """strip_kernel's first ``PER_CALL`` arguments, those that hold a call's data pointers: the
+    three TMA descriptors (A, B, and the residual's, or the output's where there is no residual:
+    it only gives the tile's shape and layout then) and the tensors (the output standing in for
+    an absent one). The rest depend only on the layout."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     la, lb, lt = layouts(cfg.b_kmajor)
-    return (TensorDescriptor.from_tensor(a, [BM, BK], la),
+    return [TensorDescriptor.from_tensor(a, [BM, BK], la),
             TensorDescriptor.from_tensor(b, [BN, BK] if cfg.b_kmajor else [BK, BN], lb),
-            TensorDescriptor.from_tensor(residual if residual is not None else out, [BM, BN], lt))
+            TensorDescriptor.from_tensor(residual if residual is not None else out, [BM, BN], lt),
+            *(out if t is None else t for t in (bias, residual, gamma, beta)), out]
 
 
-# positions of the per-call arguments of strip_kernel (the rest depend only on the layout)
-A_DESC, B_DESC, R_DESC, BIAS, RES_PTR, GAMMA, BETA, OUT = range(8)
+PER_CALL = 8
 
 
 def arguments(cfg: StripConfig, a, b, out, *, bias=None, residual=None, gamma=None, beta=None, eps=1e-5,
@@ -365,11 +366,8 @@ def arguments(cfg: StripConfig, a, b, out, *, bias=None, residual=None, gamma=No
     tiles_n = N // BN
     if cfg.kind and tiles_n > num_sms:
         raise ValueError(f"a strip of {tiles_n} tiles cannot be resident at once on {num_sms} SMs")
-    dummy = out
     grid = (min(num_sms, (M // BM) * tiles_n), )
-    args = [*descriptors(cfg, a, b, out, residual), dummy if bias is None else bias,
-            dummy if residual is None else residual, dummy if gamma is None else gamma,
-            dummy if beta is None else beta, out, ws if ws is not None else out,
+    args = [*call_arguments(cfg, a, b, out, bias, residual, gamma, beta), ws if ws is not None else out,
             counters if counters is not None else torch.zeros(1, dtype=torch.int32, device=out.device),
             M, N, K, eps, counters if trace is None else trace]
     return grid, args, dict(cfg.constexprs(tiles_n, trace is not None), num_warps=8, maxnreg=cfg.maxnreg)
