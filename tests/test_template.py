@@ -13,7 +13,7 @@ from comfuse.frontend.capture import capture
 from comfuse.frontend.regions import find_regions
 from comfuse.planner import plan
 from comfuse.planner.plan import NotFused, candidates
-from comfuse.planner.template import fits, match
+from comfuse.planner.template import fits, match, match_lse
 
 from test_codegen import run_compiler_script
 
@@ -90,8 +90,8 @@ def test_the_planner_offers_the_template_on_cuda_only_and_at_whole_tiles():
 
 
 def test_every_variant_compiles_for_sm90_without_spilling_much():
-    """LayerNorm (residual by TMA or by the epilogue, nn.Linear's B), RMSNorm, MBLR, softmax, and a strip
-    of 12 tiles (not a power of two): 12 warps at <= 168 registers, <= 227 KB of shared memory,
+    """LayerNorm (residual by TMA or by the epilogue, nn.Linear's B), RMSNorm, MBLR, softmax, a strip
+    of 12 tiles (not a power of two), and the terminal log-sum-exp kind at 128 tiles a row: 12 warps at <= 168 registers, <= 227 KB of shared memory,
     the two partitions' register budgets (setmaxnreg) as planned."""
     script = textwrap.dedent("""
         import json, re
@@ -103,7 +103,8 @@ def test_every_variant_compiles_for_sm90_without_spilling_much():
                 "rms": (S.StripConfig(kind=2, residual=0, has_gamma=True), 4096),
                 "mblr": (S.StripConfig(kind=1, has_bias=True, residual=0, has_gamma=True, has_beta=True,
                                        relu=True), 2048),
-                "softmax": (S.StripConfig(kind=3, residual=0), 1024)}
+                "softmax": (S.StripConfig(kind=3, residual=0), 1024),
+                "lse_kmajor": (S.StripConfig(kind=4, residual=0, group_m=8, b_kmajor=True), 32768)}
         out = {}
         for name, (cfg, n) in cfgs.items():
             k = S.compile_sm90(cfg, N=n)
@@ -163,3 +164,100 @@ def test_later_calls_launch_with_the_arguments_the_jit_would_get(monkeypatch):
             assert u.data_ptr() == v.data_ptr(), j
         else:
             assert u == v, j
+
+
+# ---- the terminal kind (ws_split): cross-entropy's statistics -------------------------------
+
+CE_FORMS = {
+    "ce_mean": lambda x, w, t: F.cross_entropy(x @ w, t),
+    "ce_float_none_ignore": lambda x, w, t: F.cross_entropy((x @ w).float(), t, ignore_index=3, reduction="none"),
+    "ce_sum_linear": lambda x, w, t: F.cross_entropy(F.linear(x, w.t().contiguous()), t, reduction="sum"),
+    "logsumexp": lambda x, w, t: torch.logsumexp((x @ w).float(), -1),
+}
+
+
+def ce_region(fn, M=256, K=64, N=1024):
+    args = (torch.randn(M, K, dtype=bf), torch.randn(K, N, dtype=bf), torch.randint(0, N, (M, )))
+    return region_of(fn, *args)
+
+
+@pytest.mark.parametrize("name", list(CE_FORMS))
+def test_the_terminal_kind_matches_cross_entropy_and_log_sum_exp(name):
+    t, why = match_lse(ce_region(CE_FORMS[name]))
+    assert why == "", why
+    assert t.lse and (t.pick is None) == (name == "logsumexp")
+
+
+@pytest.mark.parametrize("fn, why", [
+    (lambda x, w, t: F.cross_entropy((x @ w).float(), t, label_smoothing=0.1), "is not the log-sum-exp"),
+    (lambda x, w, t: torch.logsumexp(torch.relu(x @ w).float(), -1), "is not the log-sum-exp"),
+    (lambda x, w, t: (x @ w).float().amax(-1) + torch.logsumexp((x @ w).float(), -1), "more than a shift"),
+    (lambda x, w, t: (x @ w).float().amax(-1), "needs a log-sum-exp"),
+], ids=["label_smoothing", "lse_of_relu", "max_as_output", "max_alone"])
+def test_the_terminal_kind_refuses_other_statistics(fn, why):
+    """Label smoothing (a plain sum of the logits), a log-sum-exp of something else, and a max
+    that is an output rather than a shift are not the kind's statistics."""
+    t, reason = match_lse(ce_region(fn))
+    assert t is None and why in reason, reason
+
+
+def test_the_planner_offers_the_terminal_kind_for_losses_on_cuda_only():
+    region = ce_region(CE_FORMS["ce_mean"])
+    (p, ) = [p for p in candidates(region, target="cuda") if p.schedule == "ws_split"]
+    assert p.tiles_n == p.chunks == 4 and "no [M, N] output" in p.describe()
+    with settings.override(schedule="ws_split"):
+        refused = plan(region, target="interpreter")
+    assert isinstance(refused, NotFused) and "interpreter" in refused.reason
+    assert not [p for p in candidates(ce_region(CE_FORMS["ce_mean"], M=200), target="cuda")
+                if p.schedule == "ws_split"]
+
+
+@pytest.mark.parametrize("name", ["ce_float_none_ignore", "ce_mean", "logsumexp"])
+def test_the_terminal_combine_turns_the_templates_workspace_into_the_outputs(name):
+    """The contract between the Gluon template's KIND_LSE (GPU only) and the generated combine
+    kernel (run here by Triton's interpreter): a workspace holding each tile's log-sum-exp per
+    row, and the logit at each row's target where the target is a column (NaN elsewhere: never
+    read), gives the region's outputs, against the float64 reference; targets outside [0, N)
+    (ignored rows) included."""
+    from comfuse.ir.interpret import canonical_shape, evaluate
+    from comfuse.runtime.kernel import build
+    M, K, N = 256, 64, 1280  # 5 tiles a row (not a power of two)
+    fn = CE_FORMS[name]
+    with settings.override(schedule="ws_split"):
+        (cand,) = find_regions(capture(fn, (torch.randn(M, K, dtype=bf), torch.randn(K, N, dtype=bf),
+                                            torch.randint(0, N, (M, )))))
+        p = plan(cand.region, target="cuda")
+    kernel = build(p)
+    region = p.region
+    gen = torch.Generator().manual_seed(1)
+    a3 = torch.randn(1, M, K, generator=gen).to(bf)
+    b3 = torch.randn(1, K, N, generator=gen).to(bf)
+    ins = []
+    for inp in region.inputs:
+        shape = canonical_shape(region, inp.axes)
+        if inp.dtype == torch.bool:
+            ins.append(torch.rand(shape, generator=gen) > 0.2)
+        elif not inp.dtype.is_floating_point:
+            t = torch.randint(0, N, shape, generator=gen)
+            t[0, ::5] = -100
+            t[0, 1::9] = 3
+            ins.append(t)
+        else:
+            ins.append((torch.rand(shape, generator=gen) + 0.5).to(inp.dtype))
+    refs = evaluate(region, a3, b3, ins)
+    v = a3[0].double() @ b3[0].double()
+    tiles = N // 256
+    ws = torch.full(((tiles + 1) * M, ), float("nan"), dtype=torch.float32)
+    ws[:tiles * M] = torch.logsumexp(v.view(M, tiles, 256), 2).t().reshape(-1).float()
+    if p.template.target is not None:
+        target = ins[p.template.target].reshape(-1)
+        inside = ((target >= 0) & (target < N)).nonzero()[:, 0]
+        ws[tiles * M + inside] = v[inside, target[inside]].float()
+    outs = [torch.full(canonical_shape(region, o.axes), float("nan"), dtype=o.dtype) for o in region.outputs]
+    kernel.combine(a3, b3, ins, outs, ws)
+    for out, ref in zip(outs, refs):
+        assert torch.equal(torch.isnan(out), torch.isnan(ref))
+        ok = ~torch.isnan(ref)
+        err = (out.double()[ok] - ref[ok]).abs().max().item()
+        tol = 1e-4 if out.dtype == torch.float32 else 2.0 ** -7  # (a bf16 loss: 1.5 of its ulps at most)
+        assert err <= tol * max(1.0, ref[ok].abs().max().item()), err

@@ -11,8 +11,10 @@ from .stages import Stage, partition
 
 SCHEDULES = ("tile", "row_in_cta", "cooperative", "split")
 # "ws_strip": the warp-specialised Gluon template (codegen/gluon/strip.py) for LayerNorm /
-# RMSNorm epilogues on sm_90; an autotuning candidate, or forced with COMFUSE_SCHEDULE=ws_strip
-TEMPLATE_SCHEDULES = ("ws_strip", )
+# RMSNorm / softmax epilogues on sm_90; "ws_split": the same template's terminal kind (per-row
+# log-sum-exp and a target's logit: cross-entropy) and a combine kernel. Autotuning candidates,
+# or forced with COMFUSE_SCHEDULE
+TEMPLATE_SCHEDULES = ("ws_strip", "ws_split")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -47,6 +49,11 @@ class Plan:
     template: object = None  # ws_strip: the planner.template.StripTemplate the region matched
 
     def describe(self) -> str:
+        if self.schedule == "ws_split":
+            return (f"ws_split: warp-specialised Gluon template computing the {self.template.describe()}; "
+                    f"persistent grid of {self.block_m}x{self.block_n}x{self.block_k} tiles in grouped order, TMA "
+                    f"mainloop in 8 warps, the epilogue in 4 warps of its own beside the next tile's mainloop; one "
+                    f"fp32 log-sum-exp per row and tile ({self.tiles_n} per row), then a combine kernel")
         if self.schedule == "ws_strip":
             return (f"ws_strip: warp-specialised Gluon template computing {self.template.describe()}; "
                     f"persistent grid of {self.block_m}x{self.block_n}x{self.block_k} tiles, TMA mainloop in "
@@ -287,6 +294,8 @@ def plan(region: Region, target: str = "cuda", settings=None, sm_count: int = 13
         forms.append(("transposed", region))
     stages = partition(region)                     # reductions are stage boundaries
     forced = settings.schedule                     # the schedule: forced, or the first that fits
+    if forced == "ws_split":
+        return lse_template_plan(region, transposed, stages, tuple(forms), target)
     if forced in TEMPLATE_SCHEDULES:
         return strip_template_plan(region, transposed, stages, tuple(forms), target, sm_count,
                                    prefetch=settings.prefetch)
@@ -345,6 +354,30 @@ def strip_template_plan(region: Region, transposed: bool, stages, forms: tuple, 
         return no(f"a strip of {tiles} tiles cannot be resident at once on {sm_count} SMs")
     return Plan(region, False, "ws_strip", stages, 128, 256, 64, 8, 8, 3, forms, tiles_n=tiles, mainloop="tma",
                 persistent=True, template=template, prefetch=prefetch and template.residual is not None)
+
+
+def lse_template_plan(region: Region, transposed: bool, stages, forms: tuple, target: str) -> Plan | NotFused:
+    """The ws_split plan for ``region`` (row form), or why the template's terminal kind does
+    not apply."""
+    from .template import fits, match_lse
+
+    def no(why):
+        return NotFused(f"ws_split: {why}", forms)
+    if target != "cuda":
+        return no("Gluon templates do not run in Triton's interpreter (sm_90 GPUs only)")
+    if transposed:
+        return no("the template reduces along N only")
+    template, why = match_lse(region)
+    if why:
+        return no(why)
+    s = region.sizes
+    why = fits(s.M, s.N, s.K, terminal=True)
+    if why:
+        return no(why)
+    tiles = s.N // 256
+    return Plan(region, False, "ws_split", stages, 128, 256, 64, 8, 8, 3, forms, tiles_n=tiles, mainloop="tma",
+                persistent=True, template=template, chunks=tiles, tiles_per_chunk=1, onepass=one_pass(region),
+                grouped=True)
 
 
 def candidates(region: Region, target: str = "cuda", settings=None, sm_count: int = 132) -> list:
@@ -423,4 +456,8 @@ def candidates(region: Region, target: str = "cuda", settings=None, sm_count: in
             out.append(ws)
             if ws.template.residual is not None:  # residual by TMA during the mainloop, or after it
                 out.append(dataclasses.replace(ws, prefetch=True))
+        if first.schedule == "split":  # a loss over wide rows: the template's terminal kind
+            lse = lse_template_plan(first.region, first.transposed, first.stages, first.forms, target)
+            if isinstance(lse, Plan):
+                out.append(lse)
     return out

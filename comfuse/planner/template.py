@@ -27,12 +27,13 @@ TILE = (128, 256, 64)  # the template's BM, BN, BK
 MAX_TILES_N = 64  # the combine loads [next_pow2(TILES_N), 128] partials at once
 
 
-def fits(M: int, N: int, K: int) -> str:
-    """'' when the template takes these sizes (whole tiles, a strip the combine holds), else why not."""
+def fits(M: int, N: int, K: int, terminal: bool = False) -> str:
+    """'' when the template takes these sizes (whole tiles, a strip the combine holds), else why
+    not. ``terminal``: the log-sum-exp kind, whose rows may span any number of tiles."""
     bm, bn, bk = TILE
     if M % bm or N % bn or K % bk:
         return f"the template takes whole {bm}x{bn}x{bk} tiles (M={M}, N={N}, K={K})"
-    if N // bn > MAX_TILES_N:
+    if not terminal and N // bn > MAX_TILES_N:
         return f"a strip of {N // bn} tiles is more than the template's combine holds ({MAX_TILES_N})"
     return ""
 
@@ -143,3 +144,108 @@ def match(region: Region, trials: int = 2) -> tuple[StripTemplate | None, str]:
             return t, ""
     return None, ("the epilogue is not LayerNorm or RMSNorm (with affine / ReLU) or softmax of "
                   "x @ W (+ bias) (+ residual)")
+
+
+# ---- the terminal kind: per-row log-sum-exp and a target's logit (cross-entropy) ------------
+
+@dataclasses.dataclass(frozen=True)
+class LseTemplate:
+    """The template's KIND_LSE reading of a region's one-pass form (planner/onepass.py): every
+    statistic is the log-sum-exp of the GEMM's value, its max (used only as a shift, so the
+    log-sum-exp stands in for it), or the sum of ``where(column == target, value, 0)``, the
+    value at the row's target column (the pick)."""
+    lse: tuple  # indices into OnePass.stats
+    shifts: tuple
+    pick: int | None
+    target: int | None  # index into Region.inputs: the int64 [M] targets
+
+    def describe(self) -> str:
+        return ("per-row log-sum-exp of x @ W" + (" and its value at a target column" if self.pick is not None
+                                                  else "") + " (a loss's statistics; no [M, N] output)")
+
+
+def _value(nodes, i: int) -> bool:
+    """Whether tile node i is the GEMM's value itself (through floating-point casts)."""
+    while nodes[i].op is Op.CAST and nodes[i].arg.is_floating_point:
+        i = nodes[i].src[0]
+    return nodes[i].op is Op.ACC
+
+
+def _pick_target(region: Region, nodes, i: int) -> int | None:
+    """The input index of t when tile node i is ``where(column == t, value, 0)``, else None."""
+    n = nodes[i]
+    if n.op is not Op.WHERE or not _value(nodes, n.src[1]):
+        return None
+    zero = nodes[n.src[2]]
+    cond = nodes[n.src[0]]
+    if zero.op is not Op.CONST or zero.arg != 0.0 or cond.op is not Op.EQ:
+        return None
+    a, b = (nodes[s] for s in cond.src)
+    if a.op is not Op.IOTA:
+        a, b = b, a
+    if a.op is not Op.IOTA or a.arg != "N" or b.op is not Op.INPUT:
+        return None
+    inp = region.inputs[b.arg]
+    return b.arg if inp.axes == frozenset("M") and inp.dtype == torch.int64 else None
+
+
+def match_lse(region: Region) -> tuple[LseTemplate | None, str]:
+    """(template, '') when KIND_LSE computes ``region``'s statistics, else (None, why not). The
+    shape is read from the one-pass form; that each max statistic only shifts (the outputs do
+    not change when the log-sum-exp replaces it) is checked by evaluating the combine step in
+    float64 on random statistics, to 1e-9."""
+    from .onepass import NotOnePass, evaluate_combine, one_pass
+    g = region.gemm
+    if region.kind != "gemm_epilogue" or g.batched:
+        return None, "the template takes one unbatched GEMM and its epilogue"
+    if g.a.dtype != torch.bfloat16 or g.b.dtype != torch.bfloat16:
+        return None, "the template multiplies bf16 operands"
+    if g.a.major != "K" or g.b.major not in ("N", "K"):
+        return None, "the template loads A row-major and B with a unit-stride dimension (TMA)"
+    if any("N" in i.axes for i in region.inputs):
+        return None, "the log-sum-exp kind takes no side inputs along N (bias, residual)"
+    try:
+        op = one_pass(region)
+    except NotOnePass as e:
+        return None, f"not a terminal reduction (one pass: {e})"
+    nodes = op.tile.nodes
+    lse, shifts, picks = [], [], []
+    for k, st in enumerate(op.stats):
+        if st.kind in ("lse", "max") and _value(nodes, st.node):
+            (lse if st.kind == "lse" else shifts).append(k)
+        elif st.kind == "sum" and _pick_target(region, nodes, st.node) is not None:
+            picks.append((k, _pick_target(region, nodes, st.node)))
+        else:
+            return None, (f"statistic {k} ({st.kind} of %{st.node}) is not the log-sum-exp, max or target pick "
+                          "of x @ W")
+    if not lse or len(picks) > 1:
+        return None, "the log-sum-exp kind needs a log-sum-exp of x @ W and at most one target pick"
+    gen = torch.Generator().manual_seed(0)
+    M, N = 6, 8
+    v = torch.randn(1, M, N, generator=gen, dtype=torch.float64) * 3
+    inputs = []
+    for inp in region.inputs:
+        if inp.dtype == torch.bool:
+            inputs.append(torch.rand(1, M, 1, generator=gen) > 0.3)
+        elif not inp.dtype.is_floating_point:
+            t = torch.randint(0, N, (1, M, 1), generator=gen)
+            t[0, 0, 0] = -100  # an ignored row
+            inputs.append(t)
+        else:
+            inputs.append(torch.rand(1, M, 1, generator=gen, dtype=torch.float64) + 0.5)
+    exact, standin = {}, {}
+    for k, st in enumerate(op.stats):
+        if st.kind == "lse":
+            exact[(k, "")] = standin[(k, "")] = torch.logsumexp(v, 2, keepdim=True)
+        elif st.kind == "max":
+            exact[(k, "")], standin[(k, "")] = v.amax(2, keepdim=True), torch.logsumexp(v, 2, keepdim=True)
+        else:
+            t = inputs[picks[0][1]]
+            inside = (t >= 0) & (t < N)
+            exact[(k, "")] = standin[(k, "")] = torch.where(
+                inside, v.gather(2, t.clamp(0, N - 1)), torch.zeros((), dtype=torch.float64))
+    for a, b in zip(evaluate_combine(op, exact, inputs, v.device), evaluate_combine(op, standin, inputs, v.device)):
+        if not torch.allclose(a.double(), b.double(), rtol=1e-9, atol=1e-9, equal_nan=True):
+            return None, "a max statistic is used for more than a shift (the log-sum-exp cannot stand in)"
+    pick, target = picks[0] if picks else (None, None)
+    return LseTemplate(tuple(lse), tuple(shifts), pick, target), ""

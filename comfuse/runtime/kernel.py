@@ -19,7 +19,7 @@ from ..planner import Plan
 from ..planner.onepass import parts
 from . import cache
 
-CODEGEN_VERSION = "triton-11"  # bumped when generated code or launch cost changes: stored tuning decisions are re-measured
+CODEGEN_VERSION = "triton-12"  # bumped when generated code or launch cost changes: stored tuning decisions are re-measured
 
 
 class ComfuseWarning(UserWarning):
@@ -353,6 +353,11 @@ def build(plan: Plan) -> Kernel:
         from .strip_kernel import build as build_strip
         if name not in _kernels:
             _kernels[name] = build_strip(plan, name)
+        return _kernels[name]
+    if plan.schedule == "ws_split":  # the template's terminal kind and a generated combine
+        from .strip_kernel import build_lse
+        if name not in _kernels:
+            _kernels[name] = build_lse(plan, name)
         return _kernels[name]
     if name not in _kernels:
         source = emit(plan, name)

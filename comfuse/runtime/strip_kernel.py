@@ -101,3 +101,127 @@ def _sm_count(device: torch.device) -> int:
 
 def build(plan: Plan, name: str) -> StripKernel:
     return StripKernel(plan, KernelSource(name, f"# Gluon template: {plan.describe()}", (), (), 12, plan.num_stages))
+
+
+@dataclasses.dataclass
+class LseKernel:
+    """A ws_split plan: the Gluon template's terminal kind (KIND_LSE: per tile and row the
+    log-sum-exp of its columns, and the logit at the row's target) and the generated Triton
+    combine kernel that merges them and computes the outputs (codegen/triton/emit.py,
+    ``emit_lse_combine``). Memory besides inputs and outputs: (N / 256 + 1) fp32 per row, 0.8 %
+    of the bf16 logits."""
+    plan: Plan
+    source: KernelSource  # the combine's
+    combine_fn: object
+    _scratch: dict = dataclasses.field(default_factory=dict)  # (device, M, N) -> (workspace, dummy tile)
+    _bound: dict = dataclasses.field(default_factory=dict)  # tensor layout -> (template run, statics, config, combine)
+
+    @property
+    def path(self) -> str:
+        from ..codegen.gluon import strip
+        return str(Path(strip.__file__))
+
+    def helper(self):
+        """The combine's arguments and options, as a generated split kernel takes them."""
+        from .kernel import Kernel
+        return Kernel(dataclasses.replace(self.plan, schedule="split", mainloop="pointer"), self.source,
+                      self.combine_fn)
+
+    def config(self):
+        from ..codegen.gluon import strip
+        return strip.StripConfig(kind=strip.KIND_LSE, residual=0, b_kmajor=self.plan.region.gemm.b.major == "K",
+                                 group_m=strip.GROUP_M)
+
+    def operands(self, a3, b3, ins):
+        t = self.plan.template
+        b = b3[0].t() if self.plan.region.gemm.b.major == "K" else b3[0]
+        M = a3.shape[1]
+        targets = ins[t.target].reshape(-1).contiguous() if t.target is not None else \
+            torch.full((M, ), -1, dtype=torch.int64, device=a3.device)
+        return a3[0], b, targets
+
+    def workspace(self, device, M: int, N: int):
+        from ..codegen.gluon import strip
+        key = (str(device), M, N)
+        if key not in self._scratch:
+            self._scratch[key] = (torch.empty(strip.workspace_numel(M, N, strip.KIND_LSE), dtype=torch.float32,
+                                              device=device),
+                                  torch.empty(strip.BM, strip.BN, dtype=torch.bfloat16, device=device))
+        return self._scratch[key]
+
+    def combine(self, a3, b3, ins, outs, ws) -> None:
+        """The combine kernel alone, on a workspace as the template leaves it (runs under
+        Triton's interpreter too: the CPU tests check it there)."""
+        helper = self.helper()
+        M = a3.shape[1]
+        on_cpu = a3.device.type == "cpu"
+        args = helper.arguments(a3, b3, ins, outs, ws, None, 0)
+        self.combine_fn[(-(-M // self.plan.block_m), )](*args, **helper.options(a3, b3, ins, outs, on_cpu))
+
+    def statistics(self, a3, b3, ins) -> torch.Tensor:
+        """Run the template alone; its workspace (a view, valid until the next launch)."""
+        a, b, targets = self.operands(a3, b3, ins)
+        layout = layout_key((a3, b3, *ins))
+        bound = self._bound.get(("stats", layout))
+        if bound is None:
+            self._bound[("stats", layout)] = self.bind(a, b, targets)
+            ws, dummy = self.workspace(a.device, a.shape[0], b3.shape[2])
+            return ws
+        run, statics, cfg = bound
+        from ..codegen.gluon import strip
+        ws, dummy = self.workspace(a.device, a.shape[0], b3.shape[2])
+        run(*strip.call_arguments(cfg, a, b, dummy, targets=targets), *statics[strip.PER_CALL:])
+        return ws
+
+    def launch(self, a3: torch.Tensor, b3: torch.Tensor, ins: list, outs: list) -> None:
+        ws = self.statistics(a3, b3, ins)
+        self.combine(a3, b3, ins, outs, ws)
+
+    def bind(self, a, b, targets):
+        """Check a layout's tensors, launch the template once through the JIT; return (run,
+        statics, config)."""
+        from ..codegen.gluon import strip
+        dev = a.device
+        if dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] != 9:
+            raise UnsupportedLayout("ws_split: the Gluon template runs on sm_90 (Hopper) GPUs only")
+        _tma_ready(a, "A")
+        _tma_ready(b, "B")
+        cfg = self.config()
+        M = a.shape[0]
+        N = b.shape[0] if cfg.b_kmajor else b.shape[1]
+        ws, dummy = self.workspace(dev, M, N)
+        grid, args, options = strip.arguments(cfg, a, b, dummy, ws=ws, targets=targets, num_sms=_sm_count(dev))
+        if len(self._bound) > 64:
+            self._bound.clear()
+        return (*launch_direct(strip.strip_kernel, grid, args, options, set(range(strip.PER_CALL))), cfg)
+
+    def split_statistics(self, a3, b3, ins, outs) -> torch.Tensor:
+        """The one-pass form's statistics for the backward, as a split kernel's workspace of one
+        slice ([statistic arrays, 1, M]; ``Kernel.split_statistics``): the log-sum-exp (its parts:
+        max = the log-sum-exp, sum = 1) and the max it stands in for, and the target pick."""
+        from ..planner.onepass import parts
+        t, op = self.plan.template, self.plan.onepass
+        M, N = a3.shape[1], b3.shape[2]
+        tiles = N // self.plan.block_n
+        ws = self.statistics(a3, b3, ins)
+        lse = torch.logsumexp(ws[:tiles * M].view(tiles, M), 0)
+        if t.target is not None:
+            target = ins[t.target].reshape(-1)
+            pick = torch.where((target >= 0) & (target < N), ws[tiles * M:(tiles + 1) * M], torch.zeros_like(lse))
+        rows = []
+        for k, st in enumerate(op.stats):
+            if k == t.pick:
+                rows.append(pick)
+            elif parts(st) == ("m", "s"):
+                rows += [lse, torch.ones_like(lse)]
+            else:
+                rows.append(lse)
+        return torch.stack(rows).view(len(rows), 1, M)
+
+
+def build_lse(plan: Plan, name: str) -> LseKernel:
+    from ..codegen.triton import emit
+    from . import cache
+    source = emit(plan, name)
+    module = cache.load_source(name, source.text)
+    return LseKernel(plan, source, getattr(module, f"{name}_combine"))

@@ -6,6 +6,15 @@ strip spans several tiles, the epilogue in warps of its own beside the next tile
     out = v * rsqrt(mean(v^2) + eps) (* gamma)            KIND_RMSNORM
     out = softmax(v) along N                              KIND_SOFTMAX
     out = v                                               KIND_PLAIN (the GEMM alone, for timing)
+    ws  = per tile and row: log-sum-exp of its 256 columns, KIND_LSE (terminal: no [M, N] output;
+          and the row's logit at a target column)           cross-entropy's statistics
+
+KIND_LSE is the terminal reduction (a loss over a vocabulary-wide row): each tile leaves one
+fp32 number per row, its columns' log-sum-exp (1/512 of the bf16 logits it replaces), and the
+tile holding a row's target column leaves that logit; a small combine kernel
+(codegen/triton/emit.py, ``emit_lse_combine``) merges them and computes the loss. No strip
+waits for another, so the tiles go in grouped order (GROUP_M row blocks at a time, as a plain
+GEMM takes them) for the L2's sake, and a row may span any number of tiles.
 
 Triton's ``tl`` language cannot warp-specialise on sm_90, so the code generator's kernels run
 their epilogue after the mainloop with the tensor cores idle (7-24 us per fused GEMM + norm on
@@ -56,7 +65,7 @@ from ...planner.template import TILE, fits
 
 BM, BN, BK = TILE
 CHUNK = 32  # rows of the tile the epilogue holds in registers at once
-KIND_PLAIN, KIND_LAYERNORM, KIND_RMSNORM, KIND_SOFTMAX = 0, 1, 2, 3
+KIND_PLAIN, KIND_LAYERNORM, KIND_RMSNORM, KIND_SOFTMAX, KIND_LSE = 0, 1, 2, 3, 4
 LOG2E = gl.constexpr(1.4426950408889634)
 
 
@@ -75,12 +84,13 @@ class StripConfig:
     epi_regs: int = 152
     maxnreg: int = 168
     wait: bool = True  # False: an ablation that skips the strip exchange (wrong results, timing only)
+    group_m: int = 0  # 0: tiles in row-strip order (the strip kinds need it); else grouped, GROUP_M row blocks
 
     def constexprs(self, tiles_n: int, trace: bool = False) -> dict:
         return dict(KIND=self.kind, HAS_BIAS=self.has_bias, RES=self.residual, HAS_GAMMA=self.has_gamma,
                     HAS_BETA=self.has_beta, RELU=self.relu, B_KMAJOR=self.b_kmajor, WAIT=self.wait,
                     TRACE=trace, TILES_N=tiles_n, TILES_P2=_pow2(tiles_n), STAGES=self.stages, CHUNK=CHUNK,
-                    EPI_WARPS=self.epi_warps, EPI_REGS=self.epi_regs)
+                    EPI_WARPS=self.epi_warps, EPI_REGS=self.epi_regs, GROUP_M=self.group_m)
 
 
 def _pow2(n: int) -> int:
@@ -98,31 +108,44 @@ def _mark(trace_ptr, n, slot: gl.constexpr, TRACE: gl.constexpr):
 
 
 @gluon.jit
-def _issue_load(a_desc, b_desc, a_bufs, b_bufs, ready, i, total, k_steps, B_KMAJOR: gl.constexpr,
-                TILES_N: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr):
+def _tile_coords(t, num_tiles, TILES_N: gl.constexpr, GROUP_M: gl.constexpr):
+    """(row block, column tile) of tile t: row-strip order (GROUP_M 0: a strip's tiles are
+    consecutive), or grouped: GROUP_M row blocks at a time, column by column, so the programs
+    in flight share a few row blocks of A and columns of B in L2."""
+    if GROUP_M == 0:
+        return t // TILES_N, t % TILES_N
+    else:
+        per_group = GROUP_M * TILES_N
+        first = (t // per_group) * GROUP_M
+        rows = gl.minimum(num_tiles // TILES_N - first, GROUP_M)
+        return first + (t % per_group) % rows, (t % per_group) // rows
+
+
+@gluon.jit
+def _issue_load(a_desc, b_desc, a_bufs, b_bufs, ready, i, total, k_steps, num_tiles, B_KMAJOR: gl.constexpr,
+                TILES_N: gl.constexpr, GROUP_M: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                BK: gl.constexpr):
     """TMA loads of this program's flattened iteration ``i`` (its tile i // k_steps, K step
     i % k_steps) into ring slot i % STAGES, if there is such an iteration."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     s = i % STAGES
-    t = gl.program_id(0) + (i // k_steps) * gl.num_programs(0)
+    pid_m, pid_n = _tile_coords(gl.program_id(0) + (i // k_steps) * gl.num_programs(0), num_tiles, TILES_N,
+                                GROUP_M)
     kk = i % k_steps
     pred = i < total
     mbarrier.expect(ready.index(s), a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(a_desc, [(t // TILES_N) * BM, kk * BK], ready.index(s), a_bufs.index(s),
-                                    pred=pred)
+    tma.async_copy_global_to_shared(a_desc, [pid_m * BM, kk * BK], ready.index(s), a_bufs.index(s), pred=pred)
     if B_KMAJOR:
-        tma.async_copy_global_to_shared(b_desc, [(t % TILES_N) * BN, kk * BK], ready.index(s), b_bufs.index(s),
-                                        pred=pred)
+        tma.async_copy_global_to_shared(b_desc, [pid_n * BN, kk * BK], ready.index(s), b_bufs.index(s), pred=pred)
     else:
-        tma.async_copy_global_to_shared(b_desc, [kk * BK, (t % TILES_N) * BN], ready.index(s), b_bufs.index(s),
-                                        pred=pred)
+        tma.async_copy_global_to_shared(b_desc, [kk * BK, pid_n * BN], ready.index(s), b_bufs.index(s), pred=pred)
 
 
 @gluon.jit
 def _mma_partition(a_desc, b_desc, a_bufs, b_bufs, ready, tile_smem, tile_ready, tile_free, num_tiles, k_steps,
                    trace_ptr, TRACE: gl.constexpr, RES: gl.constexpr, B_KMAJOR: gl.constexpr,
-                   TILES_N: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                   num_warps: gl.constexpr):
+                   TILES_N: gl.constexpr, GROUP_M: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                   BK: gl.constexpr, num_warps: gl.constexpr):
     """The mainloop and the hand-off (see the module's docstring)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -130,7 +153,8 @@ def _mma_partition(a_desc, b_desc, a_bufs, b_bufs, ready, tile_smem, tile_ready,
     my_tiles = gl.cdiv(num_tiles - gl.program_id(0), gl.num_programs(0))
     total = my_tiles * k_steps
     for i in gl.static_range(STAGES - 1):
-        _issue_load(a_desc, b_desc, a_bufs, b_bufs, ready, i, total, k_steps, B_KMAJOR, TILES_N, BM, BN, BK)
+        _issue_load(a_desc, b_desc, a_bufs, b_bufs, ready, i, total, k_steps, num_tiles, B_KMAJOR, TILES_N, GROUP_M,
+                    BM, BN, BK)
     i = 0
     for n in range(my_tiles):
         _mark(trace_ptr, n, 0, TRACE)
@@ -145,8 +169,8 @@ def _mma_partition(a_desc, b_desc, a_bufs, b_bufs, ready, tile_smem, tile_ready,
             # at most this step's WGMMA in flight: the previous step's slot is free for the load
             # STAGES - 1 iterations ahead
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-            _issue_load(a_desc, b_desc, a_bufs, b_bufs, ready, i + STAGES - 1, total, k_steps, B_KMAJOR, TILES_N,
-                        BM, BN, BK)
+            _issue_load(a_desc, b_desc, a_bufs, b_bufs, ready, i + STAGES - 1, total, k_steps, num_tiles, B_KMAJOR,
+                        TILES_N, GROUP_M, BM, BN, BK)
             i += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         _mark(trace_ptr, n, 1, TRACE)
@@ -172,12 +196,14 @@ def _load_residual(r_desc, tile_smem, bar, t, num_tiles, TILES_N: gl.constexpr, 
 
 @gluon.jit
 def _epilogue_partition(tile_smem, mean_smem, rstd_smem, tile_ready, tile_free, r_desc, bias_ptr, res_ptr, gamma_ptr,
-                        beta_ptr, out_ptr, ws_ptr, counter_ptr, num_tiles, N, eps, trace_ptr,
+                        beta_ptr, out_ptr, aux_ptr, ws_ptr, counter_ptr, num_tiles, M, N, eps, trace_ptr,
                         TRACE: gl.constexpr, KIND: gl.constexpr, HAS_BIAS: gl.constexpr, RES: gl.constexpr,
                         HAS_GAMMA: gl.constexpr, HAS_BETA: gl.constexpr, RELU: gl.constexpr, WAIT: gl.constexpr,
-                        TILES_N: gl.constexpr, TILES_P2: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                        CHUNK: gl.constexpr, EPI_WARPS: gl.constexpr):
-    """The epilogue (see the module's docstring). Workspace: [strips, 2, TILES_N, BM] fp32."""
+                        TILES_N: gl.constexpr, TILES_P2: gl.constexpr, GROUP_M: gl.constexpr, BM: gl.constexpr,
+                        BN: gl.constexpr, CHUNK: gl.constexpr, EPI_WARPS: gl.constexpr):
+    """The epilogue (see the module's docstring). Workspace: [strips, 2, TILES_N, BM] fp32; for
+    KIND_LSE [TILES_N, M] (each tile's log-sum-exp per row), then [M] (the target's logit,
+    written by the tile holding the row's target; ``aux_ptr``: the targets, int64 [M])."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [EPI_WARPS, 1], [1, 0])
     row_l: gl.constexpr = gl.SliceLayout(1, layout)
     rows = gl.arange(0, CHUNK, layout=row_l)
@@ -191,8 +217,7 @@ def _epilogue_partition(tile_smem, mean_smem, rstd_smem, tile_ready, tile_free, 
         _load_residual(r_desc, tile_smem, tile_free, gl.program_id(0), num_tiles, TILES_N, BM, BN)
     n = 0
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        strip = t // TILES_N
-        tn = t % TILES_N
+        strip, tn = _tile_coords(t, num_tiles, TILES_N, GROUP_M)
         off_m = strip * BM
         off_n = tn * BN
         if HAS_BIAS:
@@ -216,11 +241,22 @@ def _epilogue_partition(tile_smem, mean_smem, rstd_smem, tile_ready, tile_free, 
                          v.to(gl.bfloat16))
             else:
                 v = v.to(gl.bfloat16)
-                if HAS_BIAS or RES == 1:
+                if (HAS_BIAS or RES == 1) and KIND != 4:
                     part.store(v)
                 v = v.to(gl.float32)
                 slot = ws_ptr + (strip * 2 * TILES_N + tn) * BM + c * CHUNK + rows
-                if KIND == 1:  # this tile's mean and M2 per row
+                if KIND == 4:  # this tile's log-sum-exp per row; the logit at the row's target, if here
+                    mx = gl.max(v, axis=1)
+                    total = gl.sum(gl.exp2((v - mx[:, None]) * LOG2E), axis=1)
+                    row = off_m + c * CHUNK + rows
+                    gl.store(ws_ptr + tn * M + row, mx + gl.log(total))
+                    local = gl.load(aux_ptr + row) - off_n
+                    here = (local >= 0) & (local < BN)
+                    if gl.max(here.to(gl.int32), axis=0) > 0:  # (a tile of 256 columns holds few targets)
+                        col = gl.where(here, local, -1).to(gl.int32)
+                        pick = gl.sum(gl.where(cols[None, :] == col[:, None], v, 0.0), axis=1)
+                        gl.store(ws_ptr + TILES_N * M + row, pick, mask=here)
+                elif KIND == 1:  # this tile's mean and M2 per row
                     mean = gl.sum(v, axis=1) / BN
                     d = v - mean[:, None]
                     gl.store(slot, mean)
@@ -231,7 +267,7 @@ def _epilogue_partition(tile_smem, mean_smem, rstd_smem, tile_ready, tile_free, 
                     mx = gl.max(v, axis=1)
                     gl.store(slot, mx)
                     gl.store(slot + TILES_N * BM, gl.sum(gl.exp2((v - mx[:, None]) * LOG2E), axis=1))
-        if KIND != 0:
+        if KIND == 1 or KIND == 2 or KIND == 3:
             gl.thread_barrier()  # every warp has published its partials
             _mark(trace_ptr, n, 6, TRACE)
             if WAIT:
@@ -295,12 +331,13 @@ def _epilogue_partition(tile_smem, mean_smem, rstd_smem, tile_ready, tile_free, 
 
 
 @gluon.jit
-def strip_kernel(a_desc, b_desc, r_desc, bias_ptr, res_ptr, gamma_ptr, beta_ptr, out_ptr, ws_ptr, counter_ptr,
-                 M, N, K, eps, trace_ptr,
+def strip_kernel(a_desc, b_desc, r_desc, bias_ptr, res_ptr, gamma_ptr, beta_ptr, out_ptr, aux_ptr, ws_ptr,
+                 counter_ptr, M, N, K, eps, trace_ptr,
                  KIND: gl.constexpr, HAS_BIAS: gl.constexpr, RES: gl.constexpr, HAS_GAMMA: gl.constexpr,
                  HAS_BETA: gl.constexpr, RELU: gl.constexpr, B_KMAJOR: gl.constexpr, WAIT: gl.constexpr,
                  TRACE: gl.constexpr, TILES_N: gl.constexpr, TILES_P2: gl.constexpr, STAGES: gl.constexpr,
-                 CHUNK: gl.constexpr, EPI_WARPS: gl.constexpr, EPI_REGS: gl.constexpr, num_warps: gl.constexpr):
+                 CHUNK: gl.constexpr, EPI_WARPS: gl.constexpr, EPI_REGS: gl.constexpr, GROUP_M: gl.constexpr,
+                 num_warps: gl.constexpr):
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = r_desc.block_type.shape[1]
@@ -321,11 +358,11 @@ def strip_kernel(a_desc, b_desc, r_desc, bias_ptr, res_ptr, gamma_ptr, beta_ptr,
     k_steps = gl.cdiv(K, BK)
     gl.warp_specialize([
         (_mma_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, tile_smem, tile_ready, tile_free, num_tiles,
-                          k_steps, trace_ptr, TRACE, RES, B_KMAJOR, TILES_N, BM, BN, BK, num_warps)),
+                          k_steps, trace_ptr, TRACE, RES, B_KMAJOR, TILES_N, GROUP_M, BM, BN, BK, num_warps)),
         (_epilogue_partition, (tile_smem, mean_smem, rstd_smem, tile_ready, tile_free, r_desc, bias_ptr, res_ptr,
-                               gamma_ptr, beta_ptr, out_ptr, ws_ptr, counter_ptr, num_tiles, N, eps, trace_ptr,
-                               TRACE, KIND, HAS_BIAS, RES, HAS_GAMMA, HAS_BETA, RELU, WAIT, TILES_N, TILES_P2,
-                               BM, BN, CHUNK, EPI_WARPS)),
+                               gamma_ptr, beta_ptr, out_ptr, aux_ptr, ws_ptr, counter_ptr, num_tiles, M, N, eps,
+                               trace_ptr, TRACE, KIND, HAS_BIAS, RES, HAS_GAMMA, HAS_BETA, RELU, WAIT, TILES_N,
+                               TILES_P2, GROUP_M, BM, BN, CHUNK, EPI_WARPS)),
     ], [EPI_WARPS], [EPI_REGS])
 
 
@@ -338,36 +375,48 @@ def layouts(b_kmajor: bool):
             gl.NVMMASharedLayout.get_default_for([BM, BN], gl.bfloat16))
 
 
-def call_arguments(cfg: StripConfig, a, b, out, bias=None, residual=None, gamma=None, beta=None) -> list:
+def call_arguments(cfg: StripConfig, a, b, out, bias=None, residual=None, gamma=None, beta=None,
+                   targets=None) -> list:
     """strip_kernel's first ``PER_CALL`` arguments, those that hold a call's data pointers: the
     three TMA descriptors (A, B, and the residual's, or the output's where there is no residual:
     it only gives the tile's shape and layout then) and the tensors (the output standing in for
-    an absent one). The rest depend only on the layout."""
+    an absent one; KIND_LSE writes no output, ``out`` is any bf16 [BM, BN] tensor then). The rest
+    depend only on the layout."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     la, lb, lt = layouts(cfg.b_kmajor)
     return [TensorDescriptor.from_tensor(a, [BM, BK], la),
             TensorDescriptor.from_tensor(b, [BN, BK] if cfg.b_kmajor else [BK, BN], lb),
             TensorDescriptor.from_tensor(residual if residual is not None else out, [BM, BN], lt),
-            *(out if t is None else t for t in (bias, residual, gamma, beta)), out]
+            *(out if t is None else t for t in (bias, residual, gamma, beta)), out,
+            out if targets is None else targets]
 
 
-PER_CALL = 8
+PER_CALL = 9
+GROUP_M = 8  # KIND_LSE's grouped order: row blocks of A in flight together (a plain GEMM's usual 8)
 
 
 def arguments(cfg: StripConfig, a, b, out, *, bias=None, residual=None, gamma=None, beta=None, eps=1e-5,
-              ws=None, counters=None, num_sms: int = 132, trace=None) -> tuple:
+              ws=None, counters=None, num_sms: int = 132, trace=None, targets=None) -> tuple:
     """(grid, positional arguments, options) of one launch: see ``launch``."""
     import torch
     M, K = a.shape
-    N = out.shape[1]
-    why = fits(M, N, K)
+    if cfg.kind == KIND_LSE:
+        N = b.shape[0] if cfg.b_kmajor else b.shape[1]
+        why = fits(M, N, K, terminal=True)
+        if not why and (targets is None or targets.dtype != torch.int64 or targets.shape != (M, )):
+            why = "KIND_LSE takes int64 targets [M]"
+        if not why and cfg.residual:
+            why = "KIND_LSE takes no residual"
+    else:
+        N = out.shape[1]
+        why = fits(M, N, K)
     if why:
         raise ValueError(why)
     tiles_n = N // BN
-    if cfg.kind and tiles_n > num_sms:
+    if cfg.kind not in (KIND_PLAIN, KIND_LSE) and tiles_n > num_sms:
         raise ValueError(f"a strip of {tiles_n} tiles cannot be resident at once on {num_sms} SMs")
     grid = (min(num_sms, (M // BM) * tiles_n), )
-    args = [*call_arguments(cfg, a, b, out, bias, residual, gamma, beta), ws if ws is not None else out,
+    args = [*call_arguments(cfg, a, b, out, bias, residual, gamma, beta, targets), ws if ws is not None else out,
             counters if counters is not None else torch.zeros(1, dtype=torch.int32, device=out.device),
             M, N, K, eps, counters if trace is None else trace]
     return grid, args, dict(cfg.constexprs(tiles_n, trace is not None), num_warps=8, maxnreg=cfg.maxnreg)
@@ -377,15 +426,18 @@ def launch(cfg: StripConfig, a, b, out, **kw) -> int:
     """One launch through Triton's JIT: ``a`` [M, K] row-major, ``b`` [K, N] (or [N, K] when
     cfg.b_kmajor) with unit inner stride, ``out`` [M, N] contiguous, all bf16; bias / gamma /
     beta [N]; residual [M, N] contiguous; ``ws`` (float32, at least workspace_numel) and
-    ``counters`` (int32, M / 128 entries, zero before the first launch, never reset). Returns
-    the grid size. (runtime/strip_kernel.py launches the compiled kernel directly after its
-    first call per layout.)"""
+    ``counters`` (int32, M / 128 entries, zero before the first launch, never reset). KIND_LSE:
+    ``targets`` int64 [M] and ``out`` any bf16 [BM, BN] tensor (nothing is written to it; the
+    results are in ``ws``). Returns the grid size. (runtime/strip_kernel.py launches the
+    compiled kernel directly after its first call per layout.)"""
     grid, args, options = arguments(cfg, a, b, out, **kw)
     strip_kernel[grid](*args, **options)
     return grid[0]
 
 
-def workspace_numel(M: int, N: int) -> int:
+def workspace_numel(M: int, N: int, kind: int = KIND_LAYERNORM) -> int:
+    if kind == KIND_LSE:  # [TILES_N, M] log-sum-exps, then [M] target logits
+        return (N // BN + 1) * M
     return (M // BM) * 2 * (N // BN) * BM
 
 
@@ -402,10 +454,10 @@ def compile_sm90(cfg: StripConfig, M: int = 8192, N: int = 1024, K: int = 1024):
            "b_desc": f"tensordesc<bf16[{bshape[0]}, {bshape[1]}],{lb!r}>",
            "r_desc": f"tensordesc<bf16[{BM}, {BN}],{lt!r}>",
            "bias_ptr": "*bf16", "res_ptr": "*bf16", "gamma_ptr": "*bf16", "beta_ptr": "*bf16",
-           "out_ptr": "*bf16", "ws_ptr": "*fp32", "counter_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
+           "out_ptr": "*bf16", "aux_ptr": "*i64" if cfg.kind == KIND_LSE else "*bf16", "ws_ptr": "*fp32", "counter_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
            "eps": "fp32", "trace_ptr": "*i32"}
     constexprs = dict(cfg.constexprs(N // BN), num_warps=8)
     sig.update({k: "constexpr" for k in constexprs})
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(3, 13)}
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(3, 14)}
     return triton.compile(GluonASTSource(strip_kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": 8, "maxnreg": cfg.maxnreg})

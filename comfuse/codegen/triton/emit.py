@@ -977,6 +977,19 @@ class _Emitter:
                 self.line("row_m = tl.reduce(slice_m, 0, max_propagate_nan)")
                 self.line("scaled = tl.where(slice_m > float(\"-inf\"), slice_s * tl.exp(slice_m - row_m[None, :]), 0.0)")
                 self.line(f"stat{i} = row_m + tl.log(tl.sum(scaled, axis=0))  # log-sum-exp of %{st.node}")
+        self.combine_step(original, op)
+        second = "\n".join(self.lines)
+        self.region = original
+        header = module_header(f"comfuse kernels {self.name} and {self.name}_combine: {p.describe()}",
+                               format_region(original))
+        constexprs = (("BLOCK_M", p.block_m), ("BLOCK_N", p.block_n), ("BLOCK_K", p.block_k),
+                      ("GROUP_M", p.group_m), ("CHUNKS_POW2", _pow2(p.chunks)))
+        return KernelSource(self.name, header + first + "\n\n\n" + second + "\n", tuple(self.params),
+                            constexprs, p.num_warps, p.num_stages)
+
+    def combine_step(self, original: Region, op) -> None:
+        """The per-row combine step on the merged statistics (``stat{i}``, [BLOCK_M] each) and
+        the stores of the outputs."""
         self.region = original.replace(nodes=op.combine, outputs=op.outputs)
         self.line("# ---- per-row combine step ----")
         for i, node in enumerate(op.combine):
@@ -987,14 +1000,58 @@ class _Emitter:
             mask_arg = f", mask={mask}" if mask else ""
             self.line(f"tl.store({self.offsets(f'out{k}', out.axes)}, {self.store_value(out)}{mask_arg})"
                       f"  # {out.name}")
-        second = "\n".join(self.lines)
         self.region = original
-        header = module_header(f"comfuse kernels {self.name} and {self.name}_combine: {p.describe()}",
+
+    def emit_lse_combine(self, title: str) -> KernelSource:
+        """The combine kernel of a ws_split plan (the Gluon template's KIND_LSE, codegen/gluon/
+        strip.py): its workspace holds [CHUNKS = tiles per row, M] per-tile log-sum-exps, then
+        [M] target logits, written only where a row's target is a column. Merged per row, they
+        stand in for the one-pass form's statistics (planner/template.py, ``match_lse``: the
+        log-sum-exp for itself and for a max that only shifts; the pick for the sum of
+        where(column == target, x, 0), 0 for a target outside [0, N)); then the combine step."""
+        p = self.plan
+        t = p.template
+        op = p.onepass
+        original = self.region
+        self.region = op.tile
+        sig = self.signature()
+        consts = ["BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "UPCAST_OPERANDS", "DOT_PRECISION",
+                  "WIDE_INDEX", "EVEN_N", "CHUNKS_POW2"]
+        self.lines = []
+        self.function(f"{self.name}_combine", sig, consts,
+                      "merge each row's per-tile log-sum-exps and its target logit; compute the outputs")
+        self.line("pid_m = tl.program_id(0)")
+        self.line("offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
+        self.line("mask_m = offs_m < M")
+        self.line("# log-sum-exp over the row's tiles, 32 tiles at a time (a running max and a rescaled sum)")
+        self.line('run_m = tl.full((BLOCK_M,), float("-inf"), tl.float32)')
+        self.line("run_s = tl.zeros((BLOCK_M,), dtype=tl.float32)")
+        self.line("for j0 in range(0, CHUNKS, 32):")
+        self.line("jj = j0 + tl.arange(0, 32)", 2)
+        self.line("part = tl.load(ws_ptr + jj[:, None] * M + offs_m[None, :], "
+                  'mask=(jj < CHUNKS)[:, None] & mask_m[None, :], other=float("-inf"))', 2)
+        self.line("new_m = tl.maximum(run_m, tl.max(part, 0))", 2)
+        self.line("run_s = run_s * tl.exp(run_m - new_m) + tl.sum(tl.exp(part - new_m[None, :]), 0)", 2)
+        self.line("run_m = new_m", 2)
+        self.line("lse = run_m + tl.log(run_s)")
+        for k in t.lse:
+            self.line(f"stat{k} = lse  # log-sum-exp of %{op.stats[k].node}")
+        for k in t.shifts:
+            self.line(f"stat{k} = lse  # max of %{op.stats[k].node}: only a shift, the log-sum-exp stands in")
+        if t.pick is not None:
+            inp = op.tile.inputs[t.target]
+            rows = self.offsets(f"in{t.target}", inp.axes).replace("offs_m[:, None]", "offs_m")
+            self.line(f"target = tl.load({rows}, mask=mask_m, other=-1)")
+            self.line(f"stat{t.pick} = tl.load(ws_ptr + CHUNKS * M + offs_m, mask=mask_m & (target >= 0) & "
+                      f"(target < N), other=0.0)  # the logit at the target column")
+        self.combine_step(original, op)
+        text = "\n".join(self.lines)
+        self.region = original
+        header = module_header(f"comfuse kernel {self.name}_combine, the combine of {title}",
                                format_region(original))
         constexprs = (("BLOCK_M", p.block_m), ("BLOCK_N", p.block_n), ("BLOCK_K", p.block_k),
                       ("GROUP_M", p.group_m), ("CHUNKS_POW2", _pow2(p.chunks)))
-        return KernelSource(self.name, header + first + "\n\n\n" + second + "\n", tuple(self.params),
-                            constexprs, p.num_warps, p.num_stages)
+        return KernelSource(self.name, header + text + "\n", tuple(self.params), constexprs, 4, 1)
 
     def stage_title(self, stage) -> str:
         reds = [self.region.nodes[i] for i in stage.reductions]
@@ -1021,6 +1078,9 @@ def emit(plan: Plan, name: str, phase: int | None = None) -> KernelSource:
     exchange ``phase`` and publishes its partials there, with no waiting; launching phases
     0..E in order computes what the single GPU launch computes, without a spin-wait that
     Triton's interpreter (one program after another) could never leave."""
+    if plan.schedule == "ws_split":  # the template's combine kernel only (the template is Gluon)
+        as_split = dataclasses.replace(plan, schedule="split", mainloop="pointer")  # (its parameters)
+        return _Emitter(as_split, name).emit_lse_combine(plan.describe())
     e = _Emitter(plan, name)
     e.phase = phase
     return e.emit()
