@@ -182,6 +182,12 @@ def main() -> None:
         logf.flush()
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     log(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {num_sms} SMs")
+    if args.auto:  # autotuning's candidates and their times, into the log
+        import logging
+        handler = logging.StreamHandler(logf)
+        handler.setFormatter(logging.Formatter("  tuning: %(message)s"))
+        logging.getLogger("comfuse.tuning").addHandler(handler)
+        logging.getLogger("comfuse.tuning").setLevel(logging.DEBUG)
     table = []
     for name in args.only.split(","):
         shapes = ([tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes

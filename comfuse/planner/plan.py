@@ -330,26 +330,32 @@ def plan(region: Region, target: str = "cuda", settings=None, sm_count: int = 13
                 mainloop=mainloop, prefetch=prefetch, overlap=overlap, persistent=persistent, **extra)
 
 
+def _template_match(match, region: Region, transposed: bool, target: str, terminal: bool) -> tuple:
+    """(template, '') when ``match`` reads ``region`` as one of the Gluon template's forms at
+    sizes it takes, else (None, why not)."""
+    from .template import fits
+    if target != "cuda":
+        return None, "Gluon templates do not run in Triton's interpreter (sm_90 GPUs only)"
+    if transposed:
+        return None, "the template reduces along N only"
+    template, why = match(region)
+    s = region.sizes
+    why = why or fits(s.M, s.N, s.K, terminal=terminal)
+    return (None, why) if why else (template, "")
+
+
 def strip_template_plan(region: Region, transposed: bool, stages, forms: tuple, target: str,
                         sm_count: int, prefetch: bool = False) -> Plan | NotFused:
     """The ws_strip plan for ``region`` (row form), or why the template does not apply;
     ``prefetch``: the residual TMA-loaded into the hand-off buffer during the mainloop."""
-    from .template import fits, match
+    from .template import match
 
     def no(why):
         return NotFused(f"ws_strip: {why}", forms)
-    if target != "cuda":
-        return no("Gluon templates do not run in Triton's interpreter (sm_90 GPUs only)")
-    if transposed:
-        return no("the template reduces along N only")
-    template, why = match(region)
+    template, why = _template_match(match, region, transposed, target, terminal=False)
     if why:
         return no(why)
-    s = region.sizes
-    why = fits(s.M, s.N, s.K)
-    if why:
-        return no(why)
-    tiles = s.N // 256
+    tiles = region.sizes.N // 256
     if tiles > sm_count:
         return no(f"a strip of {tiles} tiles cannot be resident at once on {sm_count} SMs")
     return Plan(region, False, "ws_strip", stages, 128, 256, 64, 8, 8, 3, forms, tiles_n=tiles, mainloop="tma",
@@ -359,22 +365,11 @@ def strip_template_plan(region: Region, transposed: bool, stages, forms: tuple, 
 def lse_template_plan(region: Region, transposed: bool, stages, forms: tuple, target: str) -> Plan | NotFused:
     """The ws_split plan for ``region`` (row form), or why the template's terminal kind does
     not apply."""
-    from .template import fits, match_lse
-
-    def no(why):
+    from .template import match_lse
+    template, why = _template_match(match_lse, region, transposed, target, terminal=True)
+    if why:
         return NotFused(f"ws_split: {why}", forms)
-    if target != "cuda":
-        return no("Gluon templates do not run in Triton's interpreter (sm_90 GPUs only)")
-    if transposed:
-        return no("the template reduces along N only")
-    template, why = match_lse(region)
-    if why:
-        return no(why)
-    s = region.sizes
-    why = fits(s.M, s.N, s.K, terminal=True)
-    if why:
-        return no(why)
-    tiles = s.N // 256
+    tiles = region.sizes.N // 256
     return Plan(region, False, "ws_split", stages, 128, 256, 64, 8, 8, 3, forms, tiles_n=tiles, mainloop="tma",
                 persistent=True, template=template, chunks=tiles, tiles_per_chunk=1, onepass=one_pass(region),
                 grouped=True)
