@@ -117,7 +117,7 @@ def _backward(ctx, grads):
     tensors = [t.detach().requires_grad_(t.is_floating_point()) for t in saved]
     module = _REGISTRY[ctx.region_id][0]
     plan = getattr(module, "plan", None)
-    if getattr(plan, "schedule", "") == "split" and not plan.transposed:
+    if getattr(plan, "schedule", "") in ("split", "ws_split") and not plan.transposed:
         got = split_backward(ctx.region_id, saved, ctx.scalars, list(grads), carried)
         return None, [g if t.is_floating_point() else None for t, g in zip(tensors, got)], \
             [None] * len(ctx.scalars)

@@ -383,13 +383,15 @@ def test_terminal_template_matches_the_reference(name, shape):
 
 def test_terminal_template_trains_through_the_backend(monkeypatch):
     """Linear + cross-entropy under torch.compile(backend="comfuse") with the template's
-    log-sum-exp kind forced: the backward takes its statistics from the template (the
-    log-sum-exp standing in for the max) and gives eager's gradients."""
-    from comfuse.runtime import strip_kernel
-    calls = []
-    real = strip_kernel.LseKernel.split_statistics
-    monkeypatch.setattr(strip_kernel.LseKernel, "split_statistics",
-                        lambda self, *a: calls.append(1) or real(self, *a))
+    log-sum-exp kind forced: the sliced backward (no [M, N] logits) takes the statistics the
+    forward's template computed (the log-sum-exp standing in for the max) and gives eager's
+    gradients."""
+    from comfuse.runtime import onepass_grad, strip_kernel
+    calls, sliced = [], []
+    real = strip_kernel.LseKernel.as_split
+    monkeypatch.setattr(strip_kernel.LseKernel, "as_split", lambda self, *a: calls.append(1) or real(self, *a))
+    real_backward = onepass_grad.backward
+    monkeypatch.setattr(onepass_grad, "backward", lambda *a, **k: sliced.append(1) or real_backward(*a, **k))
     torch._dynamo.reset()
     torch.manual_seed(0)
     lm = torch.nn.Linear(1024, 32768, bias=False, device="cuda", dtype=torch.bfloat16)
@@ -408,6 +410,7 @@ def test_terminal_template_trains_through_the_backend(monkeypatch):
     lm.zero_grad()
     ref = fn(x, t)
     ref.backward()
+    assert sliced, "the backward recomputed the region unfused (all the logits) rather than in slices"
     assert calls, "the backward did not take the template's statistics"
     torch.testing.assert_close(loss.float(), ref.float(), rtol=2e-2, atol=1e-2)
     for got, want in ((gx, x.grad), (gw, lm.weight.grad)):

@@ -194,7 +194,7 @@ class FusedRegion(torch.nn.Module):
                           [t.transpose(1, 2) for t in ins], [t.transpose(1, 2) for t in outs])
         else:
             kernel.launch(a3, b3, ins, outs)
-            if kernel.plan.schedule == "split" and a3.shape[0] == 1:
+            if kernel.plan.schedule in ("split", "ws_split") and a3.shape[0] == 1:
                 self._split_ran = (kernel, device, a3.shape[1])
         if check:
             self.check(a3, b3, ins, outs, kernel)
@@ -223,9 +223,10 @@ class FusedRegion(torch.nn.Module):
 
     def carries_statistics(self) -> int:
         """How many per-row statistic rows a call hands its backward (``take_statistics``):
-        those of a split plan over one batch in the found orientation, else 0."""
+        those of a split plan (or the Gluon template's terminal kind, ws_split) over one batch
+        in the found orientation, else 0."""
         plan = self.plan
-        if plan.schedule != "split" or plan.transposed or self.region.sizes.B != 1:
+        if plan.schedule not in ("split", "ws_split") or plan.transposed or self.region.sizes.B != 1:
             return 0
         from .onepass_grad import packed_rows
         return packed_rows(plan.onepass)
