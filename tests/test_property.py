@@ -217,6 +217,43 @@ def losses(draw):
                 loss=draw(st.sampled_from(sorted(LOSSES))), seed=draw(st.integers(0, 2**16)))
 
 
+@settings(max_examples=max(EXAMPLES // 4, 10))
+@given(losses())
+def test_random_losses_the_terminal_template_accepts_are_what_it_computes(case):
+    """The Gluon template's terminal kind (ws_split) on random losses (bf16, whole tiles): the
+    matcher accepts only regions whose statistics are the log-sum-exp, max (as a shift) and
+    target pick of x @ W. Every accepted one must give the float64 reference from the
+    workspace the template would leave (its combine kernel run by the interpreter); the
+    others are refused with the reason. (The template itself runs on the H200 only.)"""
+    from test_template import lse_combine_against_reference
+    from comfuse.planner import plan
+    from comfuse.planner.plan import NotFused
+    PROPERTY_COUNTS["random losses (terminal template matcher)"] += 1
+    M, K, N = 128, 64, 256 * (1 + case["seed"] % 3)
+    bf = torch.bfloat16
+    args = (torch.randn(M, K, dtype=bf), torch.randn(K, N, dtype=bf), torch.randn(N, dtype=bf),
+            torch.randn(M, N, dtype=bf), torch.randint(0, N, (M, )))
+    steps = {"relu": torch.relu, "tanh": torch.tanh, "gelu": F.gelu, "add_row": lambda v: v + args[2],
+             "mul_row": lambda v: v * args[2], "add_full": lambda v: v + args[3], "scale": lambda v: v * 1.7,
+             "abs": torch.abs, "exp_tanh": lambda v: torch.exp(torch.tanh(v))}
+
+    def fn(x, w, row, full, t):
+        v = x @ w
+        for s in case["prefix"]:
+            v = steps[s](v)
+        return LOSSES[case["loss"]](v, t)
+    found = find_regions(capture(fn, args))
+    if len(found) != 1 or found[0].region.kind != "gemm_epilogue":
+        return
+    with comfuse.settings.override(schedule="ws_split"):
+        p = plan(found[0].region, target="cuda")
+    if isinstance(p, NotFused):
+        assert p.reason.startswith("ws_split: "), p.reason
+        return
+    PROPERTY_COUNTS["random losses (terminal template matcher): accepted"] += 1
+    lse_combine_against_reference(p, M, K, N, seed=case["seed"])
+
+
 @settings(max_examples=max(EXAMPLES // 2, 10))
 @given(losses())
 def test_random_per_row_losses_run_split(case):
