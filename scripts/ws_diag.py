@@ -112,9 +112,31 @@ def peak_above(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def comfuse_forms(prog, ref, log, profile=False, out_dir=None, auto=False):
+def comfuse_forms(prog, ref, log, profile=False, out_dir=None, auto=False, schedules=("ws_strip", )):
     forms = {}
-    schedule = "ws_split" if prog.workload == "linear_ce" else "ws_strip"
+    for schedule in schedules:
+        try:
+            forms.update(forced_form(prog, ref, log, profile, out_dir,
+                                     "ws_split" if prog.workload == "linear_ce" else schedule))
+        except Exception as e:
+            log(f"  comfuse {schedule}: failed: {type(e).__name__}: {str(e)[:800]}")
+    if auto:  # what autotuning keeps (the template, a Triton plan or Inductor's code)
+        chosen = comfuse.compile(prog.fn, prog.args)
+        out = chosen(*prog.args)
+        torch.cuda.synchronize()
+        for r in chosen.report.regions:
+            log(f"  comfuse autotuned: fused={r.fused} schedule={r.schedule} reason={r.reason!r} plan={r.plan}")
+        err = rel_err(out, ref)
+        log(f"  comfuse autotuned: rel err {err:.2e} {'OK' if err < 2e-2 else 'WRONG'}; host loop "
+            f"{host_us(lambda: chosen(*prog.args)):.1f} us a call")
+        if err < 2e-2:
+            forms["comfuse autotuned"] = lambda: chosen(*prog.args)
+    return forms
+
+
+def forced_form(prog, ref, log, profile, out_dir, schedule) -> dict:
+    """{"comfuse <schedule>": callable} when comfuse with ``schedule`` forced checks out."""
+    forms = {}
     with settings_mod.override(schedule=schedule, autotune="0", validate="0"):
         fused = comfuse.compile(prog.fn, prog.args)
         out = fused(*prog.args)
@@ -149,17 +171,6 @@ def comfuse_forms(prog, ref, log, profile=False, out_dir=None, auto=False):
             (out_dir / f"profile_{prog.workload}.txt").write_text(buf.getvalue())
         if err < 2e-2:
             forms[f"comfuse {schedule}"] = lambda: fused(*prog.args)
-    if auto:  # what autotuning keeps (the template, a Triton plan or Inductor's code)
-        chosen = comfuse.compile(prog.fn, prog.args)
-        out = chosen(*prog.args)
-        torch.cuda.synchronize()
-        for r in chosen.report.regions:
-            log(f"  comfuse autotuned: fused={r.fused} schedule={r.schedule} reason={r.reason!r} plan={r.plan}")
-        err = rel_err(out, ref)
-        log(f"  comfuse autotuned: rel err {err:.2e} {'OK' if err < 2e-2 else 'WRONG'}; host loop "
-            f"{host_us(lambda: chosen(*prog.args)):.1f} us a call")
-        if err < 2e-2:
-            forms["comfuse autotuned"] = lambda: chosen(*prog.args)
     return forms
 
 
@@ -172,6 +183,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile 200 comfuse calls (to $OUT)")
     ap.add_argument("--max-autotune", action="store_true", help="also time torch.compile max-autotune-no-cudagraphs")
     ap.add_argument("--auto", action="store_true", help="also comfuse with autotuning (its choice, timed)")
+    ap.add_argument("--schedules", default="ws_strip",
+                    help="comma-separated schedules to force (ws_strip, ws_stages; linear_ce always ws_split)")
     args = ap.parse_args()
     out_dir = Path(os.environ.get("OUT", "/tmp"))
     logf = open(out_dir / "ws_diag.log", "w")
@@ -201,7 +214,8 @@ def main() -> None:
             log(f"{label} (M x K x N)")
             forms = direct_forms(name, prog, ref, num_sms, log) if args.direct and name in CONFIGS else {}
             try:
-                forms.update(comfuse_forms(prog, ref, log, args.profile, out_dir, args.auto))
+                forms.update(comfuse_forms(prog, ref, log, args.profile, out_dir, args.auto,
+                                           tuple(args.schedules.split(","))))
             except Exception as e:
                 log(f"  comfuse: failed: {type(e).__name__}: {str(e)[:800]}")
             forms["cuBLAS GEMM"] = prog.gemm

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import torch
 
 from .. import settings as settings_mod
 from ..ir import Op, Region, verify
@@ -14,7 +15,9 @@ SCHEDULES = ("tile", "row_in_cta", "cooperative", "split")
 # RMSNorm / softmax epilogues on sm_90; "ws_split": the same template's terminal kind (per-row
 # log-sum-exp and a target's logit: cross-entropy) and a combine kernel. Autotuning candidates,
 # or forced with COMFUSE_SCHEDULE
-TEMPLATE_SCHEDULES = ("ws_strip", "ws_split")
+# "ws_stages": a warp-specialised Gluon kernel generated from the region's stages
+# (codegen/gluon/stages.py): any row reduction chain the generator can write
+TEMPLATE_SCHEDULES = ("ws_strip", "ws_split", "ws_stages")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -49,6 +52,11 @@ class Plan:
     template: object = None  # ws_strip: the planner.template.StripTemplate the region matched
 
     def describe(self) -> str:
+        if self.schedule == "ws_stages":
+            return (f"ws_stages: warp-specialised Gluon kernel generated from the region's {len(self.stages)} stage(s); "
+                    f"persistent grid of {self.block_m}x{self.block_n}x{self.block_k} tiles, TMA mainloop in 8 warps, "
+                    f"the epilogue in 4 warps of its own beside the next tile's mainloop; {self.tiles_n} tiles per row "
+                    f"strip exchange per-row partials {self.exchanges} time(s), then write each output once")
         if self.schedule == "ws_split":
             return (f"ws_split: warp-specialised Gluon template computing the {self.template.describe()}; "
                     f"persistent grid of {self.block_m}x{self.block_n}x{self.block_k} tiles in grouped order, TMA "
@@ -296,6 +304,8 @@ def plan(region: Region, target: str = "cuda", settings=None, sm_count: int = 13
     forced = settings.schedule                     # the schedule: forced, or the first that fits
     if forced == "ws_split":
         return lse_template_plan(region, transposed, stages, tuple(forms), target)
+    if forced == "ws_stages":
+        return stages_template_plan(region, transposed, stages, tuple(forms), target, sm_count)
     if forced in TEMPLATE_SCHEDULES:
         return strip_template_plan(region, transposed, stages, tuple(forms), target, sm_count,
                                    prefetch=settings.prefetch)
@@ -375,6 +385,34 @@ def lse_template_plan(region: Region, transposed: bool, stages, forms: tuple, ta
                 grouped=True)
 
 
+def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple, target: str,
+                         sm_count: int) -> Plan | NotFused:
+    """The ws_stages plan for ``region`` (row form), or why the generated Gluon kernel does
+    not apply."""
+    from ..codegen.gluon.stages import blocker, layout_of
+    from .template import fits
+
+    def no(why):
+        return NotFused(f"ws_stages: {why}", forms)
+    if target != "cuda":
+        return no("Gluon kernels do not run in Triton's interpreter (sm_90 GPUs only)")
+    if transposed:
+        return no("the kernel reduces along N only")
+    g, s = region.gemm, region.sizes
+    if g.a.dtype != torch.bfloat16 or g.b.dtype != torch.bfloat16:
+        return no("the kernel multiplies bf16 operands")
+    if g.a.major != "K" or g.b.major not in ("N", "K"):
+        return no("the kernel loads A row-major and B with a unit-stride dimension (TMA)")
+    why = fits(s.M, s.N, s.K) or blocker(region, stages)
+    if why:
+        return no(why)
+    tiles = s.N // 256
+    if tiles > sm_count:
+        return no(f"a strip of {tiles} tiles cannot be resident at once on {sm_count} SMs")
+    return Plan(region, False, "ws_stages", stages, 128, 256, 64, 8, 8, 3, forms, tiles_n=tiles, mainloop="tma",
+                persistent=True, exchanges=len(layout_of(stages).exchanges))
+
+
 def candidates(region: Region, target: str = "cuda", settings=None, sm_count: int = 132) -> list:
     """The plans worth timing for ``region``: the planner's choice first, then every other
     feasible schedule and a few tile shapes. Empty when nothing fits (``plan`` says why)."""
@@ -451,6 +489,9 @@ def candidates(region: Region, target: str = "cuda", settings=None, sm_count: in
             out.append(ws)
             if ws.template.residual is not None:  # residual by TMA during the mainloop, or after it
                 out.append(dataclasses.replace(ws, prefetch=True))
+        gen = stages_template_plan(first.region, first.transposed, first.stages, first.forms, target, sm_count)
+        if isinstance(gen, Plan):  # the generated warp-specialised kernel
+            out.append(gen)
         if first.schedule == "split":  # a loss over wide rows: the template's terminal kind
             lse = lse_template_plan(first.region, first.transposed, first.stages, first.forms, target)
             if isinstance(lse, Plan):

@@ -354,6 +354,11 @@ def build(plan: Plan) -> Kernel:
         if name not in _kernels:
             _kernels[name] = build_strip(plan, name)
         return _kernels[name]
+    if plan.schedule == "ws_stages":  # a Gluon kernel generated from the region's stages
+        from .stages_kernel import build as build_stages
+        if name not in _kernels:
+            _kernels[name] = build_stages(plan, name)
+        return _kernels[name]
     if plan.schedule == "ws_split":  # the template's terminal kind and a generated combine
         from .strip_kernel import build_lse
         if name not in _kernels:

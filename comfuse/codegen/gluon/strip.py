@@ -98,6 +98,18 @@ def _pow2(n: int) -> int:
 
 
 @gluon.jit
+def tanh(x):
+    """tanh in fp32: the odd Taylor series for |x| < 0.1 (the exp form cancels there), else
+    (1 - e) / (1 + e) with e = exp(-2|x|) (as codegen/triton/helpers.py)."""
+    x2 = x * x
+    series = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0))))
+    e = gl.exp(-2.0 * gl.abs(x))
+    big = (1.0 - e) / (1.0 + e)
+    big = gl.where(x < 0, -big, big)
+    return gl.where(gl.abs(x) < 0.1, series, big)
+
+
+@gluon.jit
 def _mark(trace_ptr, n, slot: gl.constexpr, TRACE: gl.constexpr):
     """TRACE: the global timer (ns) at this point of this program's n-th tile, to
     trace[program, n, slot]: a timeline of where each partition's time goes."""
@@ -373,6 +385,9 @@ def layouts(b_kmajor: bool):
     return (gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16),
             gl.NVMMASharedLayout.get_default_for([BN, BK] if b_kmajor else [BK, BN], gl.bfloat16),
             gl.NVMMASharedLayout.get_default_for([BM, BN], gl.bfloat16))
+
+
+TILE_LAYOUT = gl.constexpr(layouts(False)[2])  # the hand-off buffer's (generated kernels, gluon/stages.py)
 
 
 def call_arguments(cfg: StripConfig, a, b, out, bias=None, residual=None, gamma=None, beta=None,

@@ -1,0 +1,312 @@
+"""A warp-specialised Gluon kernel generated from a region's stages (the ``ws_stages`` plan).
+
+The hand-written template (strip.py) computes a fixed family of epilogues (LayerNorm, RMSNorm,
+softmax, cross-entropy's statistics). This generator takes any row-form region whose
+reductions run along N and whose ops it can write in Gluon, and emits a kernel with the
+template's mainloop (``strip._mma_partition``: persistent grid, TMA ring, WGMMA in 8 warps,
+the finished tile handed through 64 KB of shared memory as bf16, which rounds it as eager's
+bf16 GEMM rounds its output) and an epilogue partition of its own, generated from the IR:
+
+- one pass over the tile (4 chunks of 32 rows) per stage that ends in reductions: the stage's
+  values, recomputed from the hand-off buffer and the statistics so far, reduced over the
+  tile's 256 columns to per-row partials in a workspace [strips, exchanges, width, TILES_N, BM];
+- one arrival on the strip's counter per such stage, a wait for the strip's other tiles, and
+  the partials of all TILES_N tiles combined (sum, max or min) into per-row statistics kept in
+  shared memory for the later passes;
+- a last pass computing and storing every output once ([M, N] outputs by every tile, per-row
+  outputs by the strip's first tile).
+
+Each stage's values are recomputed in every later pass rather than kept (the tile does not
+fit in the epilogue warps' registers). The exchanges are plain reductions, so LayerNorm takes
+two (the mean, then the squared deviations) where the template's Welford merge takes one.
+The co-residency argument is the template's (strip.py): every exchange waits only on tiles
+of the same strip, which run in the same round of the persistent grid, and the counters only
+grow (E arrivals per tile per launch, E the number of exchanges; all members make them in the
+same order, so the target ``(old // TILES_N + 1) * TILES_N`` names the right exchange).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from ...ir import REDUCE, Op, Region, format_region
+from ..triton.emit import _literal
+
+SOURCE_VERSION = "gluon-stages-1"
+
+_INFIX = {Op.ADD: "+", Op.SUB: "-", Op.MUL: "*", Op.DIV: "/", Op.EQ: "==", Op.NE: "!=", Op.LT: "<",
+          Op.LE: "<=", Op.GT: ">", Op.GE: ">=", Op.AND: "&", Op.OR: "|"}
+_CALL = {Op.ABS: "gl.abs", Op.EXP: "gl.exp", Op.LOG: "gl.log", Op.SQRT: "gl.sqrt", Op.RSQRT: "gl.rsqrt",
+         Op.ERF: "gl.erf", Op.SIN: "gl.sin", Op.COS: "gl.cos", Op.TANH: "tanh"}
+_OTHER = {Op.NEG, Op.RECIPROCAL, Op.RELU, Op.SIGMOID, Op.NOT, Op.CAST, Op.POW, Op.MAX, Op.MIN, Op.WHERE,
+          Op.ACC, Op.INPUT, Op.CONST, Op.IOTA}
+SUPPORTED = frozenset(_INFIX) | frozenset(_CALL) | _OTHER | REDUCE
+MAX_EXCHANGES = 6
+MAX_STATS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where the region's reductions go: exchange e ends stage e; ``slot[r]`` is reduction node
+    r's (exchange, index within it, index among all statistics)."""
+    exchanges: tuple  # per exchange: its reduction nodes
+    slot: dict
+
+    @property
+    def width(self) -> int:
+        return max((len(e) for e in self.exchanges), default=1)
+
+
+def blocker(region: Region, stages) -> str:
+    """'' when the generator can write this region, else why not."""
+    g = region.gemm
+    if region.kind != "gemm_epilogue" or g.batched:
+        return "one unbatched GEMM and its epilogue"
+    if g.out_dtype != region.gemm.a.dtype:
+        return "the GEMM's product must be rounded as its operands' dtype (the hand-off buffer is bf16)"
+    for i, node in enumerate(region.nodes):
+        if node.op not in SUPPORTED:
+            return f"no Gluon form for {node.op.value} (%{i})"
+        if node.op in REDUCE and node.arg != "N":
+            return "reductions must run along N"
+        if node.op is Op.POW and node.arg not in (2, 2.0, 0.5, -0.5, 1, 1.0, -1, -1.0):
+            return f"pow with exponent {node.arg}"
+        if node.op is Op.CAST and not (node.arg.is_floating_point and
+                                       (region.nodes[node.src[0]].dtype.is_floating_point or
+                                        region.nodes[node.src[0]].dtype == __import__("torch").bool)):
+            return f"cast to {node.arg}"
+    for inp in region.inputs:
+        if not inp.dtype.is_floating_point or "B" in inp.axes:
+            return f"side input {inp.name}: floating point, axes within [M, N]"
+    for out in region.outputs:
+        if not out.dtype.is_floating_point or out.axes not in (frozenset("MN"), frozenset("M")):
+            return f"output {out.name}: floating point, [M, N] or per row"
+    if not region.reductions():
+        return "no reduction (the tile schedules need no exchange)"
+    reds = [len(s.reductions) for s in stages if s.reductions]
+    if len(reds) > MAX_EXCHANGES or sum(reds) > MAX_STATS:
+        return f"{len(reds)} exchanges / {sum(reds)} statistics: more than the kernel keeps"
+    return ""
+
+
+def layout_of(stages) -> Layout:
+    exchanges, slot, k = [], {}, 0
+    for s in stages:
+        if s.reductions:
+            for w, r in enumerate(s.reductions):
+                slot[r] = (len(exchanges), w, k)
+                k += 1
+            exchanges.append(tuple(s.reductions))
+    return Layout(tuple(exchanges), slot)
+
+
+class _Writer:
+    def __init__(self, region: Region, lay: Layout):
+        self.region, self.lay = region, lay
+        self.lines: list[str] = []
+
+    def line(self, text: str, indent: int) -> None:
+        self.lines.append("    " * indent + text)
+
+    def closure(self, targets) -> list[int]:
+        """The nodes a pass computes for ``targets``: their sources up to the reductions, which
+        are statistics then (loaded from shared memory), in index (topological) order."""
+        seen, todo = set(), list(targets)
+        while todo:
+            i = todo.pop()
+            if i in seen:
+                continue
+            seen.add(i)
+            if self.region.nodes[i].op not in REDUCE:
+                todo += list(self.region.nodes[i].src)
+        return sorted(seen)
+
+    def expr(self, i: int) -> str:
+        node = self.region.nodes[i]
+        op, x = node.op, [self.ref(s) for s in node.src]
+        if op in REDUCE:  # a statistic of an earlier exchange
+            return f"stat_smem.index({self.lay.slot[i][2]}).slice(c * CHUNK, CHUNK).load(row_l)[:, None]"
+        if op is Op.ACC:
+            return "acc"
+        if op is Op.INPUT:
+            inp = self.region.inputs[node.arg]
+            axes = inp.axes
+            if axes == frozenset("N"):
+                return f"vec{node.arg}[None, :]"
+            if axes == frozenset("M"):
+                return f"gl.load(in{node.arg}_ptr + row).to(gl.float32)[:, None]"
+            if axes == frozenset("MN"):
+                return f"gl.load(in{node.arg}_ptr + row[:, None] * N + col[None, :]).to(gl.float32)"
+            return f"gl.load(in{node.arg}_ptr).to(gl.float32)"
+        if op is Op.CONST:
+            return _literal(node.arg)
+        if op is Op.IOTA:
+            return "col[None, :]" if node.arg == "N" else "row[:, None]"
+        if op in _INFIX:
+            return f"{x[0]} {_INFIX[op]} {x[1]}"
+        if op in _CALL:
+            return f"{_CALL[op]}({x[0]})"
+        if op is Op.NEG:
+            return f"-{x[0]}"
+        if op is Op.RECIPROCAL:
+            return f"1.0 / {x[0]}"
+        if op is Op.RELU:
+            return f"gl.maximum({x[0]}, 0.0)"
+        if op is Op.SIGMOID:
+            return f"1.0 / (1.0 + gl.exp(-{x[0]}))"
+        if op is Op.NOT:
+            return f"{x[0]} == 0"
+        if op is Op.CAST:
+            src = self.region.nodes[node.src[0]]
+            return x[0] if src.dtype.is_floating_point else f"{x[0]}.to(gl.float32)"
+        if op is Op.POW:
+            e = float(node.arg)
+            return {2.0: f"{x[0]} * {x[0]}", 0.5: f"gl.sqrt({x[0]})", -0.5: f"gl.rsqrt({x[0]})", 1.0: x[0],
+                    -1.0: f"1.0 / {x[0]}"}[e]
+        if op in (Op.MAX, Op.MIN):
+            return f"gl.{'maximum' if op is Op.MAX else 'minimum'}({x[0]}, {x[1]})"
+        if op is Op.WHERE:
+            return f"gl.where({x[0]}, {x[1]}, {x[2]})"
+        raise NotImplementedError(op)  # pragma: no cover  (blocker refuses it)
+
+    def values(self, nodes, indent: int) -> None:
+        for i in nodes:
+            node = self.region.nodes[i]
+            if node.op is Op.CONST:
+                continue
+            self.line(f"v{i} = {self.expr(i)}  # %{i} {node.op.value}", indent)
+
+    def ref(self, i: int) -> str:
+        node = self.region.nodes[i]
+        return _literal(node.arg) if node.op is Op.CONST else f"v{i}"
+
+
+def emit(region: Region, stages, name: str, describe: str) -> str:
+    """The generated module's source: ``{name}`` (the kernel) and ``{name}_epilogue``."""
+    lay = layout_of(stages)
+    w = _Writer(region, lay)
+    ins = [f"in{j}_ptr" for j in range(len(region.inputs))]
+    outs = [f"out{k}_ptr" for k in range(len(region.outputs))]
+    ptrs = ", ".join(ins + outs)
+    E = len(lay.exchanges)
+    L = w.line
+    L("@gluon.jit", 0)
+    L(f"def {name}_epilogue(tile_smem, stat_smem, tile_ready, tile_free, {ptrs}, ws_ptr, counter_ptr, num_tiles,", 0)
+    L("M, N, TILES_N: gl.constexpr, TILES_P2: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,", 8)
+    L("CHUNK: gl.constexpr, EPI_WARPS: gl.constexpr):", 8)
+    L(f'"""The epilogue: {E} exchange(s), then the outputs (see the module docstring)."""', 1)
+    L("layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [EPI_WARPS, 1], [1, 0])", 1)
+    L("row_l: gl.constexpr = gl.SliceLayout(1, layout)", 1)
+    L("rows = gl.arange(0, CHUNK, layout=row_l)", 1)
+    L("cols = gl.arange(0, BN, layout=gl.SliceLayout(0, layout))", 1)
+    L("part_l: gl.constexpr = gl.BlockedLayout([1, BM // 32], [1, 32], [EPI_WARPS, 1], [1, 0])", 1)
+    L("prow = gl.arange(0, TILES_P2, layout=gl.SliceLayout(1, part_l))", 1)
+    L("pcol = gl.arange(0, BM, layout=gl.SliceLayout(0, part_l))", 1)
+    L("pmask = (prow < TILES_N)[:, None] & (pcol < BM)[None, :]", 1)
+    L("n = 0", 1)
+    L("for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):", 1)
+    L("strip = t // TILES_N", 2)
+    L("tn = t % TILES_N", 2)
+    L("col = tn * BN + cols", 2)
+    for j, inp in enumerate(region.inputs):
+        if inp.axes == frozenset("N"):
+            L(f"vec{j} = gl.load(in{j}_ptr + col).to(gl.float32)  # {inp.name}", 2)
+    L("mbarrier.wait(tile_ready, n & 1)", 2)
+    for e, reds in enumerate(lay.exchanges):
+        L(f"# ---- exchange {e}: {', '.join(f'%{r} {region.nodes[r].op.value}' for r in reds)} ----", 2)
+        L("for c in gl.static_range(BM // CHUNK):", 2)
+        L("row = strip * BM + c * CHUNK + rows", 3)
+        L("acc = tile_smem.slice(c * CHUNK, CHUNK, dim=0).load(layout).to(gl.float32)", 3)
+        w.values([i for i in w.closure([region.nodes[r].src[0] for r in reds])], 3)
+        for wi, r in enumerate(reds):
+            red = {Op.SUM: "gl.sum", Op.RMAX: "gl.max", Op.RMIN: "gl.min"}[region.nodes[r].op]
+            src = w.ref(region.nodes[r].src[0])
+            if region.nodes[region.nodes[r].src[0]].axes != frozenset("MN"):  # a broadcast value: over 256 columns
+                src = f"(gl.full([CHUNK, BN], 0.0, gl.float32, layout) + {src})"
+            L(f"gl.store(ws_ptr + (((strip * {E} + {e}) * {lay.width} + {wi}) * TILES_N + tn) * BM + c * CHUNK + rows, "
+              f"{red}({src}, axis=1))", 3)
+        L("gl.thread_barrier()  # every warp has published its partials", 2)
+        L("old = gl.atomic_add(counter_ptr + strip, 1, sem=\"acq_rel\", scope=\"gpu\")", 2)
+        L("target = (old // TILES_N + 1) * TILES_N", 2)
+        L("seen = gl.atomic_add(counter_ptr + strip, 0, sem=\"acquire\", scope=\"gpu\")", 2)
+        L("while seen < target:", 2)
+        L("seen = gl.atomic_add(counter_ptr + strip, 0, sem=\"acquire\", scope=\"gpu\")", 3)
+        L("gl.thread_barrier()", 2)
+        for wi, r in enumerate(reds):
+            op = region.nodes[r].op
+            fill = {Op.SUM: "0.0", Op.RMAX: 'float("-inf")', Op.RMIN: 'float("inf")'}[op]
+            red = {Op.SUM: "gl.sum", Op.RMAX: "gl.max", Op.RMIN: "gl.min"}[op]
+            L(f"part = gl.load(ws_ptr + (((strip * {E} + {e}) * {lay.width} + {wi}) * TILES_N + prow[:, None]) * BM "
+              f"+ pcol[None, :], mask=pmask, other={fill}, cache_modifier=\".cg\")", 2)
+            L(f"stat_smem.index({lay.slot[r][2]}).store({red}(part, axis=0))  # %{r}", 2)
+        L("gl.thread_barrier()", 2)
+    L("# ---- the outputs, each written once ----", 2)
+    L("for c in gl.static_range(BM // CHUNK):", 2)
+    L("row = strip * BM + c * CHUNK + rows", 3)
+    L("acc = tile_smem.slice(c * CHUNK, CHUNK, dim=0).load(layout).to(gl.float32)", 3)
+    full = [o for o in region.outputs if o.axes == frozenset("MN")]
+    per_row = [o for o in region.outputs if o.axes == frozenset("M")]
+    w.values(w.closure([o.node for o in full]), 3)
+    for k, o in enumerate(region.outputs):
+        if o in full:
+            val = w.ref(o.node)
+            if region.nodes[o.node].axes != frozenset("MN"):
+                val = f"gl.full([CHUNK, BN], 0.0, gl.float32, layout) + {val}"
+            L(f"gl.store(out{k}_ptr + row[:, None] * N + col[None, :], ({val}).to(out{k}_ptr.dtype.element_ty))"
+              f"  # {o.name}", 3)
+    if per_row:
+        L("if tn == 0:  # per-row outputs, by the strip's first tile", 3)
+        w.values([i for i in w.closure([o.node for o in per_row]) if i not in set(w.closure([o.node for o in full]))], 4)
+        for k, o in enumerate(region.outputs):
+            if o in per_row:
+                L(f"gl.store(out{k}_ptr + row, gl.max(gl.full([CHUNK, BN], 0.0, gl.float32, layout) + {w.ref(o.node)}, "
+                  f"axis=1).to(out{k}_ptr.dtype.element_ty))  # {o.name}", 4)
+    L("gl.thread_barrier()  # every warp has read the tile", 2)
+    L("mbarrier.arrive(tile_free)", 2)
+    L("n += 1", 2)
+    L("", 0)
+    L("", 0)
+    L("@gluon.jit", 0)
+    L(f"def {name}(a_desc, b_desc, {ptrs}, ws_ptr, counter_ptr, M, N, K, trace_ptr,", 0)
+    L("B_KMAJOR: gl.constexpr, BN: gl.constexpr, TILES_N: gl.constexpr, TILES_P2: gl.constexpr,", 4)
+    L("STAGES: gl.constexpr, CHUNK: gl.constexpr, EPI_WARPS: gl.constexpr, EPI_REGS: gl.constexpr,", 4)
+    L("num_warps: gl.constexpr):", 4)
+    L(f'"""{describe}"""', 1)
+    L("BM: gl.constexpr = a_desc.block_type.shape[0]", 1)
+    L("BK: gl.constexpr = a_desc.block_type.shape[1]", 1)
+    L("a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)", 1)
+    L("b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)", 1)
+    L("tile_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, BN], TILE_LAYOUT)", 1)
+    L(f"stat_smem = gl.allocate_shared_memory(gl.float32, [{max(len(lay.slot), 1)}, BM], "
+      "gl.SwizzledSharedLayout(1, 1, 1, [0]))", 1)
+    L("ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())", 1)
+    L("tile_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())", 1)
+    L("tile_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())", 1)
+    L("for i in gl.static_range(STAGES):", 1)
+    L("mbarrier.init(ready.index(i), count=1)", 2)
+    L("mbarrier.init(tile_ready, count=1)", 1)
+    L("mbarrier.init(tile_free, count=1)", 1)
+    L("fence_async_shared()", 1)
+    L("num_tiles = (M // BM) * TILES_N", 1)
+    L("k_steps = gl.cdiv(K, BK)", 1)
+    L("gl.warp_specialize([", 1)
+    L("(_mma_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, tile_smem, tile_ready, tile_free, num_tiles,", 2)
+    L("k_steps, trace_ptr, False, 0, B_KMAJOR, TILES_N, 0, BM, BN, BK, num_warps)),", 5)
+    L(f"({name}_epilogue, (tile_smem, stat_smem, tile_ready, tile_free, {ptrs}, ws_ptr, counter_ptr,", 2)
+    L("num_tiles, M, N, TILES_N, TILES_P2, BM, BN, CHUNK, EPI_WARPS)),", 5)
+    L("], [EPI_WARPS], [EPI_REGS])", 1)
+    header = "\n".join([
+        f'"""comfuse kernel {name}: {describe}', "",
+        "Generated from this IR (do not edit; regenerated when anything below changes):", "",
+        format_region(region), '"""',
+        "from triton.experimental import gluon",
+        "from triton.experimental.gluon import language as gl",
+        "from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier",
+        "",
+        "from comfuse.codegen.gluon.strip import TILE_LAYOUT, _mma_partition, tanh",
+        "", "", ""])
+    return header + "\n".join(w.lines) + "\n"
+
+
+def workspace_numel(M: int, N: int, stages) -> int:
+    lay = layout_of(stages)
+    return (M // 128) * max(len(lay.exchanges), 1) * lay.width * (N // 256) * 128

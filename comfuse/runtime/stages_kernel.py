@@ -1,0 +1,141 @@
+"""Launching a ws_stages plan: the warp-specialised Gluon kernel generated from the region's
+stages (codegen/gluon/stages.py), with the interface of runtime.kernel.Kernel
+(``launch(a3, b3, ins, outs)``)."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..codegen.triton import KernelSource
+from ..planner import Plan
+from . import cache
+from .kernel import UnsupportedLayout, launch_direct, layout_key
+from .strip_kernel import _sm_count, _tma_ready
+
+
+# rows of the tile the generated epilogue holds at once: 16, where the template holds 32 (its
+# stages' values are recomputed per pass, several [rows, 256] values live together: at 32 rows
+# the multi-stage workload's epilogue spilled 1208 bytes a thread for sm_90, at 16 rows 8)
+CHUNK = 16
+
+
+@dataclasses.dataclass
+class StagesKernel:
+    plan: Plan
+    source: KernelSource
+    fn: object
+    _scratch: dict = dataclasses.field(default_factory=dict)  # (device, M, N) -> (workspace, counters)
+    _bound: dict = dataclasses.field(default_factory=dict)  # tensor layout -> (run, statics)
+
+    @property
+    def path(self) -> str:
+        return str(cache.kernel_dir() / f"{self.source.name}.py")
+
+    def tensors(self, a3, b3, ins, outs) -> list:
+        """A, B (as [N, K] when K-major) and the flat views the generated kernel indexes: [N]
+        and [M] vectors, [M, N] row-major matrices."""
+        region = self.plan.region
+        b = b3[0].t() if region.gemm.b.major == "K" else b3[0]
+        flat = []
+        for t, spec in [*zip(ins, region.inputs), *zip(outs, region.outputs)]:
+            v = t[0] if spec.axes == frozenset("MN") else t.reshape(-1)
+            if not v.is_contiguous():
+                if spec in region.outputs:
+                    raise UnsupportedLayout("ws_stages: outputs must be contiguous")
+                v = v.contiguous()
+            flat.append(v)
+        return [a3[0], b, *flat]
+
+    def arguments(self, tensors, ws, counters):
+        from ..codegen.gluon import strip
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+        a, b, *flat = tensors
+        kmajor = self.plan.region.gemm.b.major == "K"
+        la, lb, _ = strip.layouts(kmajor)
+        M, K = a.shape
+        N = b.shape[0] if kmajor else b.shape[1]
+        return [TensorDescriptor.from_tensor(a, [strip.BM, strip.BK], la),
+                TensorDescriptor.from_tensor(b, [strip.BN, strip.BK] if kmajor else [strip.BK, strip.BN], lb),
+                *flat, ws, counters, M, N, K, counters]
+
+    def launch(self, a3, b3, ins, outs) -> None:
+        tensors = self.tensors(a3, b3, ins, outs)
+        layout = layout_key(tensors)
+        bound = self._bound.get(layout)
+        if bound is None:
+            if len(self._bound) > 64:
+                self._bound.clear()
+            self._bound[layout] = self.bind(tensors)
+            return
+        run, statics, fresh = bound
+        args = self.arguments(tensors, None, None)
+        run(*args[:fresh], *statics[fresh:])
+
+    def bind(self, tensors):
+        from ..codegen.gluon import stages, strip
+        a, b = tensors[:2]
+        dev = a.device
+        if dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] != 9:
+            raise UnsupportedLayout("ws_stages: the generated Gluon kernel runs on sm_90 (Hopper) GPUs only")
+        _tma_ready(a, "A")
+        _tma_ready(b, "B")
+        M = a.shape[0]
+        N = self.plan.region.sizes.N
+        key = (str(dev), M, N)
+        if key not in self._scratch:
+            self._scratch[key] = (torch.empty(stages.workspace_numel(M, N, self.plan.stages), dtype=torch.float32,
+                                              device=dev),
+                                  torch.zeros(M // strip.BM, dtype=torch.int32, device=dev))
+        ws, counters = self._scratch[key]
+        if N // strip.BN > _sm_count(dev):
+            raise UnsupportedLayout(f"ws_stages: a strip of {N // strip.BN} tiles cannot be resident at once")
+        args = self.arguments(tensors, ws, counters)
+        grid = (min(_sm_count(dev), (M // strip.BM) * (N // strip.BN)), )
+        options = dict(B_KMAJOR=self.plan.region.gemm.b.major == "K", BN=strip.BN, TILES_N=N // strip.BN,
+                       TILES_P2=strip._pow2(N // strip.BN), STAGES=3, CHUNK=CHUNK, EPI_WARPS=4, EPI_REGS=152,
+                       num_warps=8, maxnreg=168)
+        fresh = len(tensors)
+        return (*launch_direct(self.fn, grid, args, options, set(range(fresh))), fresh)
+
+
+def source_text(plan: Plan, name: str) -> str:
+    from ..codegen.gluon import stages
+    return stages.emit(plan.region, plan.stages, name, plan.describe())
+
+
+def build(plan: Plan, name: str) -> StagesKernel:
+    text = source_text(plan, name)
+    module = cache.load_source(name, text)
+    source = KernelSource(name, text, (), (), 12, 3)
+    return StagesKernel(plan, source, getattr(module, name))
+
+
+def compile_sm90(plan: Plan, name: str = "ws_stages_probe", chunk: int = 16):
+    """Compile a plan's generated kernel for sm_90 on any machine (no GPU needed), as
+    ``strip.compile_sm90`` does for the template."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from ..codegen.gluon import strip
+    module = cache.load_source(name, source_text(plan, name))
+    fn = getattr(module, name)
+    kmajor = plan.region.gemm.b.major == "K"
+    la, lb, _ = strip.layouts(kmajor)
+    bshape = [strip.BN, strip.BK] if kmajor else [strip.BK, strip.BN]
+    sig = {"a_desc": f"tensordesc<bf16[{strip.BM}, {strip.BK}],{la!r}>",
+           "b_desc": f"tensordesc<bf16[{bshape[0]}, {bshape[1]}],{lb!r}>"}
+    short = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+    for j, inp in enumerate(plan.region.inputs):
+        sig[f"in{j}_ptr"] = "*" + short[inp.dtype]
+    for k, out in enumerate(plan.region.outputs):
+        sig[f"out{k}_ptr"] = "*" + short[out.dtype]
+    sig.update({"ws_ptr": "*fp32", "counter_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "trace_ptr": "*i32"})
+    tiles = plan.region.sizes.N // strip.BN
+    constexprs = dict(B_KMAJOR=kmajor, BN=strip.BN, TILES_N=tiles, TILES_P2=strip._pow2(tiles), STAGES=3,
+                      CHUNK=chunk, EPI_WARPS=4, EPI_REGS=152, num_warps=8)
+    sig.update({k: "constexpr" for k in constexprs})
+    attrs = {(i,): [["tt.divisibility", 16]] for i in range(2, len(sig) - len(constexprs))}
+    return triton.compile(GluonASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 8, "maxnreg": 168})
+
