@@ -81,7 +81,7 @@ class StagesKernel:
         _tma_ready(a, "A")
         _tma_ready(b, "B")
         M = a.shape[0]
-        N = self.plan.region.sizes.N
+        N = b.shape[0] if self.plan.region.gemm.b.major == "K" else b.shape[1]
         key = (str(dev), M, N)
         if key not in self._scratch:
             self._scratch[key] = (torch.empty(stages.workspace_numel(M, N, self.plan.stages), dtype=torch.float32,
