@@ -220,9 +220,13 @@ def main() -> None:
                 log(f"  comfuse: failed: {type(e).__name__}: {str(e)[:800]}")
             forms["cuBLAS GEMM"] = prog.gemm
             forms["eager"] = lambda prog=prog: prog.fn(*prog.args)
-            forms["torch.compile"] = lambda c=torch.compile(prog.fn), a=prog.args: c(*a)
+            # dynamic=False: the same function at a second shape would otherwise recompile with
+            # dynamic shapes (automatic dynamic), slower code (fourteenth session: 0.1025 against
+            # 0.0570 ms static, multi_stage 8192x1024x1024), as comfuse bench compiles it
+            forms["torch.compile"] = lambda c=torch.compile(prog.fn, dynamic=False), a=prog.args: c(*a)
             if args.max_autotune:
-                forms["max-autotune"] = lambda c=torch.compile(prog.fn, mode="max-autotune-no-cudagraphs"), \
+                forms["max-autotune"] = lambda c=torch.compile(prog.fn, mode="max-autotune-no-cudagraphs",
+                                                               dynamic=False), \
                     a=prog.args: c(*a)
             log(f"  torch.compile host loop: {host_us(forms['torch.compile']):.1f} us a call")
             times = graph_rounds(forms, args.rounds)
