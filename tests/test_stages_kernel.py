@@ -94,7 +94,7 @@ def test_generated_kernels_compile_for_sm90():
             (cand,) = find_regions(capture(fn, args))
             with settings.override(schedule="ws_stages"):
                 p = plan(cand.region, target="cuda")
-            k = compile_sm90(p, "probe_" + name)
+            k = compile_sm90(p)
             regs = sorted(set(int(v) for v in re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+);",
                                                           k.asm["ptx"])))
             out[name] = dict(resources(k.asm["cubin"]), smem=k.metadata.shared, setmaxnreg=regs,

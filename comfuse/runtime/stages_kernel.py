@@ -111,9 +111,12 @@ def build(plan: Plan, name: str) -> StagesKernel:
     return StagesKernel(plan, source, getattr(module, name))
 
 
-def compile_sm90(plan: Plan, name: str = "ws_stages_probe", chunk: int = 16):
+def compile_sm90(plan: Plan, name: str = "", chunk: int = CHUNK):
     """Compile a plan's generated kernel for sm_90 on any machine (no GPU needed), as
-    ``strip.compile_sm90`` does for the template."""
+    ``strip.compile_sm90`` does for the template. ``name``: the module's (by default the plan's
+    kernel name: a loaded module is reused by name)."""
+    from .kernel import kernel_name
+    name = name or kernel_name(plan)
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource

@@ -28,10 +28,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from ...ir import REDUCE, Op, Region, format_region
 from ..triton.emit import _literal
-
-SOURCE_VERSION = "gluon-stages-1"
 
 _INFIX = {Op.ADD: "+", Op.SUB: "-", Op.MUL: "*", Op.DIV: "/", Op.EQ: "==", Op.NE: "!=", Op.LT: "<",
           Op.LE: "<=", Op.GT: ">", Op.GE: ">=", Op.AND: "&", Op.OR: "|"}
@@ -70,10 +70,10 @@ def blocker(region: Region, stages) -> str:
             return "reductions must run along N"
         if node.op is Op.POW and node.arg not in (2, 2.0, 0.5, -0.5, 1, 1.0, -1, -1.0):
             return f"pow with exponent {node.arg}"
-        if node.op is Op.CAST and not (node.arg.is_floating_point and
-                                       (region.nodes[node.src[0]].dtype.is_floating_point or
-                                        region.nodes[node.src[0]].dtype == __import__("torch").bool)):
-            return f"cast to {node.arg}"
+        if node.op is Op.CAST:
+            src = region.nodes[node.src[0]].dtype
+            if not node.arg.is_floating_point or not (src.is_floating_point or src == torch.bool):
+                return f"cast from {src} to {node.arg}"
     for inp in region.inputs:
         if not inp.dtype.is_floating_point or "B" in inp.axes:
             return f"side input {inp.name}: floating point, axes within [M, N]"
