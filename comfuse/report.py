@@ -20,6 +20,7 @@ class RegionReport:
     notes: list = dataclasses.field(default_factory=list)  # where growth stopped, and why
     kernel_path: str = ""  # generated source on disk
     forms: list = dataclasses.field(default_factory=list)  # (pass, IR text) per planner step
+    templates: list = dataclasses.field(default_factory=list)  # (Gluon schedule, '' or why not) on sm_90
     planned: object = dataclasses.field(default=None, repr=False)  # the Plan / ChainPlan run
     found: object = dataclasses.field(default=None, repr=False)  # the Region as found; for
     # a b2b chain, (regions, links, writes): what plan_chain takes
@@ -41,6 +42,9 @@ class RegionReport:
             parts.append(f"  ops: {', '.join(self.ops)}")
         if self.outputs:
             parts.append(f"  writes: {', '.join(self.outputs)}")
+        if self.templates:
+            offers = "; ".join(f"{name}: {why[:160] if why else 'offered'}" for name, why in self.templates)
+            parts.append(f"  warp-specialised kernels (sm_90): {offers}")
         for note in self.notes:
             parts.append(f"  stopped at {note}")
         if self.kernel_path:

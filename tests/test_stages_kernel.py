@@ -108,3 +108,16 @@ def test_generated_kernels_compile_for_sm90():
         assert 152 in info["setmaxnreg"], (name, info)
         if "reg" in info:  # (LayerNorm with a residual read per pass: 184 bytes, sm_90, 2026-12-01)
             assert info["reg"] <= 168 and info["stack"] <= 256, (name, info)
+
+
+def test_explain_lists_what_the_warp_specialised_kernels_would_take():
+    """On any machine, the report says which Gluon schedules an sm_90 GPU would offer for each
+    region, and why the others do not apply."""
+    import comfuse
+    wl = SUITE["linear_ce"]
+    text = str(comfuse.explain(wl.fn, wl.inputs(256, 64, 1024, dtype=bf, device="cpu")))
+    line = [ln for ln in text.splitlines() if "warp-specialised kernels (sm_90)" in ln]
+    assert line and "ws_split: offered" in line[0] and "ws_strip: the template writes one bf16" in line[0]
+    wl = SUITE["multi_stage"]
+    text = str(comfuse.explain(wl.fn, wl.inputs(256, 64, 1024, dtype=bf, device="cpu")))
+    assert "ws_stages: offered" in text and "ws_strip: the epilogue is not LayerNorm" in text

@@ -413,6 +413,19 @@ def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple,
                 persistent=True, exchanges=len(layout_of(stages).exchanges))
 
 
+def template_offers(region: Region, sm_count: int = 132) -> list:
+    """[(schedule, '' when an sm_90 GPU would be offered it, else why not)] for each Gluon
+    schedule (TEMPLATE_SCHEDULES), whatever the machine: ``explain`` lists them, so that what
+    the warp-specialised kernels would take is visible on a CPU too."""
+    out = []
+    for schedule in TEMPLATE_SCHEDULES:
+        with settings_mod.override(schedule=schedule):
+            p = plan(region, "cuda", settings_mod.get(), sm_count)
+        why = p.reason if isinstance(p, NotFused) else ""
+        out.append((schedule, why.removeprefix(f"{schedule}: ")))
+    return out
+
+
 def candidates(region: Region, target: str = "cuda", settings=None, sm_count: int = 132) -> list:
     """The plans worth timing for ``region``: the planner's choice first, then every other
     feasible schedule and a few tile shapes. Empty when nothing fits (``plan`` says why)."""

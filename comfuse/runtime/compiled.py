@@ -27,6 +27,7 @@ from ..frontend.capture import CaptureError, capture
 from ..frontend.regions import Candidate, find_chains, find_regions
 from ..ir import canonical_shape, evaluate, evaluate_with_scale, format_region
 from ..planner import NotFused, candidates, plan as make_plan
+from ..planner.plan import template_offers
 from ..planner.chain import attention_scale, plan_chain
 from ..report import RegionReport, Report
 from . import kernel as kernel_mod
@@ -549,6 +550,10 @@ class Specialization:
         rep.fused, rep.reason = True, ""
         rep.stages, rep.schedule, rep.plan = len(plan.stages), plan.schedule, plan.describe()
         rep.planned = plan
+        try:
+            rep.templates = template_offers(cand.region, sm_count=_sm_count(device))
+        except Exception as e:  # (only a report line)
+            rep.templates = [("ws_*", f"not worked out ({type(e).__name__})")]
         rep.kernel_path = kernel.path
         module = FusedRegion(cand, plan, unfused, rep, alternatives)
         module.kernel = kernel
