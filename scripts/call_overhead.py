@@ -47,8 +47,8 @@ def main() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             contenders["comfuse"] = comfuse.compile(prog.fn, prog.args)
-            contenders["torch.compile"] = torch.compile(prog.fn)
-            contenders["max-autotune"] = torch.compile(prog.fn, mode="max-autotune-no-cudagraphs")
+            contenders["torch.compile"] = torch.compile(prog.fn, dynamic=False)
+            contenders["max-autotune"] = torch.compile(prog.fn, mode="max-autotune-no-cudagraphs", dynamic=False)
             for label, fn in contenders.items():
                 out = fn(*prog.args)
                 err = float((out.float() - expect.float()).norm() / expect.float().norm())

@@ -121,7 +121,7 @@ def main() -> None:
         a, b = ext[region.operands[0]], ext[region.operands[1]]
         gemm = timed(lambda: x @ wt, device)
         inductor = timed(lambda: w.fn(*inputs), device) if smoke else timed(
-            lambda f=torch.compile(w.fn): f(*inputs), device)
+            lambda f=torch.compile(w.fn, dynamic=False): f(*inputs), device)
         rows.append({"workload": wname, "variant": "cuBLAS x @ w", **gemm.as_dict()})
         rows.append({"workload": wname, "variant": "torch.compile (whole function)", **inductor.as_dict()})
         print(f"{wname}: cuBLAS {gemm.median_ms:.4f} ms, torch.compile {inductor.median_ms:.4f} ms", flush=True)

@@ -94,7 +94,7 @@ def main() -> None:
         whole = host_us(lambda: fused(*inputs))
         log.write("\n## cProfile, whole comfuse.compile call\n")
         profile(lambda: fused(*inputs), log)
-    ind = torch.compile(w.fn)
+    ind = torch.compile(w.fn, dynamic=False)
     ind(*inputs)
     ind_host = host_us(lambda: ind(*inputs))
     log.close()

@@ -62,8 +62,8 @@ def main() -> None:
             ref = prog.fn(*prog.args).float()
         with torch.set_grad_enabled(grad):
             for label, make in (("eager", lambda: prog.fn),
-                                ("inductor", lambda: torch.compile(prog.fn)),
-                                ("comfuse backend", lambda: torch.compile(prog.fn, backend="comfuse"))):
+                                ("inductor", lambda: torch.compile(prog.fn, dynamic=False)),
+                                ("comfuse backend", lambda: torch.compile(prog.fn, backend="comfuse", dynamic=False))):
                 label += ", grad on" if grad else ", no_grad"
                 torch._dynamo.reset()
                 checks = len(backend.GRAPH_CHECKS)

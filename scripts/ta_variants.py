@@ -215,7 +215,7 @@ def main() -> None:
     fn = lambda: torch.softmax(q @ k.transpose(1, 2), dim=-1) @ v  # noqa: E731
     for name, run in _generated_chains(q, k, v, out).items():  # comfuse's own, in the same run
         variants[name] = run
-    compiled = torch.compile(fn)
+    compiled = torch.compile(fn, dynamic=False)
     rows = []
     for name, run in [("eager", fn), ("torch.compile", compiled),
                       ("sdpa", lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=1.0))]:
