@@ -53,7 +53,8 @@ class Plan:
 
     def describe(self) -> str:
         if self.schedule == "ws_stages":
-            return (f"ws_stages: warp-specialised Gluon kernel generated from the region's {len(self.stages)} stage(s); "
+            return (f"ws_stages: warp-specialised Gluon kernel generated from the region's "
+                    f"{len(self.stages)} stage(s); "
                     f"persistent grid of {self.block_m}x{self.block_n}x{self.block_k} tiles, TMA mainloop in 8 warps, "
                     f"the epilogue in 4 warps of its own beside the next tile's mainloop; {self.tiles_n} tiles per row "
                     f"strip exchange per-row partials {self.exchanges} time(s), then write each output once")

@@ -255,7 +255,8 @@ def emit(region: Region, stages, name: str, describe: str) -> str:
               f"  # {o.name}", 3)
     if per_row:
         L("if tn == 0:  # per-row outputs, by the strip's first tile", 3)
-        w.values([i for i in w.closure([o.node for o in per_row]) if i not in set(w.closure([o.node for o in full]))], 4)
+        done = set(w.closure([o.node for o in full]))
+        w.values([i for i in w.closure([o.node for o in per_row]) if i not in done], 4)
         for k, o in enumerate(region.outputs):
             if o in per_row:
                 L(f"gl.store(out{k}_ptr + row, gl.max(gl.full([CHUNK, BN], 0.0, gl.float32, layout) + {w.ref(o.node)}, "

@@ -469,7 +469,8 @@ def compile_sm90(cfg: StripConfig, M: int = 8192, N: int = 1024, K: int = 1024):
            "b_desc": f"tensordesc<bf16[{bshape[0]}, {bshape[1]}],{lb!r}>",
            "r_desc": f"tensordesc<bf16[{BM}, {BN}],{lt!r}>",
            "bias_ptr": "*bf16", "res_ptr": "*bf16", "gamma_ptr": "*bf16", "beta_ptr": "*bf16",
-           "out_ptr": "*bf16", "aux_ptr": "*i64" if cfg.kind == KIND_LSE else "*bf16", "ws_ptr": "*fp32", "counter_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
+           "out_ptr": "*bf16", "aux_ptr": "*i64" if cfg.kind == KIND_LSE else "*bf16", "ws_ptr": "*fp32",
+           "counter_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
            "eps": "fp32", "trace_ptr": "*i32"}
     constexprs = dict(cfg.constexprs(N // BN), num_warps=8)
     sig.update({k: "constexpr" for k in constexprs})
