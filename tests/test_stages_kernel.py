@@ -55,6 +55,8 @@ def test_the_generator_refuses_with_the_reason():
     t = torch.randint(0, 512, (256, ))
     p = forced(lambda x, w, t: F.cross_entropy(x @ w, t, reduction="none"), x, w, t)
     assert isinstance(p, NotFused) and "side input" in p.reason
+    p = forced(lambda x, w: torch.logsumexp(x @ w, -1), x, w)
+    assert isinstance(p, NotFused) and "per-row outputs" in p.reason
 
 
 def test_the_generated_kernel_reads_as_its_stages():

@@ -13,8 +13,9 @@ bf16 GEMM rounds its output) and an epilogue partition of its own, generated fro
 - one arrival on the strip's counter per such stage, a wait for the strip's other tiles, and
   the partials of all TILES_N tiles combined (sum, max or min) into per-row statistics kept in
   shared memory for the later passes;
-- a last pass computing and storing every output once ([M, N] outputs by every tile, per-row
-  outputs by the strip's first tile).
+- a last pass computing and storing every output once ([M, N] outputs by every tile; per-row
+  outputs would go from the strip's first tile, but ``blocker`` refuses them until that path
+  has run on a GPU).
 
 Each stage's values are recomputed in every later pass rather than kept (the tile does not
 fit in the epilogue warps' registers). The exchanges are plain reductions, so LayerNorm takes
@@ -78,8 +79,10 @@ def blocker(region: Region, stages) -> str:
         if not inp.dtype.is_floating_point or "B" in inp.axes:
             return f"side input {inp.name}: floating point, axes within [M, N]"
     for out in region.outputs:
-        if not out.dtype.is_floating_point or out.axes not in (frozenset("MN"), frozenset("M")):
-            return f"output {out.name}: floating point, [M, N] or per row"
+        # (per-row outputs are generated, written by each strip's first tile, but have not run
+        # on a GPU yet: refused until they have)
+        if not out.dtype.is_floating_point or out.axes != frozenset("MN"):
+            return f"output {out.name}: floating point [M, N] only (per-row outputs not yet checked on a GPU)"
     if not region.reductions():
         return "no reduction (the tile schedules need no exchange)"
     reds = [len(s.reductions) for s in stages if s.reductions]
