@@ -420,13 +420,16 @@ def test_terminal_template_trains_through_the_backend(monkeypatch):
 
 @pytest.mark.parametrize("name", ["multi_stage", "ln_postnorm", "rmsnorm", "softmax", "mblr"])
 @pytest.mark.parametrize("shape", [(8192, 1024, 1024), (2048, 1024, 3072)], ids=["paper", "N3072"])
-def test_generated_warp_specialised_kernel_matches_the_reference(name, shape):
+@pytest.mark.parametrize("merge", [False, True], ids=["exchange_per_stage", "merged"])
+def test_generated_warp_specialised_kernel_matches_the_reference(name, shape, merge):
     """The Gluon kernel generated from the region's stages (ws_stages) forced: 1 to 4 exchanges
-    a tile, strips of 4 and 12 tiles; 20 more calls give the same output (the counters only
-    grow, E arrivals a tile a launch); new tensors go through the direct launch."""
+    a tile (merged: moment and online-softmax pairs in one, COMFUSE_WS_MERGE), strips of 4 and
+    12 tiles; 20 more calls give the same output (the counters only grow, E arrivals a tile a
+    launch); new tensors go through the direct launch."""
     wl = SUITE[name]
     args = wl.inputs(*shape, dtype=torch.bfloat16, device="cuda")
-    with comfuse.settings.override(autotune="0", schedule="ws_stages"), warnings.catch_warnings():
+    with comfuse.settings.override(autotune="0", schedule="ws_stages", ws_merge=merge), \
+            warnings.catch_warnings():
         warnings.simplefilter("ignore", comfuse.ComfuseWarning)
         compiled = comfuse.compile(wl.fn, args)
         out = compiled(*args)

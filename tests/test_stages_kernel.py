@@ -20,15 +20,15 @@ from test_codegen import run_compiler_script
 bf = torch.bfloat16
 
 
-def forced(fn, *args, target="cuda"):
+def forced(fn, *args, target="cuda", merge=False):
     (cand,) = find_regions(capture(fn, args))
-    with settings.override(schedule="ws_stages"):
+    with settings.override(schedule="ws_stages", ws_merge=merge):
         return plan(cand.region, target=target)
 
 
-def suite_plan(name, M=256, K=64, N=1024, target="cuda"):
+def suite_plan(name, M=256, K=64, N=1024, target="cuda", merge=False):
     wl = SUITE[name]
-    return forced(wl.fn, *wl.inputs(M, K, N, dtype=bf, device="cpu"), target=target)
+    return forced(wl.fn, *wl.inputs(M, K, N, dtype=bf, device="cpu"), target=target, merge=merge)
 
 
 @pytest.mark.parametrize("name, exchanges", [("rmsnorm", 1), ("softmax", 2), ("ln_postnorm", 2), ("mblr", 2),
@@ -92,9 +92,10 @@ def test_generated_kernels_compile_for_sm90():
                               (torch.randn(256, 64, dtype=bf), torch.randn(768, 64, dtype=bf),
                                torch.randn(768, dtype=bf)))
         out = {}
-        for name, (fn, args) in cases.items():
+        for name, (fn, args) in [*cases.items(), ("multi_stage_merged", cases["multi_stage"]),
+                                 ("ln_postnorm_merged", cases["ln_postnorm"])]:
             (cand,) = find_regions(capture(fn, args))
-            with settings.override(schedule="ws_stages"):
+            with settings.override(schedule="ws_stages", ws_merge=name.endswith("_merged")):
                 p = plan(cand.region, target="cuda")
             k = compile_sm90(p)
             regs = sorted(set(int(v) for v in re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+);",
@@ -123,3 +124,24 @@ def test_explain_lists_what_the_warp_specialised_kernels_would_take():
     wl = SUITE["multi_stage"]
     text = str(comfuse.explain(wl.fn, wl.inputs(256, 64, 1024, dtype=bf, device="cpu")))
     assert "ws_stages: offered" in text and "ws_strip: the epilogue is not LayerNorm" in text
+
+
+@pytest.mark.parametrize("name, exchanges, kinds", [("multi_stage", 2, ["moments", "lse"]), ("ln_postnorm", 1, ["moments"]),
+                                                    ("softmax", 1, ["lse"]), ("mblr", 1, ["moments"]),
+                                                    ("rmsnorm", 1, [])])
+def test_merged_exchanges_halve_the_strip_waits(name, exchanges, kinds):
+    """COMFUSE_WS_MERGE=1 (experimental): a sum and its sum of squared deviations share one
+    exchange (tile moments, Chan), and so do a max and its sum of exp(x - max) (online); the
+    default plan keeps one exchange per stage, and autotuning offers the merged one only
+    with the setting."""
+    p = suite_plan(name, merge=True)
+    assert p.exchanges == exchanges and sorted(k for k, _, _ in p.moments) == sorted(kinds)
+    if kinds:
+        assert "pairs merged" in p.describe()
+        from comfuse.runtime.stages_kernel import source_text
+        assert "(merged with %" in source_text(p, "k")
+        plain = suite_plan(name)
+        assert plain.exchanges > exchanges and not plain.moments
+        assert not [q for q in candidates(plain.region, target="cuda") if q.schedule == "ws_stages" and q.moments]
+        with settings.override(ws_merge=True):
+            assert [q for q in candidates(plain.region, target="cuda") if q.schedule == "ws_stages" and q.moments]

@@ -47,7 +47,8 @@ class Plan:
     onepass: object = None  # split: the region's one-pass form (derived from ``region``)
     prefetch: bool = False  # load whole-tile side inputs (residuals) before the mainloop
     overlap: bool = False  # cooperative: a strip's first exchange waits behind the next strip's mainloop
-    moments: tuple = ()  # cooperative: (sum, sum of squared deviations) pairs exchanged at once
+    moments: tuple = ()  # cooperative: (sum, sum of squared deviations) pairs exchanged at once;
+    # ws_stages: the merged exchanges, ((kind, first, second), ...) (codegen/gluon/stages.merge_pairs)
     persistent: bool = False  # tile, TMA: one program per SM walks the tiles, its tile and K loops fused by Triton
     template: object = None  # ws_strip: the planner.template.StripTemplate the region matched
 
@@ -57,7 +58,9 @@ class Plan:
                     f"{len(self.stages)} stage(s); "
                     f"persistent grid of {self.block_m}x{self.block_n}x{self.block_k} tiles, TMA mainloop in 8 warps, "
                     f"the epilogue in 4 warps of its own beside the next tile's mainloop; {self.tiles_n} tiles per row "
-                    f"strip exchange per-row partials {self.exchanges} time(s), then write each output once")
+                    f"strip exchange per-row partials {self.exchanges} time(s)"
+                    f"{' (' + ', '.join(k for k, _, _ in self.moments) + ' pairs merged)' if self.moments else ''}"
+                    f", then write each output once")
         if self.schedule == "ws_split":
             return (f"ws_split: warp-specialised Gluon template computing the {self.template.describe()}; "
                     f"persistent grid of {self.block_m}x{self.block_n}x{self.block_k} tiles in grouped order, TMA "
@@ -306,7 +309,8 @@ def plan(region: Region, target: str = "cuda", settings=None, sm_count: int = 13
     if forced == "ws_split":
         return lse_template_plan(region, transposed, stages, tuple(forms), target)
     if forced == "ws_stages":
-        return stages_template_plan(region, transposed, stages, tuple(forms), target, sm_count)
+        return stages_template_plan(region, transposed, stages, tuple(forms), target, sm_count,
+                                    merge=settings.ws_merge)
     if forced in TEMPLATE_SCHEDULES:
         return strip_template_plan(region, transposed, stages, tuple(forms), target, sm_count,
                                    prefetch=settings.prefetch)
@@ -387,10 +391,10 @@ def lse_template_plan(region: Region, transposed: bool, stages, forms: tuple, ta
 
 
 def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple, target: str,
-                         sm_count: int) -> Plan | NotFused:
+                         sm_count: int, merge: bool = False) -> Plan | NotFused:
     """The ws_stages plan for ``region`` (row form), or why the generated Gluon kernel does
-    not apply."""
-    from ..codegen.gluon.stages import blocker, layout_of
+    not apply; ``merge``: moment and online-softmax pairs share an exchange (COMFUSE_WS_MERGE)."""
+    from ..codegen.gluon.stages import blocker, layout_of, merge_pairs
     from .template import fits
 
     def no(why):
@@ -410,8 +414,9 @@ def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple,
     tiles = s.N // 256
     if tiles > sm_count:
         return no(f"a strip of {tiles} tiles cannot be resident at once on {sm_count} SMs")
+    pairs = merge_pairs(region) if merge else ()
     return Plan(region, False, "ws_stages", stages, 128, 256, 64, 8, 8, 3, forms, tiles_n=tiles, mainloop="tma",
-                persistent=True, exchanges=len(layout_of(stages).exchanges))
+                persistent=True, exchanges=len(layout_of(stages, pairs).exchanges), moments=pairs)
 
 
 def template_offers(region: Region, sm_count: int = 132) -> list:
@@ -506,6 +511,11 @@ def candidates(region: Region, target: str = "cuda", settings=None, sm_count: in
         gen = stages_template_plan(first.region, first.transposed, first.stages, first.forms, target, sm_count)
         if isinstance(gen, Plan):  # the generated warp-specialised kernel
             out.append(gen)
+            if settings.ws_merge:  # (experimental: merged exchanges, not yet run on a GPU)
+                merged = stages_template_plan(first.region, first.transposed, first.stages, first.forms, target,
+                                              sm_count, merge=True)
+                if isinstance(merged, Plan) and merged.moments:
+                    out.append(merged)
         if first.schedule == "split":  # a loss over wide rows: the template's terminal kind
             lse = lse_template_plan(first.region, first.transposed, first.stages, first.forms, target)
             if isinstance(lse, Plan):

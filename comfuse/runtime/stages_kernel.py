@@ -84,8 +84,8 @@ class StagesKernel:
         N = b.shape[0] if self.plan.region.gemm.b.major == "K" else b.shape[1]
         key = (str(dev), M, N)
         if key not in self._scratch:
-            self._scratch[key] = (torch.empty(stages.workspace_numel(M, N, self.plan.stages), dtype=torch.float32,
-                                              device=dev),
+            self._scratch[key] = (torch.empty(stages.workspace_numel(M, N, self.plan.stages, self.plan.moments),
+                                              dtype=torch.float32, device=dev),
                                   torch.zeros(M // strip.BM, dtype=torch.int32, device=dev))
         ws, counters = self._scratch[key]
         if N // strip.BN > _sm_count(dev):
@@ -101,7 +101,7 @@ class StagesKernel:
 
 def source_text(plan: Plan, name: str) -> str:
     from ..codegen.gluon import stages
-    return stages.emit(plan.region, plan.stages, name, plan.describe())
+    return stages.emit(plan.region, plan.stages, name, plan.describe(), plan.moments)
 
 
 def build(plan: Plan, name: str) -> StagesKernel:

@@ -42,19 +42,45 @@ _OTHER = {Op.NEG, Op.RECIPROCAL, Op.RELU, Op.SIGMOID, Op.NOT, Op.CAST, Op.POW, O
           Op.ACC, Op.INPUT, Op.CONST, Op.IOTA}
 SUPPORTED = frozenset(_INFIX) | frozenset(_CALL) | _OTHER | REDUCE
 MAX_EXCHANGES = 6
+NEG_INF = 'float("-inf")'
 MAX_STATS = 16
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """Where the region's reductions go: exchange e ends stage e; ``slot[r]`` is reduction node
-    r's (exchange, index within it, index among all statistics)."""
+    """Where the region's reductions go: one exchange per stage that ends in reductions, less
+    the merged ones; ``slot[r]`` is reduction node r's (exchange, index within it, index among
+    all statistics); ``second[r]``: (kind, first) where r is merged into its first's exchange."""
     exchanges: tuple  # per exchange: its reduction nodes
     slot: dict
+    second: dict = dataclasses.field(default_factory=dict)
+    first: dict = dataclasses.field(default_factory=dict)  # first -> (kind, second)
 
     @property
     def width(self) -> int:
         return max((len(e) for e in self.exchanges), default=1)
+
+
+def merge_pairs(region: Region) -> tuple:
+    """((kind, first, second), ...): reductions whose second can join the first's exchange.
+
+    - "moments": a row's sum R1 of x and R2 = sum((x - R1 / N)^2) (planner.plan.moment_pairs):
+      each tile publishes its sum and its own centred sum of squares, merged by Chan's
+      formula (exact: no E[x^2] - E[x]^2);
+    - "lse": a max R1 of x and R2 = sum(exp(x - R1)): each tile publishes its max and its sum
+      of exp(x - its max), rescaled to the row's max when merged."""
+    from ...planner.plan import moment_pairs
+    nodes = region.nodes
+    out = [("moments", r1, r2) for r1, r2 in moment_pairs(region)
+           if nodes[nodes[r1].src[0]].axes == frozenset("MN")]
+    for j, node in enumerate(nodes):
+        if node.op is not Op.SUM or nodes[node.src[0]].op is not Op.EXP:
+            continue
+        sub = nodes[nodes[node.src[0]].src[0]]
+        if sub.op is Op.SUB and nodes[sub.src[1]].op is Op.RMAX and nodes[sub.src[1]].src[0] == sub.src[0] \
+                and nodes[sub.src[0]].axes == frozenset("MN"):
+            out.append(("lse", sub.src[1], j))
+    return tuple(out)
 
 
 def blocker(region: Region, stages) -> str:
@@ -91,15 +117,24 @@ def blocker(region: Region, stages) -> str:
     return ""
 
 
-def layout_of(stages) -> Layout:
-    exchanges, slot, k = [], {}, 0
+def layout_of(stages, pairs=()) -> Layout:
+    """The exchanges of ``stages``; with ``pairs`` (``merge_pairs``), each pair's second joins
+    its first's exchange."""
+    second = {r2: (kind, r1) for kind, r1, r2 in pairs}
+    first = {r1: (kind, r2) for kind, r1, r2 in pairs}
+    groups = []
     for s in stages:
-        if s.reductions:
-            for w, r in enumerate(s.reductions):
-                slot[r] = (len(exchanges), w, k)
-                k += 1
-            exchanges.append(tuple(s.reductions))
-    return Layout(tuple(exchanges), slot)
+        own = [r for r in s.reductions if r not in second]
+        if own:
+            groups.append(own)
+    for g in groups:
+        g += [first[r][1] for r in list(g) if r in first]
+    slot, k = {}, 0
+    for e, g in enumerate(groups):
+        for w, r in enumerate(g):
+            slot[r] = (e, w, k)
+            k += 1
+    return Layout(tuple(tuple(g) for g in groups), slot, second, first)
 
 
 class _Writer:
@@ -183,9 +218,10 @@ class _Writer:
         return _literal(node.arg) if node.op is Op.CONST else f"v{i}"
 
 
-def emit(region: Region, stages, name: str, describe: str) -> str:
-    """The generated module's source: ``{name}`` (the kernel) and ``{name}_epilogue``."""
-    lay = layout_of(stages)
+def emit(region: Region, stages, name: str, describe: str, pairs=()) -> str:
+    """The generated module's source: ``{name}`` (the kernel) and ``{name}_epilogue``;
+    ``pairs``: the merged exchanges (``merge_pairs``)."""
+    lay = layout_of(stages, pairs)
     w = _Writer(region, lay)
     ins = [f"in{j}_ptr" for j in range(len(region.inputs))]
     outs = [f"out{k}_ptr" for k in range(len(region.outputs))]
@@ -219,14 +255,25 @@ def emit(region: Region, stages, name: str, describe: str) -> str:
         L("for c in gl.static_range(BM // CHUNK):", 2)
         L("row = strip * BM + c * CHUNK + rows", 3)
         L("acc = tile_smem.slice(c * CHUNK, CHUNK, dim=0).load(layout).to(gl.float32)", 3)
-        w.values([i for i in w.closure([region.nodes[r].src[0] for r in reds])], 3)
+        # (a merged second is computed from its first's value: its own source needs the first)
+        w.values(w.closure([region.nodes[lay.second[r][1] if r in lay.second else r].src[0] for r in reds]), 3)
         for wi, r in enumerate(reds):
+            slot = f"ws_ptr + (((strip * {E} + {e}) * {lay.width} + {wi}) * TILES_N + tn) * BM + c * CHUNK + rows"
+            if r in lay.second:  # the tile's own moment about its max / mean (see merge_pairs)
+                kind, r1 = lay.second[r]
+                x = w.ref(region.nodes[r1].src[0])
+                if kind == "lse":
+                    L(f"gl.store({slot}, gl.sum(gl.exp({x} - gl.max({x}, axis=1)[:, None]), axis=1))  # %{r} "
+                      f"(online, with %{r1})", 3)
+                else:
+                    L(f"dev = {x} - (gl.sum({x}, axis=1) / BN)[:, None]", 3)
+                    L(f"gl.store({slot}, gl.sum(dev * dev, axis=1))  # %{r} (the tile's M2, with %{r1})", 3)
+                continue
             red = {Op.SUM: "gl.sum", Op.RMAX: "gl.max", Op.RMIN: "gl.min"}[region.nodes[r].op]
             src = w.ref(region.nodes[r].src[0])
             if region.nodes[region.nodes[r].src[0]].axes != frozenset("MN"):  # a broadcast value: over 256 columns
                 src = f"(gl.full([CHUNK, BN], 0.0, gl.float32, layout) + {src})"
-            L(f"gl.store(ws_ptr + (((strip * {E} + {e}) * {lay.width} + {wi}) * TILES_N + tn) * BM + c * CHUNK + rows, "
-              f"{red}({src}, axis=1))", 3)
+            L(f"gl.store({slot}, {red}({src}, axis=1))", 3)
         L("gl.thread_barrier()  # every warp has published its partials", 2)
         L("old = gl.atomic_add(counter_ptr + strip, 1, sem=\"acq_rel\", scope=\"gpu\")", 2)
         L("target = (old // TILES_N + 1) * TILES_N", 2)
@@ -234,12 +281,27 @@ def emit(region: Region, stages, name: str, describe: str) -> str:
         L("while seen < target:", 2)
         L("seen = gl.atomic_add(counter_ptr + strip, 0, sem=\"acquire\", scope=\"gpu\")", 3)
         L("gl.thread_barrier()", 2)
+        def partials(wi, fill):
+            return (f"gl.load(ws_ptr + (((strip * {E} + {e}) * {lay.width} + {wi}) * TILES_N + prow[:, None]) * BM "
+                    f"+ pcol[None, :], mask=pmask, other={fill}, cache_modifier=\".cg\")")
         for wi, r in enumerate(reds):
             op = region.nodes[r].op
             fill = {Op.SUM: "0.0", Op.RMAX: 'float("-inf")', Op.RMIN: 'float("inf")'}[op]
             red = {Op.SUM: "gl.sum", Op.RMAX: "gl.max", Op.RMIN: "gl.min"}[op]
-            L(f"part = gl.load(ws_ptr + (((strip * {E} + {e}) * {lay.width} + {wi}) * TILES_N + prow[:, None]) * BM "
-              f"+ pcol[None, :], mask=pmask, other={fill}, cache_modifier=\".cg\")", 2)
+            if r in lay.second:
+                kind, r1 = lay.second[r]
+                w1 = reds.index(r1)
+                if kind == "lse":  # sum_t s_t exp(m_t - m)
+                    L(f"tile_m = {partials(w1, NEG_INF)}", 2)
+                    L("row_m = gl.max(tile_m, axis=0)", 2)
+                    L(f"scaled = gl.where(pmask, {partials(wi, '0.0')} * gl.exp(tile_m - row_m[None, :]), 0.0)", 2)
+                else:  # Chan: sum_t M2_t + BN (mean_t - mean)^2
+                    L(f"tile_sum = {partials(w1, '0.0')}", 2)
+                    L("dm = gl.where(pmask, tile_sum / BN - (gl.sum(tile_sum, axis=0) / N)[None, :], 0.0)", 2)
+                    L(f"scaled = {partials(wi, '0.0')} + BN * dm * dm", 2)
+                L(f"stat_smem.index({lay.slot[r][2]}).store(gl.sum(scaled, axis=0))  # %{r} (merged with %{r1})", 2)
+                continue
+            L(f"part = {partials(wi, fill)}", 2)
             L(f"stat_smem.index({lay.slot[r][2]}).store({red}(part, axis=0))  # %{r}", 2)
         L("gl.thread_barrier()", 2)
     L("# ---- the outputs, each written once ----", 2)
@@ -311,6 +373,6 @@ def emit(region: Region, stages, name: str, describe: str) -> str:
     return header + "\n".join(w.lines) + "\n"
 
 
-def workspace_numel(M: int, N: int, stages) -> int:
-    lay = layout_of(stages)
+def workspace_numel(M: int, N: int, stages, pairs=()) -> int:
+    lay = layout_of(stages, pairs)
     return (M // 128) * max(len(lay.exchanges), 1) * lay.width * (N // 256) * 128
