@@ -63,7 +63,9 @@ class Settings:
     overlap: bool
     # COMFUSE_WS_MERGE=1: ws_stages plans (the generated Gluon kernel) merge a row's sum with
     # its sum of squared deviations (Chan) and a max with its sum of exp(x - max) (online) into
-    # one exchange each (experimental: not among the autotuner's candidates until run on a GPU).
+    # one exchange each, and keep an exchange's value in the hand-off buffer where the later
+    # passes need nothing else of the tile (experimental: not among the autotuner's candidates
+    # until run on a GPU).
     ws_merge: bool
     # COMFUSE_AUTOTUNE: "auto" (time the candidate plans and the unfused ops on the first
     # call on a GPU, keep the fastest, remember it on disk), "1" (also under the

@@ -139,7 +139,14 @@ def test_merged_exchanges_halve_the_strip_waits(name, exchanges, kinds):
     if kinds:
         assert "pairs merged" in p.describe()
         from comfuse.runtime.stages_kernel import source_text
-        assert "(merged with %" in source_text(p, "k")
+        text = source_text(p, "k")
+        assert "(merged with %" in text
+        if name != "softmax":  # the exchange's value is kept in the buffer for the later passes
+            assert "kept in the hand-off buffer" in text
+        if name == "multi_stage":  # tanh(v) * softmax(v) computed once, in the pass that keeps it
+            assert text.count("= tanh(") == 1
+        if name == "ln_postnorm":  # the residual read once
+            assert text.count("gl.load(in1_ptr + row[:, None] * N") == 1
         plain = suite_plan(name)
         assert plain.exchanges > exchanges and not plain.moments
         assert not [q for q in candidates(plain.region, target="cuda") if q.schedule == "ws_stages" and q.moments]

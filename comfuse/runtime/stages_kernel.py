@@ -101,7 +101,7 @@ class StagesKernel:
 
 def source_text(plan: Plan, name: str) -> str:
     from ..codegen.gluon import stages
-    return stages.emit(plan.region, plan.stages, name, plan.describe(), plan.moments)
+    return stages.emit(plan.region, plan.stages, name, plan.describe(), plan.moments, keep=bool(plan.moments))
 
 
 def build(plan: Plan, name: str) -> StagesKernel:

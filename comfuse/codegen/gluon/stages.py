@@ -61,6 +61,13 @@ class Layout:
         return max((len(e) for e in self.exchanges), default=1)
 
 
+def _is_tile(region: Region, i: int) -> bool:
+    """Whether node i is the GEMM's tile itself (through floating-point casts)."""
+    while region.nodes[i].op is Op.CAST and region.nodes[i].arg.is_floating_point:
+        i = region.nodes[i].src[0]
+    return region.nodes[i].op is Op.ACC
+
+
 def merge_pairs(region: Region) -> tuple:
     """((kind, first, second), ...): reductions whose second can join the first's exchange.
 
@@ -141,6 +148,7 @@ class _Writer:
     def __init__(self, region: Region, lay: Layout):
         self.region, self.lay = region, lay
         self.lines: list[str] = []
+        self.stored = None  # the node the hand-off buffer holds in place of the GEMM's tile, if any
 
     def line(self, text: str, indent: int) -> None:
         self.lines.append("    " * indent + text)
@@ -154,9 +162,24 @@ class _Writer:
             if i in seen:
                 continue
             seen.add(i)
-            if self.region.nodes[i].op not in REDUCE:
+            if self.region.nodes[i].op not in REDUCE and i != self.stored:
                 todo += list(self.region.nodes[i].src)
         return sorted(seen)
+
+    def keepable(self, x: int, later) -> bool:
+        """Whether every value the later passes need (``later``: their targets) can come from
+        node x kept in the buffer, the statistics and per-column / per-row inputs: no path to
+        the GEMM's tile or an [M, N] input avoids x."""
+        saved, self.stored = self.stored, x
+        try:
+            for i in self.closure(later):
+                node = self.region.nodes[i]
+                if i != x and (node.op is Op.ACC or (node.op is Op.INPUT and
+                                                      self.region.inputs[node.arg].axes == frozenset("MN"))):
+                    return False
+            return True
+        finally:
+            self.stored = saved
 
     def expr(self, i: int) -> str:
         node = self.region.nodes[i]
@@ -211,6 +234,9 @@ class _Writer:
             node = self.region.nodes[i]
             if node.op is Op.CONST:
                 continue
+            if i == self.stored:
+                self.line(f"v{i} = acc  # %{i} {node.op.value}, kept in the hand-off buffer", indent)
+                continue
             self.line(f"v{i} = {self.expr(i)}  # %{i} {node.op.value}", indent)
 
     def ref(self, i: int) -> str:
@@ -218,11 +244,15 @@ class _Writer:
         return _literal(node.arg) if node.op is Op.CONST else f"v{i}"
 
 
-def emit(region: Region, stages, name: str, describe: str, pairs=()) -> str:
+def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool = False) -> str:
     """The generated module's source: ``{name}`` (the kernel) and ``{name}_epilogue``;
-    ``pairs``: the merged exchanges (``merge_pairs``)."""
+    ``pairs``: the merged exchanges (``merge_pairs``); ``keep``: an exchange's value, when it is
+    all the later passes need of the tile (``_Writer.keepable``), is written over the buffer
+    (rounded to bf16, as eager's bf16 ops round it) and the later passes start from it rather
+    than recompute it (only where every output is bf16 or fp16)."""
     lay = layout_of(stages, pairs)
     w = _Writer(region, lay)
+    keep = keep and all(o.dtype in (torch.bfloat16, torch.float16) for o in region.outputs)
     ins = [f"in{j}_ptr" for j in range(len(region.inputs))]
     outs = [f"out{k}_ptr" for k in range(len(region.outputs))]
     ptrs = ", ".join(ins + outs)
@@ -256,7 +286,17 @@ def emit(region: Region, stages, name: str, describe: str, pairs=()) -> str:
         L("row = strip * BM + c * CHUNK + rows", 3)
         L("acc = tile_smem.slice(c * CHUNK, CHUNK, dim=0).load(layout).to(gl.float32)", 3)
         # (a merged second is computed from its first's value: its own source needs the first)
-        w.values(w.closure([region.nodes[lay.second[r][1] if r in lay.second else r].src[0] for r in reds]), 3)
+        sources = sorted({region.nodes[lay.second[r][1] if r in lay.second else r].src[0] for r in reds})
+        w.values(w.closure(sources), 3)
+        later = [region.nodes[r].src[0] for g in lay.exchanges[e + 1:] for r in g] + [o.node for o in region.outputs]
+        keep_now = None
+        if keep and len(sources) == 1 and sources[0] != w.stored and not _is_tile(region, sources[0]) \
+                and region.nodes[sources[0]].axes == frozenset("MN") and w.keepable(sources[0], later):
+            keep_now = x = sources[0]
+            L(f"v{x} = v{x}.to(gl.bfloat16)  # %{x}, rounded as eager's bf16 op rounds it, and kept for the later "
+              "passes", 3)
+            L(f"tile_smem.slice(c * CHUNK, CHUNK, dim=0).store(v{x})", 3)
+            L(f"v{x} = v{x}.to(gl.float32)", 3)
         for wi, r in enumerate(reds):
             slot = f"ws_ptr + (((strip * {E} + {e}) * {lay.width} + {wi}) * TILES_N + tn) * BM + c * CHUNK + rows"
             if r in lay.second:  # the tile's own moment about its max / mean (see merge_pairs)
@@ -304,6 +344,8 @@ def emit(region: Region, stages, name: str, describe: str, pairs=()) -> str:
             L(f"part = {partials(wi, fill)}", 2)
             L(f"stat_smem.index({lay.slot[r][2]}).store({red}(part, axis=0))  # %{r}", 2)
         L("gl.thread_barrier()", 2)
+        if keep_now is not None:
+            w.stored = keep_now
     L("# ---- the outputs, each written once ----", 2)
     L("for c in gl.static_range(BM // CHUNK):", 2)
     L("row = strip * BM + c * CHUNK + rows", 3)
