@@ -253,6 +253,11 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
     lay = layout_of(stages, pairs)
     w = _Writer(region, lay)
     keep = keep and all(o.dtype in (torch.bfloat16, torch.float16) for o in region.outputs)
+
+    def partials(e: int, wi: int, fill: str) -> str:
+        """A load of exchange e's partials [TILES_P2, BM] of its wi-th reduction, all tiles of the strip."""
+        return (f"gl.load(ws_ptr + (((strip * {E} + {e}) * {lay.width} + {wi}) * TILES_N + prow[:, None]) * BM "
+                f"+ pcol[None, :], mask=pmask, other={fill}, cache_modifier=\".cg\")")
     ins = [f"in{j}_ptr" for j in range(len(region.inputs))]
     outs = [f"out{k}_ptr" for k in range(len(region.outputs))]
     ptrs = ", ".join(ins + outs)
@@ -321,9 +326,6 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
         L("while seen < target:", 2)
         L("seen = gl.atomic_add(counter_ptr + strip, 0, sem=\"acquire\", scope=\"gpu\")", 3)
         L("gl.thread_barrier()", 2)
-        def partials(wi, fill):
-            return (f"gl.load(ws_ptr + (((strip * {E} + {e}) * {lay.width} + {wi}) * TILES_N + prow[:, None]) * BM "
-                    f"+ pcol[None, :], mask=pmask, other={fill}, cache_modifier=\".cg\")")
         for wi, r in enumerate(reds):
             op = region.nodes[r].op
             fill = {Op.SUM: "0.0", Op.RMAX: 'float("-inf")', Op.RMIN: 'float("inf")'}[op]
@@ -332,16 +334,16 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
                 kind, r1 = lay.second[r]
                 w1 = reds.index(r1)
                 if kind == "lse":  # sum_t s_t exp(m_t - m)
-                    L(f"tile_m = {partials(w1, NEG_INF)}", 2)
+                    L(f"tile_m = {partials(e, w1, NEG_INF)}", 2)
                     L("row_m = gl.max(tile_m, axis=0)", 2)
-                    L(f"scaled = gl.where(pmask, {partials(wi, '0.0')} * gl.exp(tile_m - row_m[None, :]), 0.0)", 2)
+                    L(f"scaled = gl.where(pmask, {partials(e, wi, '0.0')} * gl.exp(tile_m - row_m[None, :]), 0.0)", 2)
                 else:  # Chan: sum_t M2_t + BN (mean_t - mean)^2
-                    L(f"tile_sum = {partials(w1, '0.0')}", 2)
+                    L(f"tile_sum = {partials(e, w1, '0.0')}", 2)
                     L("dm = gl.where(pmask, tile_sum / BN - (gl.sum(tile_sum, axis=0) / N)[None, :], 0.0)", 2)
-                    L(f"scaled = {partials(wi, '0.0')} + BN * dm * dm", 2)
+                    L(f"scaled = {partials(e, wi, '0.0')} + BN * dm * dm", 2)
                 L(f"stat_smem.index({lay.slot[r][2]}).store(gl.sum(scaled, axis=0))  # %{r} (merged with %{r1})", 2)
                 continue
-            L(f"part = {partials(wi, fill)}", 2)
+            L(f"part = {partials(e, wi, fill)}", 2)
             L(f"stat_smem.index({lay.slot[r][2]}).store({red}(part, axis=0))  # %{r}", 2)
         L("gl.thread_barrier()", 2)
         if keep_now is not None:
