@@ -58,22 +58,27 @@ def test_warp_specialised_template_matches_the_reference(name, shape, prefetch):
     the same output (the strip counters only grow)."""
     if prefetch and name != "ln_postnorm":
         pytest.skip("no residual to prefetch")
+    forced_schedule_matches(name, shape, "ws_strip", 50, prefetch=prefetch)
+
+
+def forced_schedule_matches(name, shape, schedule, repeats, **settings):
+    """A suite workload with ``schedule`` forced (autotuning off): fused as forced, equal to the
+    float64 reference, ``repeats`` more calls bit-identical, and new tensors of the same layout
+    (the direct launch) equal to the reference too."""
     wl = SUITE[name]
     args = wl.inputs(*shape, dtype=torch.bfloat16, device="cuda")
-    with comfuse.settings.override(autotune="0", schedule="ws_strip", prefetch=prefetch), \
-            warnings.catch_warnings():
+    with comfuse.settings.override(autotune="0", schedule=schedule, **settings), warnings.catch_warnings():
         warnings.simplefilter("ignore", comfuse.ComfuseWarning)
         compiled = comfuse.compile(wl.fn, args)
         out = compiled(*args)
         (r,) = compiled.report.regions
-        assert r.fused and r.schedule == "ws_strip", str(compiled.report)
+        assert r.fused and r.schedule == schedule, str(compiled.report)
         assert_matches_reference(wl.fn, args, out)
         first = as_tuple(out)[0].clone()
-        for _ in range(50):
+        for _ in range(repeats):
             out = compiled(*args)
         torch.cuda.synchronize()
         assert torch.equal(as_tuple(out)[0], first)
-        # new tensors of the same layout go through the direct launch (runtime/strip_kernel.py)
         fresh = wl.inputs(*shape, dtype=torch.bfloat16, device="cuda", seed=1)
         assert_matches_reference(wl.fn, fresh, compiled(*fresh))
 
@@ -426,20 +431,4 @@ def test_generated_warp_specialised_kernel_matches_the_reference(name, shape, me
     a tile (merged: moment and online-softmax pairs in one, COMFUSE_WS_MERGE), strips of 4 and
     12 tiles; 20 more calls give the same output (the counters only grow, E arrivals a tile a
     launch); new tensors go through the direct launch."""
-    wl = SUITE[name]
-    args = wl.inputs(*shape, dtype=torch.bfloat16, device="cuda")
-    with comfuse.settings.override(autotune="0", schedule="ws_stages", ws_merge=merge), \
-            warnings.catch_warnings():
-        warnings.simplefilter("ignore", comfuse.ComfuseWarning)
-        compiled = comfuse.compile(wl.fn, args)
-        out = compiled(*args)
-        (r,) = compiled.report.regions
-        assert r.fused and r.schedule == "ws_stages", str(compiled.report)
-        assert_matches_reference(wl.fn, args, out)
-        first = as_tuple(out)[0].clone()
-        for _ in range(20):
-            out = compiled(*args)
-        torch.cuda.synchronize()
-        assert torch.equal(as_tuple(out)[0], first)
-        fresh = wl.inputs(*shape, dtype=torch.bfloat16, device="cuda", seed=1)
-        assert_matches_reference(wl.fn, fresh, compiled(*fresh))
+    forced_schedule_matches(name, shape, "ws_stages", 20, ws_merge=merge)

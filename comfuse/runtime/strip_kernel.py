@@ -3,6 +3,7 @@ with the same interface as runtime.kernel.Kernel (``launch(a3, b3, ins, outs)``)
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import torch
@@ -122,8 +123,9 @@ class LseKernel:
         from ..codegen.gluon import strip
         return str(Path(strip.__file__))
 
+    @functools.cached_property
     def helper(self):
-        """The combine's arguments and options, as a generated split kernel takes them."""
+        """The combine's arguments and options, as a generated split kernel takes them (made once)."""
         from .kernel import Kernel
         return Kernel(dataclasses.replace(self.plan, schedule="split", mainloop="pointer"), self.source,
                       self.combine_fn)
@@ -153,7 +155,7 @@ class LseKernel:
     def combine(self, a3, b3, ins, outs, ws) -> None:
         """The combine kernel alone, on a workspace as the template leaves it (runs under
         Triton's interpreter too: the CPU tests check it there)."""
-        helper = self.helper()
+        helper = self.helper
         M = a3.shape[1]
         on_cpu = a3.device.type == "cpu"
         args = helper.arguments(a3, b3, ins, outs, ws, None, 0)

@@ -32,15 +32,15 @@ import dataclasses
 import torch
 
 from ...ir import REDUCE, Op, Region, format_region
-from ..triton.emit import _literal
+from ..triton.emit import _INFIX, _literal
 
-_INFIX = {Op.ADD: "+", Op.SUB: "-", Op.MUL: "*", Op.DIV: "/", Op.EQ: "==", Op.NE: "!=", Op.LT: "<",
-          Op.LE: "<=", Op.GT: ">", Op.GE: ">=", Op.AND: "&", Op.OR: "|"}
-_CALL = {Op.ABS: "gl.abs", Op.EXP: "gl.exp", Op.LOG: "gl.log", Op.SQRT: "gl.sqrt", Op.RSQRT: "gl.rsqrt",
-         Op.ERF: "gl.erf", Op.SIN: "gl.sin", Op.COS: "gl.cos", Op.TANH: "tanh"}
-_OTHER = {Op.NEG, Op.RECIPROCAL, Op.RELU, Op.SIGMOID, Op.NOT, Op.CAST, Op.POW, Op.MAX, Op.MIN, Op.WHERE,
-          Op.ACC, Op.INPUT, Op.CONST, Op.IOTA}
-SUPPORTED = frozenset(_INFIX) | frozenset(_CALL) | _OTHER | REDUCE
+# one source: the Gluon text of each op, "{0}" its operand (binary ops: emit.py's _INFIX)
+_UNARY = {Op.ABS: "gl.abs({0})", Op.EXP: "gl.exp({0})", Op.LOG: "gl.log({0})", Op.SQRT: "gl.sqrt({0})",
+          Op.RSQRT: "gl.rsqrt({0})", Op.ERF: "gl.erf({0})", Op.SIN: "gl.sin({0})", Op.COS: "gl.cos({0})",
+          Op.TANH: "tanh({0})", Op.NEG: "-{0}", Op.RECIPROCAL: "1.0 / {0}", Op.RELU: "gl.maximum({0}, 0.0)",
+          Op.SIGMOID: "1.0 / (1.0 + gl.exp(-{0}))", Op.NOT: "{0} == 0"}
+_OTHER = {Op.CAST, Op.POW, Op.MAX, Op.MIN, Op.WHERE, Op.ACC, Op.INPUT, Op.CONST, Op.IOTA}
+SUPPORTED = frozenset(_INFIX) | frozenset(_UNARY) | _OTHER | REDUCE
 MAX_EXCHANGES = 6
 NEG_INF = 'float("-inf")'
 MAX_STATS = 16
@@ -204,18 +204,8 @@ class _Writer:
             return "col[None, :]" if node.arg == "N" else "row[:, None]"
         if op in _INFIX:
             return f"{x[0]} {_INFIX[op]} {x[1]}"
-        if op in _CALL:
-            return f"{_CALL[op]}({x[0]})"
-        if op is Op.NEG:
-            return f"-{x[0]}"
-        if op is Op.RECIPROCAL:
-            return f"1.0 / {x[0]}"
-        if op is Op.RELU:
-            return f"gl.maximum({x[0]}, 0.0)"
-        if op is Op.SIGMOID:
-            return f"1.0 / (1.0 + gl.exp(-{x[0]}))"
-        if op is Op.NOT:
-            return f"{x[0]} == 0"
+        if op in _UNARY:
+            return _UNARY[op].format(x[0])
         if op is Op.CAST:
             src = self.region.nodes[node.src[0]]
             return x[0] if src.dtype.is_floating_point else f"{x[0]}.to(gl.float32)"

@@ -155,6 +155,12 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (max(n, 1) - 1).bit_length())
 
 
+def _split_constexprs(p: Plan) -> tuple:
+    """The constexprs of a split plan's kernels and of a ws_split plan's combine."""
+    return (("BLOCK_M", p.block_m), ("BLOCK_N", p.block_n), ("BLOCK_K", p.block_k), ("GROUP_M", p.group_m),
+            ("CHUNKS_POW2", _pow2(p.chunks)))
+
+
 def _shape_of(axes) -> str:
     if "M" in axes and "N" in axes:
         return "(BLOCK_M, BLOCK_N)"
@@ -982,8 +988,7 @@ class _Emitter:
         self.region = original
         header = module_header(f"comfuse kernels {self.name} and {self.name}_combine: {p.describe()}",
                                format_region(original))
-        constexprs = (("BLOCK_M", p.block_m), ("BLOCK_N", p.block_n), ("BLOCK_K", p.block_k),
-                      ("GROUP_M", p.group_m), ("CHUNKS_POW2", _pow2(p.chunks)))
+        constexprs = _split_constexprs(p)
         return KernelSource(self.name, header + first + "\n\n\n" + second + "\n", tuple(self.params),
                             constexprs, p.num_warps, p.num_stages)
 
@@ -1049,8 +1054,7 @@ class _Emitter:
         self.region = original
         header = module_header(f"comfuse kernel {self.name}_combine, the combine of {title}",
                                format_region(original))
-        constexprs = (("BLOCK_M", p.block_m), ("BLOCK_N", p.block_n), ("BLOCK_K", p.block_k),
-                      ("GROUP_M", p.group_m), ("CHUNKS_POW2", _pow2(p.chunks)))
+        constexprs = _split_constexprs(p)
         return KernelSource(self.name, header + text + "\n", tuple(self.params), constexprs, 4, 1)
 
     def stage_title(self, stage) -> str:
