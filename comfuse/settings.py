@@ -61,12 +61,14 @@ class Settings:
     # COMFUSE_OVERLAP=1: cooperative plans wait for a strip's first exchange behind the next
     # strip's mainloop (experimental: not among the autotuner's candidates until timed).
     overlap: bool
-    # COMFUSE_WS_MERGE=1: ws_stages plans (the generated Gluon kernel) merge a row's sum with
-    # its sum of squared deviations (Chan) and a max with its sum of exp(x - max) (online) into
-    # one exchange each, and keep an exchange's value in the hand-off buffer where the later
-    # passes need nothing else of the tile (experimental: not among the autotuner's candidates
-    # until run on a GPU).
+    # COMFUSE_WS_MERGE (default 1): ws_stages plans (the generated Gluon kernel) merge a row's
+    # sum with its sum of squared deviations (Chan) and a max with its sum of exp(x - max)
+    # (online) into one exchange each, and keep an exchange's value in the hand-off buffer
+    # where the later passes need nothing else of the tile; 0: one exchange per stage.
     ws_merge: bool
+    # COMFUSE_WS_LANES: lanes of a warp along a row of a ws_stages epilogue's chunks, 32 or 8
+    # (0, the default: autotuning times both; the planner's own choice is 32).
+    ws_lanes: int
     # COMFUSE_AUTOTUNE: "auto" (time the candidate plans and the unfused ops on the first
     # call on a GPU, keep the fastest, remember it on disk), "1" (also under the
     # interpreter, for tests), "0" (use the planner's choice).
@@ -105,7 +107,8 @@ class Settings:
     graph_check: str
 
 
-CODEGEN_SETTINGS = ("row_budget", "schedule", "mainloop", "prefetch", "overlap", "persistent", "ws_merge")
+CODEGEN_SETTINGS = ("row_budget", "schedule", "mainloop", "prefetch", "overlap", "persistent", "ws_merge",
+                    "ws_lanes")
 
 _overrides: dict[str, object] = {}
 
@@ -114,7 +117,8 @@ _ENV_NAMES = ("COMFUSE_STRICT", "COMFUSE_DISABLE", "COMFUSE_CACHE_DIR", "XDG_CAC
               "COMFUSE_ROW_BUDGET", "COMFUSE_MAX_SPECIALIZATIONS", "COMFUSE_CHECK", "COMFUSE_SCHEDULE",
               "COMFUSE_AUTOTUNE", "COMFUSE_MAINLOOP", "COMFUSE_FUEL", "COMFUSE_PREFETCH",
               "COMFUSE_UNFUSED_MODE", "COMFUSE_OVERLAP", "COMFUSE_PERSISTENT", "COMFUSE_TUNE_TIMING",
-              "COMFUSE_GRAD_COMPILE", "COMFUSE_VALIDATE", "COMFUSE_GRAPH_CHECK", "COMFUSE_WS_MERGE")
+              "COMFUSE_GRAD_COMPILE", "COMFUSE_VALIDATE", "COMFUSE_GRAPH_CHECK", "COMFUSE_WS_MERGE",
+              "COMFUSE_WS_LANES")
 _ENV_KEYS = tuple(os.environ.encodekey(n) if hasattr(os.environ, "encodekey") else n for n in _ENV_NAMES)
 _memo: dict[tuple, Settings] = {}
 
@@ -151,7 +155,8 @@ def _read() -> Settings:
         mainloop=os.environ.get("COMFUSE_MAINLOOP", ""),
         prefetch=_flag("COMFUSE_PREFETCH", False),
         overlap=_flag("COMFUSE_OVERLAP", False),
-        ws_merge=_flag("COMFUSE_WS_MERGE", False),
+        ws_merge=_flag("COMFUSE_WS_MERGE", True),
+        ws_lanes=_int("COMFUSE_WS_LANES", 0),
         persistent=_flag("COMFUSE_PERSISTENT", False),
         fuel=_int("COMFUSE_FUEL", -1),
         unfused_mode=os.environ.get("COMFUSE_UNFUSED_MODE", "best"),

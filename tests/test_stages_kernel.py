@@ -2,6 +2,7 @@
 regions the generator takes, how the planner offers it, and that its kernels compile for
 sm_90. Gluon does not run in Triton's CPU interpreter, so results are checked on the H200
 (tests/test_gpu.py)."""
+import dataclasses
 import textwrap
 
 import pytest
@@ -40,7 +41,8 @@ def test_the_generator_takes_the_suites_row_reductions(name, exchanges):
     assert not isinstance(p, NotFused), p.reason
     assert p.schedule == "ws_stages" and p.exchanges == exchanges and p.tiles_n == 4
     assert f"exchange per-row partials {exchanges} time(s)" in p.describe()
-    assert p in candidates(p.region, target="cuda")
+    with settings.override(ws_merge=False):  # (by default autotuning offers the merged plan)
+        assert p in candidates(p.region, target="cuda")
 
 
 def test_the_generator_refuses_with_the_reason():
@@ -69,7 +71,22 @@ def test_the_generated_kernel_reads_as_its_stages():
     assert [f"# ---- exchange {e}:" in text for e in range(4)] == [True] * 4
     assert "# ---- the outputs, each written once ----" in text
     assert text.count("gl.store(out") == len(p.region.outputs)
-    assert "tanh(" in text and "%8 tanh" in text
+    assert "tanh_fast(" in text and "%8 tanh" in text
+    # the special-function unit's exp and tanh; softmax's division by the row's sum as one
+    # reciprocal a row and a multiply per element
+    assert "gl.exp(" not in text and "= exp_fast(v3)" in text and "v4 * (1.0 / v5)" in text
+
+
+def test_every_constexpr_of_the_generated_kernel_is_given_at_launch():
+    """The direct launcher (runtime.kernel.launch_direct) takes the kernel's constexprs from
+    the options; one left to its default would send every call through the JIT's binding."""
+    from comfuse.runtime import stages_kernel
+    for lanes in (32, 8):
+        p = dataclasses.replace(suite_plan("multi_stage", N=4096, merge=True), lanes=lanes)
+        k = stages_kernel.build(p, f"k_constexprs_{lanes}")
+        given = 2 + len(p.region.inputs) + len(p.region.outputs) + 6  # a, b, tensors, ws, counters, M, N, K, trace
+        options = k.options(4096)
+        assert set(k.fn.arg_names[given:]) <= set(options) and options["LANES_N"] == lanes
 
 
 def test_generated_kernels_compile_for_sm90():
@@ -130,10 +147,9 @@ def test_explain_lists_what_the_warp_specialised_kernels_would_take():
                                                     ("softmax", 1, ["lse"]), ("mblr", 1, ["moments"]),
                                                     ("rmsnorm", 1, [])])
 def test_merged_exchanges_halve_the_strip_waits(name, exchanges, kinds):
-    """COMFUSE_WS_MERGE=1 (experimental): a sum and its sum of squared deviations share one
-    exchange (tile moments, Chan), and so do a max and its sum of exp(x - max) (online); the
-    default plan keeps one exchange per stage, and autotuning offers the merged one only
-    with the setting."""
+    """A sum and its sum of squared deviations share one exchange (tile moments, Chan), and so
+    do a max and its sum of exp(x - max) (online); autotuning offers the merged plan unless
+    COMFUSE_WS_MERGE=0, which keeps one exchange per stage."""
     p = suite_plan(name, merge=True)
     assert p.exchanges == exchanges and sorted(k for k, _, _ in p.moments) == sorted(kinds)
     if kinds:
@@ -144,11 +160,12 @@ def test_merged_exchanges_halve_the_strip_waits(name, exchanges, kinds):
         if name != "softmax":  # the exchange's value is kept in the buffer for the later passes
             assert "kept in the hand-off buffer" in text
         if name == "multi_stage":  # tanh(v) * softmax(v) computed once, in the pass that keeps it
-            assert text.count("= tanh(") == 1
+            assert text.count("= tanh_fast(") == 1
         if name == "ln_postnorm":  # the residual read once
             assert text.count("gl.load(in1_ptr + row[:, None] * N") == 1
         plain = suite_plan(name)
         assert plain.exchanges > exchanges and not plain.moments
-        assert not [q for q in candidates(plain.region, target="cuda") if q.schedule == "ws_stages" and q.moments]
-        with settings.override(ws_merge=True):
-            assert [q for q in candidates(plain.region, target="cuda") if q.schedule == "ws_stages" and q.moments]
+        assert [q for q in candidates(plain.region, target="cuda") if q.schedule == "ws_stages" and q.moments]
+        with settings.override(ws_merge=False):
+            offered = [q for q in candidates(plain.region, target="cuda") if q.schedule == "ws_stages"]
+            assert offered and not [q for q in offered if q.moments]

@@ -51,6 +51,10 @@ class Plan:
     # ws_stages: the merged exchanges, ((kind, first, second), ...) (codegen/gluon/stages.merge_pairs)
     persistent: bool = False  # tile, TMA: one program per SM walks the tiles, its tile and K loops fused by Triton
     template: object = None  # ws_strip: the planner.template.StripTemplate the region matched
+    # ws_stages: lanes of a warp along a row of the epilogue's chunks (a row reduction takes
+    # log2(lanes) shuffles); 32 or 8 (H200, 2026-12-01: 8 halves multi-stage's epilogue, 32
+    # suits LayerNorm's [M, N] reads and writes)
+    lanes: int = 32
 
     def describe(self) -> str:
         if self.schedule == "ws_stages":
@@ -60,7 +64,7 @@ class Plan:
                     f"the epilogue in 4 warps of its own beside the next tile's mainloop; {self.tiles_n} tiles per row "
                     f"strip exchange per-row partials {self.exchanges} time(s)"
                     f"{' (' + ', '.join(k for k, _, _ in self.moments) + ' pairs merged)' if self.moments else ''}"
-                    f", then write each output once")
+                    f", then write each output once; {self.lanes} lanes a row")
         if self.schedule == "ws_split":
             return (f"ws_split: warp-specialised Gluon template computing the {self.template.describe()}; "
                     f"persistent grid of {self.block_m}x{self.block_n}x{self.block_k} tiles in grouped order, TMA "
@@ -310,7 +314,7 @@ def plan(region: Region, target: str = "cuda", settings=None, sm_count: int = 13
         return lse_template_plan(region, transposed, stages, tuple(forms), target)
     if forced == "ws_stages":
         return stages_template_plan(region, transposed, stages, tuple(forms), target, sm_count,
-                                    merge=settings.ws_merge)
+                                    merge=settings.ws_merge, lanes=settings.ws_lanes or 32)
     if forced in TEMPLATE_SCHEDULES:
         return strip_template_plan(region, transposed, stages, tuple(forms), target, sm_count,
                                    prefetch=settings.prefetch)
@@ -391,9 +395,10 @@ def lse_template_plan(region: Region, transposed: bool, stages, forms: tuple, ta
 
 
 def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple, target: str,
-                         sm_count: int, merge: bool = False) -> Plan | NotFused:
+                         sm_count: int, merge: bool = False, lanes: int = 32) -> Plan | NotFused:
     """The ws_stages plan for ``region`` (row form), or why the generated Gluon kernel does
-    not apply; ``merge``: moment and online-softmax pairs share an exchange (COMFUSE_WS_MERGE)."""
+    not apply; ``merge``: moment and online-softmax pairs share an exchange (COMFUSE_WS_MERGE, on
+    by default)."""
     from ..codegen.gluon.stages import blocker, layout_of, merge_pairs
     from .template import fits
 
@@ -401,6 +406,8 @@ def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple,
         return NotFused(f"ws_stages: {why}", forms)
     if target != "cuda":
         return no("Gluon kernels do not run in Triton's interpreter (sm_90 GPUs only)")
+    if lanes not in (32, 8):
+        return no(f"COMFUSE_WS_LANES={lanes}: the epilogue lays a row over 32 or 8 lanes")
     if transposed:
         return no("the kernel reduces along N only")
     g, s = region.gemm, region.sizes
@@ -416,7 +423,7 @@ def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple,
         return no(f"a strip of {tiles} tiles cannot be resident at once on {sm_count} SMs")
     pairs = merge_pairs(region) if merge else ()
     return Plan(region, False, "ws_stages", stages, 128, 256, 64, 8, 8, 3, forms, tiles_n=tiles, mainloop="tma",
-                persistent=True, exchanges=len(layout_of(stages, pairs).exchanges), moments=pairs)
+                persistent=True, exchanges=len(layout_of(stages, pairs).exchanges), moments=pairs, lanes=lanes)
 
 
 def template_offers(region: Region, sm_count: int = 132) -> list:
@@ -508,14 +515,12 @@ def candidates(region: Region, target: str = "cuda", settings=None, sm_count: in
             out.append(ws)
             if ws.template.residual is not None:  # residual by TMA during the mainloop, or after it
                 out.append(dataclasses.replace(ws, prefetch=True))
-        gen = stages_template_plan(first.region, first.transposed, first.stages, first.forms, target, sm_count)
-        if isinstance(gen, Plan):  # the generated warp-specialised kernel
-            out.append(gen)
-            if settings.ws_merge:  # (experimental: merged exchanges, not yet run on a GPU)
-                merged = stages_template_plan(first.region, first.transposed, first.stages, first.forms, target,
-                                              sm_count, merge=True)
-                if isinstance(merged, Plan) and merged.moments:
-                    out.append(merged)
+        # the generated warp-specialised kernel, its exchanges merged unless COMFUSE_WS_MERGE=0
+        # (H200, 2026-12-01: LayerNorm 8192x4096x4096 1.049x cuBLAS's GEMM merged, 1.112x not)
+        gen = stages_template_plan(first.region, first.transposed, first.stages, first.forms, target, sm_count,
+                                   merge=settings.ws_merge, lanes=settings.ws_lanes or 32)
+        if isinstance(gen, Plan):  # both row layouts of its epilogue, unless COMFUSE_WS_LANES names one
+            out += [gen] if settings.ws_lanes else [gen, dataclasses.replace(gen, lanes=8)]
         if first.schedule == "split":  # a loss over wide rows: the template's terminal kind
             lse = lse_template_plan(first.region, first.transposed, first.stages, first.forms, target)
             if isinstance(lse, Plan):

@@ -91,12 +91,47 @@ class StagesKernel:
         if N // strip.BN > _sm_count(dev):
             raise UnsupportedLayout(f"ws_stages: a strip of {N // strip.BN} tiles cannot be resident at once")
         args = self.arguments(tensors, ws, counters)
-        grid = (min(_sm_count(dev), (M // strip.BM) * (N // strip.BN)), )
-        options = dict(B_KMAJOR=self.plan.region.gemm.b.major == "K", BN=strip.BN, TILES_N=N // strip.BN,
-                       TILES_P2=strip._pow2(N // strip.BN), STAGES=3, CHUNK=CHUNK, EPI_WARPS=4, EPI_REGS=152,
-                       num_warps=8, maxnreg=168)
+        grid, options = self.grid_options(dev, M, N)
         fresh = len(tensors)
         return (*launch_direct(self.fn, grid, args, options, set(range(fresh))), fresh)
+
+    def grid_options(self, dev, M: int, N: int):
+        from ..codegen.gluon import strip
+        return (min(_sm_count(dev), (M // strip.BM) * (N // strip.BN)), ), self.options(N)
+
+    def options(self, N: int) -> dict:
+        """Every constexpr of the generated kernel (launch_direct's own launcher takes them
+        all; a missing one sends each call through the JIT's binding) and the launch options."""
+        from ..codegen.gluon import strip
+        return dict(B_KMAJOR=self.plan.region.gemm.b.major == "K", BN=strip.BN, TILES_N=N // strip.BN,
+                    TILES_P2=strip._pow2(N // strip.BN), STAGES=3, CHUNK=CHUNK, EPI_WARPS=4, EPI_REGS=152,
+                    LANES_N=self.plan.lanes, TRACE=False, num_warps=8, maxnreg=168)
+
+    def trace(self, a3, b3, ins, outs):
+        """One launch through Triton's JIT with the kernel's timers on: (trace, grid, tiles),
+        trace[program, n, slot] the global timer (ns) at each mark of its n-th tile. Slots 0-3:
+        the mainloop partition (tile start, last MMA done, buffer free, hand-off); 4: the
+        epilogue has the tile; 5 + 2e / 6 + 2e: exchange e's partials published / its wait
+        over; 5 + 2E: the outputs written (E exchanges, at most 5 here)."""
+        from ..codegen.gluon import stages, strip
+        tensors = self.tensors(a3, b3, ins, outs)
+        self.launch(a3, b3, ins, outs)  # scratch, checks, and the counters in step
+        a, b = tensors[:2]
+        M = a.shape[0]
+        N = b.shape[0] if self.plan.region.gemm.b.major == "K" else b.shape[1]
+        if len(stages.layout_of(self.plan.stages, self.plan.moments).exchanges) > 5:
+            raise ValueError("ws_stages trace: more than 5 exchanges do not fit 16 timer slots a tile")
+        ws, counters = self._scratch[(str(a.device), M, N)]
+        grid, options = self.grid_options(a.device, M, N)
+        tiles = (M // strip.BM) * (N // strip.BN)
+        if -(-tiles // grid[0]) > 64:
+            raise ValueError("ws_stages trace: more than 64 tiles a program")
+        buf = torch.zeros(grid[0], 64, 16, dtype=torch.int64, device=a.device)
+        args = self.arguments(tensors, ws, counters)
+        args[-1] = buf
+        self.fn[grid](*args, **dict(options, TRACE=True))
+        torch.cuda.synchronize(a.device)
+        return buf, grid[0], tiles
 
 
 def source_text(plan: Plan, name: str) -> str:
@@ -136,7 +171,7 @@ def compile_sm90(plan: Plan, name: str = "", chunk: int = CHUNK):
     sig.update({"ws_ptr": "*fp32", "counter_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "trace_ptr": "*i32"})
     tiles = plan.region.sizes.N // strip.BN
     constexprs = dict(B_KMAJOR=kmajor, BN=strip.BN, TILES_N=tiles, TILES_P2=strip._pow2(tiles), STAGES=3,
-                      CHUNK=chunk, EPI_WARPS=4, EPI_REGS=152, num_warps=8)
+                      CHUNK=chunk, EPI_WARPS=4, EPI_REGS=152, LANES_N=plan.lanes, num_warps=8)
     sig.update({k: "constexpr" for k in constexprs})
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(2, len(sig) - len(constexprs))}
     return triton.compile(GluonASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),

@@ -35,10 +35,10 @@ from ...ir import REDUCE, Op, Region, format_region
 from ..triton.emit import _INFIX, _literal
 
 # one source: the Gluon text of each op, "{0}" its operand (binary ops: emit.py's _INFIX)
-_UNARY = {Op.ABS: "gl.abs({0})", Op.EXP: "gl.exp({0})", Op.LOG: "gl.log({0})", Op.SQRT: "gl.sqrt({0})",
+_UNARY = {Op.ABS: "gl.abs({0})", Op.EXP: "exp_fast({0})", Op.LOG: "gl.log({0})", Op.SQRT: "gl.sqrt({0})",
           Op.RSQRT: "gl.rsqrt({0})", Op.ERF: "gl.erf({0})", Op.SIN: "gl.sin({0})", Op.COS: "gl.cos({0})",
-          Op.TANH: "tanh({0})", Op.NEG: "-{0}", Op.RECIPROCAL: "1.0 / {0}", Op.RELU: "gl.maximum({0}, 0.0)",
-          Op.SIGMOID: "1.0 / (1.0 + gl.exp(-{0}))", Op.NOT: "{0} == 0"}
+          Op.TANH: "tanh_fast({0})", Op.NEG: "-{0}", Op.RECIPROCAL: "1.0 / {0}", Op.RELU: "gl.maximum({0}, 0.0)",
+          Op.SIGMOID: "1.0 / (1.0 + exp_fast(-{0}))", Op.NOT: "{0} == 0"}
 _OTHER = {Op.CAST, Op.POW, Op.MAX, Op.MIN, Op.WHERE, Op.ACC, Op.INPUT, Op.CONST, Op.IOTA}
 SUPPORTED = frozenset(_INFIX) | frozenset(_UNARY) | _OTHER | REDUCE
 MAX_EXCHANGES = 6
@@ -202,6 +202,10 @@ class _Writer:
             return _literal(node.arg)
         if op is Op.IOTA:
             return "col[None, :]" if node.arg == "N" else "row[:, None]"
+        if op is Op.DIV and node.axes == frozenset("MN") and self.region.nodes[node.src[1]].axes != node.axes:
+            # a tile over a per-row (or per-column, or constant) value: its reciprocal once per
+            # row, then one multiply per element, where a division is five instructions
+            return f"{x[0]} * (1.0 / {x[1]})"
         if op in _INFIX:
             return f"{x[0]} {_INFIX[op]} {x[1]}"
         if op in _UNARY:
@@ -254,11 +258,13 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
     E = len(lay.exchanges)
     L = w.line
     L("@gluon.jit", 0)
-    L(f"def {name}_epilogue(tile_smem, stat_smem, tile_ready, tile_free, {ptrs}, ws_ptr, counter_ptr, num_tiles,", 0)
+    L(f"def {name}_epilogue(tile_smem, stat_smem, tile_ready, tile_free, {ptrs}, ws_ptr, counter_ptr, trace_ptr,", 0)
+    L("num_tiles, TRACE: gl.constexpr,", 8)
     L("M, N, TILES_N: gl.constexpr, TILES_P2: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,", 8)
-    L("CHUNK: gl.constexpr, EPI_WARPS: gl.constexpr):", 8)
+    L("CHUNK: gl.constexpr, EPI_WARPS: gl.constexpr, LANES_N: gl.constexpr):", 8)
     L(f'"""The epilogue: {E} exchange(s), then the outputs (see the module docstring)."""', 1)
-    L("layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [EPI_WARPS, 1], [1, 0])", 1)
+    # LANES_N lanes of a warp share a row: a row's reduction takes log2(LANES_N) shuffles
+    L("layout: gl.constexpr = gl.BlockedLayout([1, BN // LANES_N], [32 // LANES_N, LANES_N], [EPI_WARPS, 1], [1, 0])", 1)
     L("row_l: gl.constexpr = gl.SliceLayout(1, layout)", 1)
     L("rows = gl.arange(0, CHUNK, layout=row_l)", 1)
     L("cols = gl.arange(0, BN, layout=gl.SliceLayout(0, layout))", 1)
@@ -275,6 +281,7 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
         if inp.axes == frozenset("N"):
             L(f"vec{j} = gl.load(in{j}_ptr + col).to(gl.float32)  # {inp.name}", 2)
     L("mbarrier.wait(tile_ready, n & 1)", 2)
+    L("_mark(trace_ptr, n, 4, TRACE)", 2)
     for e, reds in enumerate(lay.exchanges):
         L(f"# ---- exchange {e}: {', '.join(f'%{r} {region.nodes[r].op.value}' for r in reds)} ----", 2)
         L("for c in gl.static_range(BM // CHUNK):", 2)
@@ -298,7 +305,7 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
                 kind, r1 = lay.second[r]
                 x = w.ref(region.nodes[r1].src[0])
                 if kind == "lse":
-                    L(f"gl.store({slot}, gl.sum(gl.exp({x} - gl.max({x}, axis=1)[:, None]), axis=1))  # %{r} "
+                    L(f"gl.store({slot}, gl.sum(exp_fast({x} - gl.max({x}, axis=1)[:, None]), axis=1))  # %{r} "
                       f"(online, with %{r1})", 3)
                 else:
                     L(f"dev = {x} - (gl.sum({x}, axis=1) / BN)[:, None]", 3)
@@ -310,11 +317,13 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
                 src = f"(gl.full([CHUNK, BN], 0.0, gl.float32, layout) + {src})"
             L(f"gl.store({slot}, {red}({src}, axis=1))", 3)
         L("gl.thread_barrier()  # every warp has published its partials", 2)
+        L(f"_mark(trace_ptr, n, {5 + 2 * e}, TRACE)", 2)
         L("old = gl.atomic_add(counter_ptr + strip, 1, sem=\"acq_rel\", scope=\"gpu\")", 2)
         L("target = (old // TILES_N + 1) * TILES_N", 2)
         L("seen = gl.atomic_add(counter_ptr + strip, 0, sem=\"acquire\", scope=\"gpu\")", 2)
         L("while seen < target:", 2)
         L("seen = gl.atomic_add(counter_ptr + strip, 0, sem=\"acquire\", scope=\"gpu\")", 3)
+        L(f"_mark(trace_ptr, n, {6 + 2 * e}, TRACE)", 2)
         L("gl.thread_barrier()", 2)
         for wi, r in enumerate(reds):
             op = region.nodes[r].op
@@ -326,7 +335,7 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
                 if kind == "lse":  # sum_t s_t exp(m_t - m)
                     L(f"tile_m = {partials(e, w1, NEG_INF)}", 2)
                     L("row_m = gl.max(tile_m, axis=0)", 2)
-                    L(f"scaled = gl.where(pmask, {partials(e, wi, '0.0')} * gl.exp(tile_m - row_m[None, :]), 0.0)", 2)
+                    L(f"scaled = gl.where(pmask, {partials(e, wi, '0.0')} * exp_fast(tile_m - row_m[None, :]), 0.0)", 2)
                 else:  # Chan: sum_t M2_t + BN (mean_t - mean)^2
                     L(f"tile_sum = {partials(e, w1, '0.0')}", 2)
                     L("dm = gl.where(pmask, tile_sum / BN - (gl.sum(tile_sum, axis=0) / N)[None, :], 0.0)", 2)
@@ -361,6 +370,7 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
                 L(f"gl.store(out{k}_ptr + row, gl.max(gl.full([CHUNK, BN], 0.0, gl.float32, layout) + {w.ref(o.node)}, "
                   f"axis=1).to(out{k}_ptr.dtype.element_ty))  # {o.name}", 4)
     L("gl.thread_barrier()  # every warp has read the tile", 2)
+    L(f"_mark(trace_ptr, n, {5 + 2 * E}, TRACE)", 2)
     L("mbarrier.arrive(tile_free)", 2)
     L("n += 1", 2)
     L("", 0)
@@ -369,7 +379,7 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
     L(f"def {name}(a_desc, b_desc, {ptrs}, ws_ptr, counter_ptr, M, N, K, trace_ptr,", 0)
     L("B_KMAJOR: gl.constexpr, BN: gl.constexpr, TILES_N: gl.constexpr, TILES_P2: gl.constexpr,", 4)
     L("STAGES: gl.constexpr, CHUNK: gl.constexpr, EPI_WARPS: gl.constexpr, EPI_REGS: gl.constexpr,", 4)
-    L("num_warps: gl.constexpr):", 4)
+    L("num_warps: gl.constexpr, LANES_N: gl.constexpr = 32, TRACE: gl.constexpr = False):", 4)
     L(f'"""{describe}"""', 1)
     L("BM: gl.constexpr = a_desc.block_type.shape[0]", 1)
     L("BK: gl.constexpr = a_desc.block_type.shape[1]", 1)
@@ -390,9 +400,9 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
     L("k_steps = gl.cdiv(K, BK)", 1)
     L("gl.warp_specialize([", 1)
     L("(_mma_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, tile_smem, tile_ready, tile_free, num_tiles,", 2)
-    L("k_steps, trace_ptr, False, 0, B_KMAJOR, TILES_N, 0, BM, BN, BK, num_warps)),", 5)
-    L(f"({name}_epilogue, (tile_smem, stat_smem, tile_ready, tile_free, {ptrs}, ws_ptr, counter_ptr,", 2)
-    L("num_tiles, M, N, TILES_N, TILES_P2, BM, BN, CHUNK, EPI_WARPS)),", 5)
+    L("k_steps, trace_ptr, TRACE, 0, B_KMAJOR, TILES_N, 0, BM, BN, BK, num_warps)),", 5)
+    L(f"({name}_epilogue, (tile_smem, stat_smem, tile_ready, tile_free, {ptrs}, ws_ptr, counter_ptr, trace_ptr,", 2)
+    L("num_tiles, TRACE, M, N, TILES_N, TILES_P2, BM, BN, CHUNK, EPI_WARPS, LANES_N)),", 5)
     L("], [EPI_WARPS], [EPI_REGS])", 1)
     header = "\n".join([
         f'"""comfuse kernel {name}: {describe}', "",
@@ -402,7 +412,7 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
         "from triton.experimental.gluon import language as gl",
         "from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier",
         "",
-        "from comfuse.codegen.gluon.strip import TILE_LAYOUT, _mma_partition, tanh",
+        "from comfuse.codegen.gluon.strip import TILE_LAYOUT, _mark, _mma_partition, exp_fast, tanh_fast",
         "", "", ""])
     return header + "\n".join(w.lines) + "\n"
 

@@ -1,0 +1,160 @@
+"""Where a ws_stages kernel's time goes (the Gluon kernel generated from a region's stages,
+codegen/gluon/stages.py): one launch with its timers on, per phase the median over tiles,
+for each way of laying a chunk's rows over a warp's lanes (LANES_N: 32 lanes a row, five
+shuffles a row reduction; 8 lanes, three) and of sizing the persistent grid (one program per
+SM, or a multiple of the strip's tiles, so that no strip straddles two rounds).
+
+Each form's output is checked against float64 before it is timed.
+
+    python scripts/stages_trace.py [--only multi_stage,ln_postnorm] [--shapes 8192x4096x4096]
+
+A short table is printed last (graph replays, interleaved rounds, x cuBLAS ``x @ w``).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("TRITON_INTERPRET", "0")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+import comfuse  # noqa: E402
+from comfuse.bench.timing import graph_rounds, print_ratio_table, ratio_rows  # noqa: E402
+from comfuse.bench.workloads import SUITE  # noqa: E402
+from comfuse.ir import canonical_shape  # noqa: E402
+from comfuse.codegen.gluon import stages  # noqa: E402
+from comfuse.runtime import kernel as kernel_mod, stages_kernel  # noqa: E402
+from comfuse.runtime.compiled import FusedRegion  # noqa: E402
+
+
+def fused_regions(obj) -> list:
+    found, todo, seen = [], [obj], set()
+    while todo:
+        o = todo.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, FusedRegion):
+            found.append(o)
+        elif isinstance(o, torch.nn.Module):
+            todo += list(o.children())
+        elif isinstance(o, dict):
+            todo += list(o.values())
+        elif isinstance(o, (list, tuple)):
+            todo += list(o)
+        elif hasattr(o, "__dict__") and not isinstance(o, type) and o.__class__.__module__.startswith("comfuse"):
+            todo += list(vars(o).values())
+    return found
+
+
+def phases(E: int) -> list:
+    out = [("MMA: mainloop (K loop)", 0, 1), ("MMA: wait for the buffer", 1, 2), ("MMA: hand-off", 2, 3),
+           ("epilogue: hand-off -> has the tile", 3, 4)]
+    prev = 4
+    for e in range(E):
+        out += [(f"epilogue: pass {e} (partials of exchange {e})", prev, 5 + 2 * e),
+                (f"epilogue: wait at exchange {e}", 5 + 2 * e, 6 + 2 * e)]
+        prev = 6 + 2 * e
+    out += [("epilogue: output pass", prev, 5 + 2 * E), ("epilogue: whole tile", 4, 5 + 2 * E)]
+    return out
+
+
+def timeline(trace, grid: int, tiles: int, E: int) -> str:
+    t = trace[:grid].double()
+    valid = torch.zeros(grid, 64, dtype=torch.bool, device=t.device)
+    for p in range(grid):
+        valid[p, :len(range(p, tiles, grid))] = True
+    lines = []
+    for name, a, b in phases(E):
+        d = ((t[..., b] - t[..., a]) / 1e3)[valid]
+        lines.append(f"    {name:44s} median {d.median().item():8.2f} us, max {d.max().item():8.2f}")
+    start, end = t[..., 0][valid].min(), t[..., 5 + 2 * E][valid].max()
+    last_mma = t[..., 1][valid].max()
+    lines.append(f"    span {(end - start).item() / 1e3:.2f} us, after the last mainloop "
+                 f"{(end - last_mma).item() / 1e3:.2f} us")
+    return "\n".join(lines)
+
+
+def variant_of(spec: str):
+    """(label, COMFUSE_WS_LANES, grid_options) for a variant "LANES[a]": the epilogue's rows
+    over LANES lanes of a warp; "a": the grid a multiple of the strip's tiles (every strip in
+    one round of the persistent loop), not one program per SM."""
+    lanes, aligned = int(spec.rstrip("a")), spec.endswith("a")
+
+    def grid_options(self, dev, M, N, _orig=stages_kernel.StagesKernel.grid_options):
+        grid, options = _orig(self, dev, M, N)
+        if aligned:
+            grid = ((grid[0] // (N // 256)) * (N // 256), )
+        return grid, options
+    label = f"{lanes} lanes a row" + (", grid a strip multiple" if aligned else "")
+    return label, lanes, grid_options
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="multi_stage,ln_postnorm")
+    ap.add_argument("--shapes", default="8192x4096x4096,8192x1024x1024", help="MxKxN, comma-separated")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--variants", default="32,8,32a,8a",
+                    help="LANES_N (lanes of a warp along a row), 'a': the grid a multiple of the strip")
+    args = ap.parse_args()
+    args.variants = args.variants.split(",")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"{torch.cuda.get_device_properties(0).multi_processor_count} SMs", flush=True)
+    table = []
+    orig = stages_kernel.StagesKernel.grid_options
+    for name in args.only.split(","):
+        wl = SUITE[name]
+        for shape in args.shapes.split(","):
+            M, K, N = (int(v) for v in shape.split("x"))
+            label = f"{name} {M}x{K}x{N}"
+            print(label, flush=True)
+            xs = wl.inputs(M, K, N, dtype=torch.bfloat16, device="cuda")
+            ref = wl.fn(*[t.double() if t.is_floating_point() else t for t in xs])
+            forms = {"cuBLAS GEMM": lambda xs=xs: xs[0] @ xs[1]}
+            for variant, lanes, grid_fn in [variant_of(v) for v in args.variants]:
+                stages_kernel.StagesKernel.grid_options = grid_fn
+                # kernels are shared by name across compiled functions, and with them the launcher
+                # bound at their first call (grid included): each variant builds its own
+                kernel_mod._kernels.clear()
+                try:
+                    with comfuse.settings.override(autotune="0", schedule="ws_stages", strict=True, ws_lanes=lanes), warnings.catch_warnings():
+                        warnings.simplefilter("ignore", comfuse.ComfuseWarning)
+                        compiled = comfuse.compile(wl.fn, xs)
+                        out = compiled(*xs)
+                    (r,) = compiled.report.regions
+                    if not (r.fused and r.schedule == "ws_stages"):
+                        print(f"  {variant}: not ws_stages ({r.reason})")
+                        continue
+                    err = ((out.double() - ref).norm() / ref.norm()).item()
+                    ok = err < 2e-2
+                    print(f"  {variant}: rel err {err:.2e} {'OK' if ok else 'WRONG'}")
+                    if not ok:
+                        continue
+                    (region,) = fused_regions(compiled)
+                    k = region.kernel
+                    E = len(stages.layout_of(k.plan.stages, k.plan.moments).exchanges)
+                    a3, b3, ins = region.region_operands(xs)
+                    outs = [torch.empty(canonical_shape(k.plan.region, o.axes), dtype=o.dtype, device="cuda")
+                            for o in k.plan.region.outputs]
+                    trace, grid, tiles = k.trace(a3, b3, ins, outs)
+                    print(f"  {variant} ({grid} programs, {tiles} tiles, {E} exchange(s)) timeline:")
+                    print(timeline(trace, grid, tiles, E), flush=True)
+                    forms[f"ws_stages, {variant}"] = lambda compiled=compiled, xs=xs: compiled(*xs)
+                finally:
+                    stages_kernel.StagesKernel.grid_options = orig
+            times = graph_rounds(forms, args.rounds)
+            rows = ratio_rows(label, times, "cuBLAS GEMM")
+            for row in rows:
+                print(f"  = {row[1]}: {row[2]:.4f} ms [{row[3]:.4f}..{row[4]:.4f}] {row[5]:.3f}x GEMM", flush=True)
+            table += rows
+    print_ratio_table(table)
+
+
+if __name__ == "__main__":
+    main()
