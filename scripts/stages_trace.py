@@ -29,27 +29,6 @@ from comfuse.bench.workloads import SUITE  # noqa: E402
 from comfuse.ir import canonical_shape  # noqa: E402
 from comfuse.codegen.gluon import stages  # noqa: E402
 from comfuse.runtime import kernel as kernel_mod, stages_kernel  # noqa: E402
-from comfuse.runtime.compiled import FusedRegion  # noqa: E402
-
-
-def fused_regions(obj) -> list:
-    found, todo, seen = [], [obj], set()
-    while todo:
-        o = todo.pop()
-        if id(o) in seen:
-            continue
-        seen.add(id(o))
-        if isinstance(o, FusedRegion):
-            found.append(o)
-        elif isinstance(o, torch.nn.Module):
-            todo += list(o.children())
-        elif isinstance(o, dict):
-            todo += list(o.values())
-        elif isinstance(o, (list, tuple)):
-            todo += list(o)
-        elif hasattr(o, "__dict__") and not isinstance(o, type) and o.__class__.__module__.startswith("comfuse"):
-            todo += list(vars(o).values())
-    return found
 
 
 def phases(E: int) -> list:
@@ -81,17 +60,22 @@ def timeline(trace, grid: int, tiles: int, E: int) -> str:
 
 
 def variant_of(spec: str):
-    """(label, COMFUSE_WS_LANES, grid_options) for a variant "LANES[a]": the epilogue's rows
+    """(label, COMFUSE_WS_LANES, grid_options) for a variant "LANES[a][v]": the epilogue's rows
     over LANES lanes of a warp; "a": the grid a multiple of the strip's tiles (every strip in
-    one round of the persistent loop), not one program per SM."""
-    lanes, aligned = int(spec.rstrip("a")), spec.endswith("a")
+    one round of the persistent loop), not one program per SM; "v": each lane 8 adjacent
+    columns at a time (VEC = 8; a warp's lanes cover a row's 128 bytes at once) rather than
+    all its 256 / LANES columns adjacent."""
+    lanes, flags = int(spec.rstrip("av")), spec.lstrip("0123456789")
 
     def grid_options(self, dev, M, N, _orig=stages_kernel.StagesKernel.grid_options):
         grid, options = _orig(self, dev, M, N)
-        if aligned:
+        if "a" in flags:
             grid = ((grid[0] // (N // 256)) * (N // 256), )
+        if "v" in flags:
+            options = dict(options, VEC=8)
         return grid, options
-    label = f"{lanes} lanes a row" + (", grid a strip multiple" if aligned else "")
+    label = f"{lanes} lanes a row" + (", grid a strip multiple" if "a" in flags else "") + \
+        (", 8 adjacent columns a lane" if "v" in flags else "")
     return label, lanes, grid_options
 
 
@@ -100,8 +84,9 @@ def main() -> None:
     ap.add_argument("--only", default="multi_stage,ln_postnorm")
     ap.add_argument("--shapes", default="8192x4096x4096,8192x1024x1024", help="MxKxN, comma-separated")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--variants", default="32,8,32a,8a",
-                    help="LANES_N (lanes of a warp along a row), 'a': the grid a multiple of the strip")
+    ap.add_argument("--variants", default="32,8,8v",
+                    help="LANES_N (lanes of a warp along a row), 'a': the grid a multiple of the strip, "
+                         "'v': 8 adjacent columns a lane")
     args = ap.parse_args()
     args.variants = args.variants.split(",")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
@@ -136,7 +121,7 @@ def main() -> None:
                     print(f"  {variant}: rel err {err:.2e} {'OK' if ok else 'WRONG'}")
                     if not ok:
                         continue
-                    (region,) = fused_regions(compiled)
+                    (region,) = compiled.fused_regions()
                     k = region.kernel
                     E = len(stages.layout_of(k.plan.stages, k.plan.moments).exchanges)
                     a3, b3, ins = region.region_operands(xs)

@@ -134,28 +134,30 @@ def comfuse_forms(prog, ref, log, profile=False, out_dir=None, auto=False, sched
     return forms
 
 
-def forced_form(prog, ref, log, profile, out_dir, schedule) -> dict:
-    """{"comfuse <schedule>": callable} when comfuse with ``schedule`` forced checks out."""
+def forced_form(prog, ref, log, profile, out_dir, spec) -> dict:
+    """{"comfuse <spec>": callable} when comfuse with the schedule forced checks out; ``spec``:
+    a schedule, or "ws_stages/8": with its epilogue's rows over 8 lanes (COMFUSE_WS_LANES)."""
     forms = {}
-    with settings_mod.override(schedule=schedule, autotune="0", validate="0"):
+    schedule, _, lanes = spec.partition("/")
+    with settings_mod.override(schedule=schedule, autotune="0", validate="0", ws_lanes=int(lanes or 0)):
         fused = comfuse.compile(prog.fn, prog.args)
         out = fused(*prog.args)
         torch.cuda.synchronize()
         if prog.workload == "linear_ce":
             M, N = prog.args[0].shape[0], prog.args[1].shape[1]
-            log(f"  comfuse {schedule}: peak {peak_above(lambda: fused(*prog.args)):.1f} MB above the inputs; "
+            log(f"  comfuse {spec}: peak {peak_above(lambda: fused(*prog.args)):.1f} MB above the inputs; "
                 f"the bf16 logits would be {M * N * 2 / 2**20:.0f} MB; eager's peak "
                 f"{peak_above(lambda: prog.fn(*prog.args)):.0f} MB")
         rep = comfuse.explain(prog.fn, prog.args)
         for r in rep.regions:
             log(f"  comfuse region: fused={r.fused} schedule={r.schedule} reason={r.reason!r} plan={r.plan}")
         err = rel_err(out, ref)
-        log(f"  comfuse {schedule}: rel err {err:.2e} {'OK' if err < 2e-2 else 'WRONG'}")
+        log(f"  comfuse {spec}: rel err {err:.2e} {'OK' if err < 2e-2 else 'WRONG'}")
         total, rows = kernel_times(lambda: fused(*prog.args))
-        log(f"  comfuse {schedule} kernels ({total:.4f} ms a call):")
+        log(f"  comfuse {spec} kernels ({total:.4f} ms a call):")
         for ms, n, k in rows[:8]:
             log(f"    {ms:.4f} ms  x{n}  {k[:100]}")
-        log(f"  comfuse {schedule} host loop: {host_us(lambda: fused(*prog.args)):.1f} us a call")
+        log(f"  comfuse {spec} host loop: {host_us(lambda: fused(*prog.args)):.1f} us a call")
         if profile:  # where the host time of a call goes
             import cProfile
             import io
@@ -170,7 +172,7 @@ def forced_form(prog, ref, log, profile, out_dir, schedule) -> dict:
             pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
             (out_dir / f"profile_{prog.workload}.txt").write_text(buf.getvalue())
         if err < 2e-2:
-            forms[f"comfuse {schedule}"] = lambda: fused(*prog.args)
+            forms[f"comfuse {spec}"] = lambda: fused(*prog.args)
     return forms
 
 
@@ -184,7 +186,8 @@ def main() -> None:
     ap.add_argument("--max-autotune", action="store_true", help="also time torch.compile max-autotune-no-cudagraphs")
     ap.add_argument("--auto", action="store_true", help="also comfuse with autotuning (its choice, timed)")
     ap.add_argument("--schedules", default="ws_strip",
-                    help="comma-separated schedules to force (ws_strip, ws_stages; linear_ce always ws_split)")
+                    help="comma-separated schedules to force (ws_strip, ws_stages, ws_stages/8: its rows over 8 "
+                         "lanes; linear_ce always ws_split)")
     args = ap.parse_args()
     out_dir = Path(os.environ.get("OUT", "/tmp"))
     logf = open(out_dir / "ws_diag.log", "w")

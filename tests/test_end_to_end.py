@@ -228,6 +228,21 @@ def test_fuel_caps_the_number_of_fused_regions():
     assert "fuel" in report.regions[1].reason
 
 
+def test_fused_regions_lists_what_runs():
+    """CompiledFunction.fused_regions: the regions of the latest specialisation, each with its
+    plan and the kernel it runs (for scripts that trace or time one region)."""
+    def two(x, w1, w2):
+        return torch.relu(x @ w1), torch.softmax(x @ w2, -1)
+    args = (randn(4, 8), weight(8, 16), weight(8, 12))
+    with settings.override(fuel=1):
+        compiled = comfuse.compile(two, args)
+    (region,) = compiled.fused_regions()
+    assert region.plan.schedule == compiled.report.regions[0].schedule
+    compiled(*args)
+    assert region.kernel is not None and region.kernel.plan == region.plan
+    assert comfuse.compile(lambda x: x + 1, (randn(3), )).fused_regions() == []
+
+
 @pytest.mark.parametrize("name", ["ln_postnorm", "softmax", "linear_ce", "multi_stage"])
 def test_tma_mainloop_matches_reference(name):
     wl = SUITE[name]

@@ -625,6 +625,12 @@ class CompiledFunction:
         """The report of the most recently built specialisation."""
         return next(reversed(self._specs.values())).report
 
+    def fused_regions(self) -> list:
+        """The FusedRegion modules of the most recently built specialisation, in graph order
+        (each holds its plan, its alternatives and, once called, its kernel)."""
+        gm = next(reversed(self._specs.values())).gm
+        return [] if gm is None else [m for m in gm.modules() if isinstance(m, FusedRegion)]
+
     def __call__(self, *args, **kwargs):
         args = self._bind(args, kwargs)
         if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad

@@ -105,7 +105,7 @@ class StagesKernel:
         from ..codegen.gluon import strip
         return dict(B_KMAJOR=self.plan.region.gemm.b.major == "K", BN=strip.BN, TILES_N=N // strip.BN,
                     TILES_P2=strip._pow2(N // strip.BN), STAGES=3, CHUNK=CHUNK, EPI_WARPS=4, EPI_REGS=152,
-                    LANES_N=self.plan.lanes, TRACE=False, num_warps=8, maxnreg=168)
+                    LANES_N=self.plan.lanes, VEC=strip.BN // self.plan.lanes, TRACE=False, num_warps=8, maxnreg=168)
 
     def trace(self, a3, b3, ins, outs):
         """One launch through Triton's JIT with the kernel's timers on: (trace, grid, tiles),
@@ -146,7 +146,7 @@ def build(plan: Plan, name: str) -> StagesKernel:
     return StagesKernel(plan, source, getattr(module, name))
 
 
-def compile_sm90(plan: Plan, name: str = "", chunk: int = CHUNK):
+def compile_sm90(plan: Plan, name: str = "", chunk: int = CHUNK, vec: int = 0):
     """Compile a plan's generated kernel for sm_90 on any machine (no GPU needed), as
     ``strip.compile_sm90`` does for the template. ``name``: the module's (by default the plan's
     kernel name: a loaded module is reused by name)."""
@@ -171,7 +171,8 @@ def compile_sm90(plan: Plan, name: str = "", chunk: int = CHUNK):
     sig.update({"ws_ptr": "*fp32", "counter_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "trace_ptr": "*i32"})
     tiles = plan.region.sizes.N // strip.BN
     constexprs = dict(B_KMAJOR=kmajor, BN=strip.BN, TILES_N=tiles, TILES_P2=strip._pow2(tiles), STAGES=3,
-                      CHUNK=chunk, EPI_WARPS=4, EPI_REGS=152, LANES_N=plan.lanes, num_warps=8)
+                      CHUNK=chunk, EPI_WARPS=4, EPI_REGS=152, LANES_N=plan.lanes, VEC=vec or strip.BN // plan.lanes,
+                      num_warps=8)
     sig.update({k: "constexpr" for k in constexprs})
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(2, len(sig) - len(constexprs))}
     return triton.compile(GluonASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),

@@ -261,10 +261,11 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
     L(f"def {name}_epilogue(tile_smem, stat_smem, tile_ready, tile_free, {ptrs}, ws_ptr, counter_ptr, trace_ptr,", 0)
     L("num_tiles, TRACE: gl.constexpr,", 8)
     L("M, N, TILES_N: gl.constexpr, TILES_P2: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,", 8)
-    L("CHUNK: gl.constexpr, EPI_WARPS: gl.constexpr, LANES_N: gl.constexpr):", 8)
+    L("CHUNK: gl.constexpr, EPI_WARPS: gl.constexpr, LANES_N: gl.constexpr, VEC: gl.constexpr):", 8)
     L(f'"""The epilogue: {E} exchange(s), then the outputs (see the module docstring)."""', 1)
-    # LANES_N lanes of a warp share a row: a row's reduction takes log2(LANES_N) shuffles
-    L("layout: gl.constexpr = gl.BlockedLayout([1, BN // LANES_N], [32 // LANES_N, LANES_N], [EPI_WARPS, 1], [1, 0])", 1)
+    # LANES_N lanes of a warp share a row (a row's reduction takes log2(LANES_N) shuffles), each
+    # with VEC adjacent columns at a time (BN // LANES_N: a thread's columns all adjacent)
+    L("layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // LANES_N, LANES_N], [EPI_WARPS, 1], [1, 0])", 1)
     L("row_l: gl.constexpr = gl.SliceLayout(1, layout)", 1)
     L("rows = gl.arange(0, CHUNK, layout=row_l)", 1)
     L("cols = gl.arange(0, BN, layout=gl.SliceLayout(0, layout))", 1)
@@ -379,7 +380,8 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
     L(f"def {name}(a_desc, b_desc, {ptrs}, ws_ptr, counter_ptr, M, N, K, trace_ptr,", 0)
     L("B_KMAJOR: gl.constexpr, BN: gl.constexpr, TILES_N: gl.constexpr, TILES_P2: gl.constexpr,", 4)
     L("STAGES: gl.constexpr, CHUNK: gl.constexpr, EPI_WARPS: gl.constexpr, EPI_REGS: gl.constexpr,", 4)
-    L("num_warps: gl.constexpr, LANES_N: gl.constexpr = 32, TRACE: gl.constexpr = False):", 4)
+    L("num_warps: gl.constexpr, LANES_N: gl.constexpr = 32, VEC: gl.constexpr = 8, TRACE: gl.constexpr = False):",
+      4)
     L(f'"""{describe}"""', 1)
     L("BM: gl.constexpr = a_desc.block_type.shape[0]", 1)
     L("BK: gl.constexpr = a_desc.block_type.shape[1]", 1)
@@ -402,7 +404,7 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
     L("(_mma_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, tile_smem, tile_ready, tile_free, num_tiles,", 2)
     L("k_steps, trace_ptr, TRACE, 0, B_KMAJOR, TILES_N, 0, BM, BN, BK, num_warps)),", 5)
     L(f"({name}_epilogue, (tile_smem, stat_smem, tile_ready, tile_free, {ptrs}, ws_ptr, counter_ptr, trace_ptr,", 2)
-    L("num_tiles, TRACE, M, N, TILES_N, TILES_P2, BM, BN, CHUNK, EPI_WARPS, LANES_N)),", 5)
+    L("num_tiles, TRACE, M, N, TILES_N, TILES_P2, BM, BN, CHUNK, EPI_WARPS, LANES_N, VEC)),", 5)
     L("], [EPI_WARPS], [EPI_REGS])", 1)
     header = "\n".join([
         f'"""comfuse kernel {name}: {describe}', "",
