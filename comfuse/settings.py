@@ -69,6 +69,10 @@ class Settings:
     # COMFUSE_WS_LANES: lanes of a warp along a row of a ws_stages epilogue's chunks, 32 or 8
     # (0, the default: autotuning times both; the planner's own choice is 32).
     ws_lanes: int
+    # COMFUSE_WS_TMA_STORE=1: ws_stages kernels with one bf16 [M, N] output write it from the
+    # hand-off buffer by one TMA bulk store a tile (experimental: compiled for sm_90, not yet
+    # run on a GPU, so not among the autotuner's candidates without it).
+    ws_tma_store: bool
     # COMFUSE_AUTOTUNE: "auto" (time the candidate plans and the unfused ops on the first
     # call on a GPU, keep the fastest, remember it on disk), "1" (also under the
     # interpreter, for tests), "0" (use the planner's choice).
@@ -108,7 +112,7 @@ class Settings:
 
 
 CODEGEN_SETTINGS = ("row_budget", "schedule", "mainloop", "prefetch", "overlap", "persistent", "ws_merge",
-                    "ws_lanes")
+                    "ws_lanes", "ws_tma_store")
 
 _overrides: dict[str, object] = {}
 
@@ -118,7 +122,7 @@ _ENV_NAMES = ("COMFUSE_STRICT", "COMFUSE_DISABLE", "COMFUSE_CACHE_DIR", "XDG_CAC
               "COMFUSE_AUTOTUNE", "COMFUSE_MAINLOOP", "COMFUSE_FUEL", "COMFUSE_PREFETCH",
               "COMFUSE_UNFUSED_MODE", "COMFUSE_OVERLAP", "COMFUSE_PERSISTENT", "COMFUSE_TUNE_TIMING",
               "COMFUSE_GRAD_COMPILE", "COMFUSE_VALIDATE", "COMFUSE_GRAPH_CHECK", "COMFUSE_WS_MERGE",
-              "COMFUSE_WS_LANES")
+              "COMFUSE_WS_LANES", "COMFUSE_WS_TMA_STORE")
 _ENV_KEYS = tuple(os.environ.encodekey(n) if hasattr(os.environ, "encodekey") else n for n in _ENV_NAMES)
 _memo: dict[tuple, Settings] = {}
 
@@ -157,6 +161,7 @@ def _read() -> Settings:
         overlap=_flag("COMFUSE_OVERLAP", False),
         ws_merge=_flag("COMFUSE_WS_MERGE", True),
         ws_lanes=_int("COMFUSE_WS_LANES", 0),
+        ws_tma_store=_flag("COMFUSE_WS_TMA_STORE", False),
         persistent=_flag("COMFUSE_PERSISTENT", False),
         fuel=_int("COMFUSE_FUEL", -1),
         unfused_mode=os.environ.get("COMFUSE_UNFUSED_MODE", "best"),

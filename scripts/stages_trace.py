@@ -60,12 +60,13 @@ def timeline(trace, grid: int, tiles: int, E: int) -> str:
 
 
 def variant_of(spec: str):
-    """(label, COMFUSE_WS_LANES, grid_options) for a variant "LANES[a][v]": the epilogue's rows
-    over LANES lanes of a warp; "a": the grid a multiple of the strip's tiles (every strip in
-    one round of the persistent loop), not one program per SM; "v": each lane 8 adjacent
-    columns at a time (VEC = 8; a warp's lanes cover a row's 128 bytes at once) rather than
-    all its 256 / LANES columns adjacent."""
-    lanes, flags = int(spec.rstrip("av")), spec.lstrip("0123456789")
+    """(label, settings, grid_options) for a variant "LANES[a][v][t]": the epilogue's rows over
+    LANES lanes of a warp (COMFUSE_WS_LANES); "a": the grid a multiple of the strip's tiles
+    (every strip in one round of the persistent loop), not one program per SM; "v": each lane
+    8 adjacent columns at a time (VEC = 8; a warp's lanes cover a row's 128 bytes at once)
+    rather than all its 256 / LANES columns adjacent; "t": the output tile by one TMA store
+    (COMFUSE_WS_TMA_STORE)."""
+    lanes, flags = int(spec.rstrip("avt")), spec.lstrip("0123456789")
 
     def grid_options(self, dev, M, N, _orig=stages_kernel.StagesKernel.grid_options):
         grid, options = _orig(self, dev, M, N)
@@ -75,8 +76,8 @@ def variant_of(spec: str):
             options = dict(options, VEC=8)
         return grid, options
     label = f"{lanes} lanes a row" + (", grid a strip multiple" if "a" in flags else "") + \
-        (", 8 adjacent columns a lane" if "v" in flags else "")
-    return label, lanes, grid_options
+        (", 8 adjacent columns a lane" if "v" in flags else "") + (", TMA store" if "t" in flags else "")
+    return label, dict(ws_lanes=lanes, ws_tma_store="t" in flags), grid_options
 
 
 def main() -> None:
@@ -84,9 +85,9 @@ def main() -> None:
     ap.add_argument("--only", default="multi_stage,ln_postnorm")
     ap.add_argument("--shapes", default="8192x4096x4096,8192x1024x1024", help="MxKxN, comma-separated")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--variants", default="32,8,8v",
+    ap.add_argument("--variants", default="32,8,8v,32t",
                     help="LANES_N (lanes of a warp along a row), 'a': the grid a multiple of the strip, "
-                         "'v': 8 adjacent columns a lane")
+                         "'v': 8 adjacent columns a lane, 't': the output by one TMA store")
     args = ap.parse_args()
     args.variants = args.variants.split(",")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
@@ -102,13 +103,13 @@ def main() -> None:
             xs = wl.inputs(M, K, N, dtype=torch.bfloat16, device="cuda")
             ref = wl.fn(*[t.double() if t.is_floating_point() else t for t in xs])
             forms = {"cuBLAS GEMM": lambda xs=xs: xs[0] @ xs[1]}
-            for variant, lanes, grid_fn in [variant_of(v) for v in args.variants]:
+            for variant, overrides, grid_fn in [variant_of(v) for v in args.variants]:
                 stages_kernel.StagesKernel.grid_options = grid_fn
                 # kernels are shared by name across compiled functions, and with them the launcher
                 # bound at their first call (grid included): each variant builds its own
                 kernel_mod._kernels.clear()
                 try:
-                    with comfuse.settings.override(autotune="0", schedule="ws_stages", strict=True, ws_lanes=lanes), warnings.catch_warnings():
+                    with comfuse.settings.override(autotune="0", schedule="ws_stages", strict=True, **overrides), warnings.catch_warnings():
                         warnings.simplefilter("ignore", comfuse.ComfuseWarning)
                         compiled = comfuse.compile(wl.fn, xs)
                         out = compiled(*xs)

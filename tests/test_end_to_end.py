@@ -239,7 +239,8 @@ def test_fused_regions_lists_what_runs():
     (region,) = compiled.fused_regions()
     assert region.plan.schedule == compiled.report.regions[0].schedule
     compiled(*args)
-    assert region.kernel is not None and region.kernel.plan == region.plan
+    # (kernels are shared by name: one built for an equal plan found another way may serve it)
+    assert kernel_mod.kernel_name(region.kernel.plan) == kernel_mod.kernel_name(region.plan)
     assert comfuse.compile(lambda x: x + 1, (randn(3), )).fused_regions() == []
 
 

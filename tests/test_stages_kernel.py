@@ -90,8 +90,9 @@ def test_every_constexpr_of_the_generated_kernel_is_given_at_launch():
 
 
 def test_generated_kernels_compile_for_sm90():
-    """The suite's row reductions and a LayerNorm through nn.Linear's weight ([N, K]): 12 warps
-    at <= 168 registers, the epilogue partition at 152, at most a few spills."""
+    """The suite's row reductions and a LayerNorm through nn.Linear's weight ([N, K]), merged or
+    not, with the output by TMA store or not: 12 warps at <= 168 registers, the epilogue
+    partition at 152, at most a few spills."""
     script = textwrap.dedent("""
         import json, re, torch
         import torch.nn.functional as F
@@ -110,9 +111,11 @@ def test_generated_kernels_compile_for_sm90():
                                torch.randn(768, dtype=bf)))
         out = {}
         for name, (fn, args) in [*cases.items(), ("multi_stage_merged", cases["multi_stage"]),
-                                 ("ln_postnorm_merged", cases["ln_postnorm"])]:
+                                 ("ln_postnorm_merged", cases["ln_postnorm"]),
+                                 ("multi_stage_merged_tma", cases["multi_stage"]),
+                                 ("ln_linear_tma", cases["ln_linear"])]:
             (cand,) = find_regions(capture(fn, args))
-            with settings.override(schedule="ws_stages", ws_merge=name.endswith("_merged")):
+            with settings.override(schedule="ws_stages", ws_merge="_merged" in name, ws_tma_store=name.endswith("_tma")):
                 p = plan(cand.region, target="cuda")
             k = compile_sm90(p)
             regs = sorted(set(int(v) for v in re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+);",
@@ -169,3 +172,27 @@ def test_merged_exchanges_halve_the_strip_waits(name, exchanges, kinds):
         with settings.override(ws_merge=False):
             offered = [q for q in candidates(plain.region, target="cuda") if q.schedule == "ws_stages"]
             assert offered and not [q for q in offered if q.moments]
+
+
+def test_the_output_tile_by_one_tma_store():
+    """COMFUSE_WS_TMA_STORE=1 (experimental): the output pass writes its values over the
+    buffer's rows it has read, then one bulk copy writes the tile, waited for before the buffer
+    is freed; only for a region whose one output is a bf16 [M, N] tile; autotuning offers it
+    only with the setting."""
+    from comfuse.runtime.stages_kernel import source_text
+    plain = suite_plan("ln_postnorm")
+    assert not plain.tma_store
+    assert not [q for q in candidates(plain.region, target="cuda") if q.tma_store]
+    with settings.override(ws_tma_store=True):
+        p = suite_plan("ln_postnorm")
+        assert [q for q in candidates(plain.region, target="cuda") if q.schedule == "ws_stages" and q.tma_store]
+    assert p.tma_store and "(by one TMA store)" in p.describe()
+    text = source_text(p, "k")
+    assert "gl.store(out0_ptr" not in text and text.count("tma.async_copy_shared_to_global(o_desc") == 1
+    out = text.index("# ---- the outputs")
+    assert text.index("fence_async_shared()", out) < text.index("tma.async_copy_shared_to_global", out) \
+        < text.index("tma.store_wait(0)", out) < text.index("mbarrier.arrive(tile_free)", out)
+    x, w = torch.randn(256, 64, dtype=bf), torch.randn(64, 1024, dtype=bf)
+    with settings.override(ws_tma_store=True):  # two outputs: each thread stores them
+        two = forced(lambda x, w: (torch.softmax(x @ w, -1), torch.tanh(x @ w)), x, w)
+    assert not isinstance(two, NotFused) and not two.tma_store

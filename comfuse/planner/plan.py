@@ -55,6 +55,9 @@ class Plan:
     # log2(lanes) shuffles); 32 or 8 (H200, 2026-12-01: 8 halves multi-stage's epilogue, 32
     # suits LayerNorm's [M, N] reads and writes)
     lanes: int = 32
+    # ws_stages: the output tile written from the hand-off buffer by one TMA bulk store, not by
+    # each thread (COMFUSE_WS_TMA_STORE=1, experimental: compiled for sm_90, not yet run on a GPU)
+    tma_store: bool = False
 
     def describe(self) -> str:
         if self.schedule == "ws_stages":
@@ -64,7 +67,8 @@ class Plan:
                     f"the epilogue in 4 warps of its own beside the next tile's mainloop; {self.tiles_n} tiles per row "
                     f"strip exchange per-row partials {self.exchanges} time(s)"
                     f"{' (' + ', '.join(k for k, _, _ in self.moments) + ' pairs merged)' if self.moments else ''}"
-                    f", then write each output once; {self.lanes} lanes a row")
+                    f", then write each output once{' (by one TMA store)' if self.tma_store else ''}; "
+                    f"{self.lanes} lanes a row")
         if self.schedule == "ws_split":
             return (f"ws_split: warp-specialised Gluon template computing the {self.template.describe()}; "
                     f"persistent grid of {self.block_m}x{self.block_n}x{self.block_k} tiles in grouped order, TMA "
@@ -314,7 +318,8 @@ def plan(region: Region, target: str = "cuda", settings=None, sm_count: int = 13
         return lse_template_plan(region, transposed, stages, tuple(forms), target)
     if forced == "ws_stages":
         return stages_template_plan(region, transposed, stages, tuple(forms), target, sm_count,
-                                    merge=settings.ws_merge, lanes=settings.ws_lanes or 32)
+                                    merge=settings.ws_merge, lanes=settings.ws_lanes or 32,
+                                    tma_store=settings.ws_tma_store)
     if forced in TEMPLATE_SCHEDULES:
         return strip_template_plan(region, transposed, stages, tuple(forms), target, sm_count,
                                    prefetch=settings.prefetch)
@@ -395,11 +400,12 @@ def lse_template_plan(region: Region, transposed: bool, stages, forms: tuple, ta
 
 
 def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple, target: str,
-                         sm_count: int, merge: bool = False, lanes: int = 32) -> Plan | NotFused:
+                         sm_count: int, merge: bool = False, lanes: int = 32,
+                         tma_store: bool = False) -> Plan | NotFused:
     """The ws_stages plan for ``region`` (row form), or why the generated Gluon kernel does
     not apply; ``merge``: moment and online-softmax pairs share an exchange (COMFUSE_WS_MERGE, on
     by default)."""
-    from ..codegen.gluon.stages import blocker, layout_of, merge_pairs
+    from ..codegen.gluon.stages import blocker, layout_of, merge_pairs, tma_storable
     from .template import fits
 
     def no(why):
@@ -423,7 +429,8 @@ def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple,
         return no(f"a strip of {tiles} tiles cannot be resident at once on {sm_count} SMs")
     pairs = merge_pairs(region) if merge else ()
     return Plan(region, False, "ws_stages", stages, 128, 256, 64, 8, 8, 3, forms, tiles_n=tiles, mainloop="tma",
-                persistent=True, exchanges=len(layout_of(stages, pairs).exchanges), moments=pairs, lanes=lanes)
+                persistent=True, exchanges=len(layout_of(stages, pairs).exchanges), moments=pairs, lanes=lanes,
+                tma_store=tma_store and not tma_storable(region))
 
 
 def template_offers(region: Region, sm_count: int = 132) -> list:
@@ -518,7 +525,8 @@ def candidates(region: Region, target: str = "cuda", settings=None, sm_count: in
         # the generated warp-specialised kernel, its exchanges merged unless COMFUSE_WS_MERGE=0
         # (H200, 2026-12-01: LayerNorm 8192x4096x4096 1.049x cuBLAS's GEMM merged, 1.112x not)
         gen = stages_template_plan(first.region, first.transposed, first.stages, first.forms, target, sm_count,
-                                   merge=settings.ws_merge, lanes=settings.ws_lanes or 32)
+                                   merge=settings.ws_merge, lanes=settings.ws_lanes or 32,
+                                   tma_store=settings.ws_tma_store)
         if isinstance(gen, Plan):  # both row layouts of its epilogue, unless COMFUSE_WS_LANES names one
             out += [gen] if settings.ws_lanes else [gen, dataclasses.replace(gen, lanes=8)]
         if first.schedule == "split":  # a loss over wide rows: the template's terminal kind

@@ -52,12 +52,13 @@ class StagesKernel:
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
         a, b, *flat = tensors
         kmajor = self.plan.region.gemm.b.major == "K"
-        la, lb, _ = strip.layouts(kmajor)
+        la, lb, lt = strip.layouts(kmajor)
         M, K = a.shape
         N = b.shape[0] if kmajor else b.shape[1]
+        out_desc = [TensorDescriptor.from_tensor(flat[-1], [strip.BM, strip.BN], lt)] if self.plan.tma_store else []
         return [TensorDescriptor.from_tensor(a, [strip.BM, strip.BK], la),
                 TensorDescriptor.from_tensor(b, [strip.BN, strip.BK] if kmajor else [strip.BK, strip.BN], lb),
-                *flat, ws, counters, M, N, K, counters]
+                *flat, *out_desc, ws, counters, M, N, K, counters]
 
     def launch(self, a3, b3, ins, outs) -> None:
         tensors = self.tensors(a3, b3, ins, outs)
@@ -92,7 +93,7 @@ class StagesKernel:
             raise UnsupportedLayout(f"ws_stages: a strip of {N // strip.BN} tiles cannot be resident at once")
         args = self.arguments(tensors, ws, counters)
         grid, options = self.grid_options(dev, M, N)
-        fresh = len(tensors)
+        fresh = len(tensors) + self.plan.tma_store  # (the output's descriptor: each call's own)
         return (*launch_direct(self.fn, grid, args, options, set(range(fresh))), fresh)
 
     def grid_options(self, dev, M: int, N: int):
@@ -136,7 +137,8 @@ class StagesKernel:
 
 def source_text(plan: Plan, name: str) -> str:
     from ..codegen.gluon import stages
-    return stages.emit(plan.region, plan.stages, name, plan.describe(), plan.moments, keep=bool(plan.moments))
+    return stages.emit(plan.region, plan.stages, name, plan.describe(), plan.moments, keep=bool(plan.moments),
+                       tma_store=plan.tma_store)
 
 
 def build(plan: Plan, name: str) -> StagesKernel:
@@ -168,6 +170,8 @@ def compile_sm90(plan: Plan, name: str = "", chunk: int = CHUNK, vec: int = 0):
         sig[f"in{j}_ptr"] = "*" + short[inp.dtype]
     for k, out in enumerate(plan.region.outputs):
         sig[f"out{k}_ptr"] = "*" + short[out.dtype]
+    if plan.tma_store:
+        sig["o_desc"] = f"tensordesc<bf16[{strip.BM}, {strip.BN}],{strip.layouts(kmajor)[2]!r}>"
     sig.update({"ws_ptr": "*fp32", "counter_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "trace_ptr": "*i32"})
     tiles = plan.region.sizes.N // strip.BN
     constexprs = dict(B_KMAJOR=kmajor, BN=strip.BN, TILES_N=tiles, TILES_P2=strip._pow2(tiles), STAGES=3,

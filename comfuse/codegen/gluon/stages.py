@@ -238,7 +238,17 @@ class _Writer:
         return _literal(node.arg) if node.op is Op.CONST else f"v{i}"
 
 
-def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool = False) -> str:
+def tma_storable(region: Region) -> str:
+    """Why the output pass cannot write the tile by one TMA bulk store ('' when it can): one
+    [M, N] bf16 output and nothing per row."""
+    full = [o for o in region.outputs if o.axes == frozenset("MN")]
+    if len(full) != 1 or len(region.outputs) != 1 or full[0].dtype != torch.bfloat16:
+        return "a TMA store writes one bf16 [M, N] output, the region's only one"
+    return ""
+
+
+def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool = False,
+         tma_store: bool = False) -> str:
     """The generated module's source: ``{name}`` (the kernel) and ``{name}_epilogue``;
     ``pairs``: the merged exchanges (``merge_pairs``); ``keep``: an exchange's value, when it is
     all the later passes need of the tile (``_Writer.keepable``), is written over the buffer
@@ -247,6 +257,7 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
     lay = layout_of(stages, pairs)
     w = _Writer(region, lay)
     keep = keep and all(o.dtype in (torch.bfloat16, torch.float16) for o in region.outputs)
+    tma_store = tma_store and not tma_storable(region)
 
     def partials(e: int, wi: int, fill: str) -> str:
         """A load of exchange e's partials [TILES_P2, BM] of its wi-th reduction, all tiles of the strip."""
@@ -254,7 +265,7 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
                 f"+ pcol[None, :], mask=pmask, other={fill}, cache_modifier=\".cg\")")
     ins = [f"in{j}_ptr" for j in range(len(region.inputs))]
     outs = [f"out{k}_ptr" for k in range(len(region.outputs))]
-    ptrs = ", ".join(ins + outs)
+    ptrs = ", ".join(ins + outs + (["o_desc"] if tma_store else []))
     E = len(lay.exchanges)
     L = w.line
     L("@gluon.jit", 0)
@@ -360,8 +371,11 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
             val = w.ref(o.node)
             if region.nodes[o.node].axes != frozenset("MN"):
                 val = f"gl.full([CHUNK, BN], 0.0, gl.float32, layout) + {val}"
-            L(f"gl.store(out{k}_ptr + row[:, None] * N + col[None, :], ({val}).to(out{k}_ptr.dtype.element_ty))"
-              f"  # {o.name}", 3)
+            if tma_store:  # over the rows just read (each thread its own elements)
+                L(f"tile_smem.slice(c * CHUNK, CHUNK, dim=0).store(({val}).to(gl.bfloat16))  # {o.name}", 3)
+            else:
+                L(f"gl.store(out{k}_ptr + row[:, None] * N + col[None, :], ({val}).to(out{k}_ptr.dtype.element_ty))"
+                  f"  # {o.name}", 3)
     if per_row:
         L("if tn == 0:  # per-row outputs, by the strip's first tile", 3)
         done = set(w.closure([o.node for o in full]))
@@ -370,6 +384,11 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
             if o in per_row:
                 L(f"gl.store(out{k}_ptr + row, gl.max(gl.full([CHUNK, BN], 0.0, gl.float32, layout) + {w.ref(o.node)}, "
                   f"axis=1).to(out{k}_ptr.dtype.element_ty))  # {o.name}", 4)
+    if tma_store:  # the output tile from the buffer by one bulk copy, read before the buffer is freed
+        L("fence_async_shared()  # the buffer's generic writes, before the TMA engine reads it", 2)
+        L("gl.thread_barrier()  # every warp has written its rows", 2)
+        L("tma.async_copy_shared_to_global(o_desc, [strip * BM, tn * BN], tile_smem)", 2)
+        L("tma.store_wait(0)", 2)
     L("gl.thread_barrier()  # every warp has read the tile", 2)
     L(f"_mark(trace_ptr, n, {5 + 2 * E}, TRACE)", 2)
     L("mbarrier.arrive(tile_free)", 2)
@@ -412,7 +431,7 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
         format_region(region), '"""',
         "from triton.experimental import gluon",
         "from triton.experimental.gluon import language as gl",
-        "from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier",
+        "from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma",
         "",
         "from comfuse.codegen.gluon.strip import TILE_LAYOUT, _mark, _mma_partition, exp_fast, tanh_fast",
         "", "", ""])
