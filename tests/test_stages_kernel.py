@@ -196,3 +196,14 @@ def test_the_output_tile_by_one_tma_store():
     with settings.override(ws_tma_store=True):  # two outputs: each thread stores them
         two = forced(lambda x, w: (torch.softmax(x @ w, -1), torch.tanh(x @ w)), x, w)
     assert not isinstance(two, NotFused) and not two.tma_store
+
+
+def test_a_division_by_a_broadcast_value_is_a_reciprocal_and_a_multiply():
+    """A tile over a per-row value or a constant: one reciprocal, a multiply per element; a
+    division by the constant 0 stays a division (the reciprocal would fold to 1 / 0)."""
+    from comfuse.runtime.stages_kernel import source_text
+    x, w = torch.randn(256, 64, dtype=bf), torch.randn(64, 1024, dtype=bf)
+    text = source_text(forced(lambda x, w: torch.softmax((x @ w) / 3.0, -1), x, w), "k")
+    assert "v0 * (1.0 / 3.0)" in text
+    text = source_text(forced(lambda x, w: torch.softmax((x @ w) / 0.0, -1), x, w), "k")
+    assert "v0 / 0.0" in text

@@ -202,7 +202,9 @@ class _Writer:
             return _literal(node.arg)
         if op is Op.IOTA:
             return "col[None, :]" if node.arg == "N" else "row[:, None]"
-        if op is Op.DIV and node.axes == frozenset("MN") and self.region.nodes[node.src[1]].axes != node.axes:
+        divisor = self.region.nodes[node.src[1]] if op is Op.DIV else None
+        if divisor is not None and node.axes == frozenset("MN") and divisor.axes != node.axes \
+                and not (divisor.op is Op.CONST and divisor.arg == 0):
             # a tile over a per-row (or per-column, or constant) value: its reciprocal once per
             # row, then one multiply per element, where a division is five instructions
             return f"{x[0]} * (1.0 / {x[1]})"
