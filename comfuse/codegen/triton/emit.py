@@ -983,14 +983,19 @@ class _Emitter:
                 self.line("row_m = tl.reduce(slice_m, 0, max_propagate_nan)")
                 self.line("scaled = tl.where(slice_m > float(\"-inf\"), slice_s * tl.exp(slice_m - row_m[None, :]), 0.0)")
                 self.line(f"stat{i} = row_m + tl.log(tl.sum(scaled, axis=0))  # log-sum-exp of %{st.node}")
+        return self.combine_source(original, op, f"comfuse kernels {self.name} and {self.name}_combine: "
+                                   f"{p.describe()}", first + "\n\n\n", p.num_warps, p.num_stages)
+
+    def combine_source(self, original: Region, op, title: str, before: str, num_warps: int,
+                       num_stages: int) -> KernelSource:
+        """The module of a split plan's kernels: the combine kernel (its lines so far, then the
+        IR's combine step) after ``before``, under a header naming ``title`` and the region."""
         self.combine_step(original, op)
-        second = "\n".join(self.lines)
+        text = "\n".join(self.lines)
         self.region = original
-        header = module_header(f"comfuse kernels {self.name} and {self.name}_combine: {p.describe()}",
-                               format_region(original))
-        constexprs = _split_constexprs(p)
-        return KernelSource(self.name, header + first + "\n\n\n" + second + "\n", tuple(self.params),
-                            constexprs, p.num_warps, p.num_stages)
+        header = module_header(title, format_region(original))
+        return KernelSource(self.name, header + before + text + "\n", tuple(self.params),
+                            _split_constexprs(self.plan), num_warps, num_stages)
 
     def combine_step(self, original: Region, op) -> None:
         """The per-row combine step on the merged statistics (``stat{i}``, [BLOCK_M] each) and
@@ -1049,13 +1054,8 @@ class _Emitter:
             self.line(f"target = tl.load({rows}, mask=mask_m, other=-1)")
             self.line(f"stat{t.pick} = tl.load(ws_ptr + CHUNKS * M + offs_m, mask=mask_m & (target >= 0) & "
                       f"(target < N), other=0.0)  # the logit at the target column")
-        self.combine_step(original, op)
-        text = "\n".join(self.lines)
-        self.region = original
-        header = module_header(f"comfuse kernel {self.name}_combine, the combine of {title}",
-                               format_region(original))
-        constexprs = _split_constexprs(p)
-        return KernelSource(self.name, header + text + "\n", tuple(self.params), constexprs, 4, 1)
+        return self.combine_source(original, op, f"comfuse kernel {self.name}_combine, the combine of {title}",
+                                   "", 4, 1)
 
     def stage_title(self, stage) -> str:
         reds = [self.region.nodes[i] for i in stage.reductions]
