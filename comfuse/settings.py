@@ -73,6 +73,10 @@ class Settings:
     # hand-off buffer by one TMA bulk store a tile (experimental: compiled for sm_90, not yet
     # run on a GPU, so not among the autotuner's candidates without it).
     ws_tma_store: bool
+    # COMFUSE_WS_TAIL: rows (a multiple of 16, at most 128) of each program's last tile whose
+    # epilogue a ws_stages kernel's mainloop warps run, idle by then, beside the epilogue
+    # partition's rows (0, the default: none; experimental until timed on a GPU).
+    ws_tail: int
     # COMFUSE_AUTOTUNE: "auto" (time the candidate plans and the unfused ops on the first
     # call on a GPU, keep the fastest, remember it on disk), "1" (also under the
     # interpreter, for tests), "0" (use the planner's choice).
@@ -112,7 +116,7 @@ class Settings:
 
 
 CODEGEN_SETTINGS = ("row_budget", "schedule", "mainloop", "prefetch", "overlap", "persistent", "ws_merge",
-                    "ws_lanes", "ws_tma_store")
+                    "ws_lanes", "ws_tma_store", "ws_tail")
 
 _overrides: dict[str, object] = {}
 
@@ -122,7 +126,7 @@ _ENV_NAMES = ("COMFUSE_STRICT", "COMFUSE_DISABLE", "COMFUSE_CACHE_DIR", "XDG_CAC
               "COMFUSE_AUTOTUNE", "COMFUSE_MAINLOOP", "COMFUSE_FUEL", "COMFUSE_PREFETCH",
               "COMFUSE_UNFUSED_MODE", "COMFUSE_OVERLAP", "COMFUSE_PERSISTENT", "COMFUSE_TUNE_TIMING",
               "COMFUSE_GRAD_COMPILE", "COMFUSE_VALIDATE", "COMFUSE_GRAPH_CHECK", "COMFUSE_WS_MERGE",
-              "COMFUSE_WS_LANES", "COMFUSE_WS_TMA_STORE")
+              "COMFUSE_WS_LANES", "COMFUSE_WS_TMA_STORE", "COMFUSE_WS_TAIL")
 _ENV_KEYS = tuple(os.environ.encodekey(n) if hasattr(os.environ, "encodekey") else n for n in _ENV_NAMES)
 _memo: dict[tuple, Settings] = {}
 
@@ -162,6 +166,7 @@ def _read() -> Settings:
         ws_merge=_flag("COMFUSE_WS_MERGE", True),
         ws_lanes=_int("COMFUSE_WS_LANES", 0),
         ws_tma_store=_flag("COMFUSE_WS_TMA_STORE", False),
+        ws_tail=_int("COMFUSE_WS_TAIL", 0),
         persistent=_flag("COMFUSE_PERSISTENT", False),
         fuel=_int("COMFUSE_FUEL", -1),
         unfused_mode=os.environ.get("COMFUSE_UNFUSED_MODE", "best"),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -52,7 +53,8 @@ def timeline(trace, grid: int, tiles: int, E: int) -> str:
     for name, a, b in phases(E):
         d = ((t[..., b] - t[..., a]) / 1e3)[valid]
         lines.append(f"    {name:44s} median {d.median().item():8.2f} us, max {d.max().item():8.2f}")
-    start, end = t[..., 0][valid].min(), t[..., 5 + 2 * E][valid].max()
+    # (slot 15: the mainloop warps' rows of a shared last tile written, 0 where none)
+    start, end = t[..., 0][valid].min(), torch.maximum(t[..., 5 + 2 * E], t[..., 15])[valid].max()
     last_mma = t[..., 1][valid].max()
     lines.append(f"    span {(end - start).item() / 1e3:.2f} us, after the last mainloop "
                  f"{(end - last_mma).item() / 1e3:.2f} us")
@@ -60,13 +62,17 @@ def timeline(trace, grid: int, tiles: int, E: int) -> str:
 
 
 def variant_of(spec: str):
-    """(label, settings, grid_options) for a variant "LANES[a][v][t]": the epilogue's rows over
-    LANES lanes of a warp (COMFUSE_WS_LANES); "a": the grid a multiple of the strip's tiles
-    (every strip in one round of the persistent loop), not one program per SM; "v": each lane
-    8 adjacent columns at a time (VEC = 8; a warp's lanes cover a row's 128 bytes at once)
+    """(label, settings, grid_options) for a variant "LANES[a][v][t][hROWS]": the epilogue's
+    rows over LANES lanes of a warp (COMFUSE_WS_LANES); "a": the grid a multiple of the strip's
+    tiles (every strip in one round of the persistent loop), not one program per SM; "v": each
+    lane 8 adjacent columns at a time (VEC = 8; a warp's lanes cover a row's 128 bytes at once)
     rather than all its 256 / LANES columns adjacent; "t": the output tile by one TMA store
-    (COMFUSE_WS_TMA_STORE)."""
-    lanes, flags = int(spec.rstrip("avt")), spec.lstrip("0123456789")
+    (COMFUSE_WS_TMA_STORE); "hROWS": the last ROWS rows of each program's last tile by the
+    mainloop's warps (COMFUSE_WS_TAIL)."""
+    m = re.fullmatch(r"(\d+)([avt]*)(?:h(\d+))?", spec)
+    if not m:
+        raise SystemExit(f"variant {spec!r}: LANES[a][v][t][hROWS], e.g. 8 or 32t or 8h96")
+    lanes, flags, tail = int(m[1]), m[2], int(m[3] or 0)
 
     def grid_options(self, dev, M, N, _orig=stages_kernel.StagesKernel.grid_options):
         grid, options = _orig(self, dev, M, N)
@@ -76,8 +82,9 @@ def variant_of(spec: str):
             options = dict(options, VEC=8)
         return grid, options
     label = f"{lanes} lanes a row" + (", grid a strip multiple" if "a" in flags else "") + \
-        (", 8 adjacent columns a lane" if "v" in flags else "") + (", TMA store" if "t" in flags else "")
-    return label, dict(ws_lanes=lanes, ws_tma_store="t" in flags), grid_options
+        (", 8 adjacent columns a lane" if "v" in flags else "") + (", TMA store" if "t" in flags else "") + \
+        (f", last {tail} rows by the mainloop warps" if tail else "")
+    return label, dict(ws_lanes=lanes, ws_tma_store="t" in flags, ws_tail=tail), grid_options
 
 
 def main() -> None:
@@ -87,7 +94,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--variants", default="32,8,8v,32t",
                     help="LANES_N (lanes of a warp along a row), 'a': the grid a multiple of the strip, "
-                         "'v': 8 adjacent columns a lane, 't': the output by one TMA store")
+                         "'v': 8 adjacent columns a lane, 't': the output by one TMA store, 'hROWS': the last "
+                         "ROWS rows of a program's last tile by the mainloop warps")
     args = ap.parse_args()
     args.variants = args.variants.split(",")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "

@@ -129,6 +129,10 @@ def comfuse_forms(prog, ref, log, profile=False, out_dir=None, auto=False, sched
         err = rel_err(out, ref)
         log(f"  comfuse autotuned: rel err {err:.2e} {'OK' if err < 2e-2 else 'WRONG'}; host loop "
             f"{host_us(lambda: chosen(*prog.args)):.1f} us a call")
+        total, rows = kernel_times(lambda: chosen(*prog.args))
+        log(f"  comfuse autotuned kernels ({total:.4f} ms a call):")
+        for ms, n, k in rows[:8]:
+            log(f"    {ms:.4f} ms  x{n}  {k[:100]}")
         if err < 2e-2:
             forms["comfuse autotuned"] = lambda: chosen(*prog.args)
     return forms

@@ -425,13 +425,17 @@ def test_terminal_template_trains_through_the_backend(monkeypatch):
 
 @pytest.mark.parametrize("name", ["multi_stage", "ln_postnorm", "rmsnorm", "softmax", "mblr"])
 @pytest.mark.parametrize("shape", [(8192, 1024, 1024), (2048, 1024, 3072)], ids=["paper", "N3072"])
-@pytest.mark.parametrize("merge, lanes, tma", [(False, 32, False), (True, 32, False), (True, 8, False),
-                                               (True, 32, True)],
-                         ids=["exchange_per_stage", "merged", "merged-8lanes", "merged-tma_store"])
-def test_generated_warp_specialised_kernel_matches_the_reference(name, shape, merge, lanes, tma):
+@pytest.mark.parametrize("merge, lanes, tma, tail", [(False, 32, False, 0), (True, 32, False, 0), (True, 8, False, 0),
+                                                     (True, 32, True, 0), (True, 32, False, 96), (True, 8, False, 112)],
+                         ids=["exchange_per_stage", "merged", "merged-8lanes", "merged-tma_store", "merged-tail96",
+                              "merged-8lanes-tail112"])
+def test_generated_warp_specialised_kernel_matches_the_reference(name, shape, merge, lanes, tma, tail):
     """The Gluon kernel generated from the region's stages (ws_stages) forced: 1 to 4 exchanges
     a tile (merged: moment and online-softmax pairs in one, COMFUSE_WS_MERGE), strips of 4 and
     12 tiles, a chunk's rows over 32 or 8 lanes (COMFUSE_WS_LANES), the output by each thread
-    or by one TMA store a tile (COMFUSE_WS_TMA_STORE); 20 more calls give the same output (the
-    counters only grow, E arrivals a tile a launch); new tensors go through the direct launch."""
-    forced_schedule_matches(name, shape, "ws_stages", 20, ws_merge=merge, ws_lanes=lanes, ws_tma_store=tma)
+    or by one TMA store a tile (COMFUSE_WS_TMA_STORE), the last rows of each program's last
+    tile by the mainloop's warps (COMFUSE_WS_TAIL; both shapes give some programs 2 tiles and
+    some 1); 20 more calls give the same output (the counters only grow, 2 E TILES_N a strip
+    a launch); new tensors go through the direct launch."""
+    forced_schedule_matches(name, shape, "ws_stages", 20, ws_merge=merge, ws_lanes=lanes, ws_tma_store=tma,
+                            ws_tail=tail)

@@ -58,6 +58,9 @@ class Plan:
     # ws_stages: the output tile written from the hand-off buffer by one TMA bulk store, not by
     # each thread (COMFUSE_WS_TMA_STORE=1, experimental: compiled for sm_90, not yet run on a GPU)
     tma_store: bool = False
+    # ws_stages: rows of each program's last tile whose epilogue the mainloop's 8 warps run once
+    # their last tile is handed off (0: the epilogue partition runs every row; COMFUSE_WS_TAIL)
+    tail: int = 0
 
     def describe(self) -> str:
         if self.schedule == "ws_stages":
@@ -68,7 +71,8 @@ class Plan:
                     f"strip exchange per-row partials {self.exchanges} time(s)"
                     f"{' (' + ', '.join(k for k, _, _ in self.moments) + ' pairs merged)' if self.moments else ''}"
                     f", then write each output once{' (by one TMA store)' if self.tma_store else ''}; "
-                    f"{self.lanes} lanes a row")
+                    f"{self.lanes} lanes a row"
+                    f"{f'; the mainloop warps take the last {self.tail} rows of the last tile' if self.tail else ''}")
         if self.schedule == "ws_split":
             return (f"ws_split: warp-specialised Gluon template computing the {self.template.describe()}; "
                     f"persistent grid of {self.block_m}x{self.block_n}x{self.block_k} tiles in grouped order, TMA "
@@ -319,7 +323,7 @@ def plan(region: Region, target: str = "cuda", settings=None, sm_count: int = 13
     if forced == "ws_stages":
         return stages_template_plan(region, transposed, stages, tuple(forms), target, sm_count,
                                     merge=settings.ws_merge, lanes=settings.ws_lanes or 32,
-                                    tma_store=settings.ws_tma_store)
+                                    tma_store=settings.ws_tma_store, tail=settings.ws_tail)
     if forced in TEMPLATE_SCHEDULES:
         return strip_template_plan(region, transposed, stages, tuple(forms), target, sm_count,
                                    prefetch=settings.prefetch)
@@ -401,7 +405,7 @@ def lse_template_plan(region: Region, transposed: bool, stages, forms: tuple, ta
 
 def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple, target: str,
                          sm_count: int, merge: bool = False, lanes: int = 32,
-                         tma_store: bool = False) -> Plan | NotFused:
+                         tma_store: bool = False, tail: int = 0) -> Plan | NotFused:
     """The ws_stages plan for ``region`` (row form), or why the generated Gluon kernel does
     not apply; ``merge``: moment and online-softmax pairs share an exchange (COMFUSE_WS_MERGE, on
     by default)."""
@@ -414,6 +418,8 @@ def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple,
         return no("Gluon kernels do not run in Triton's interpreter (sm_90 GPUs only)")
     if lanes not in (32, 8):
         return no(f"COMFUSE_WS_LANES={lanes}: the epilogue lays a row over 32 or 8 lanes")
+    if tail % 16 or not 0 <= tail <= 128:
+        return no(f"COMFUSE_WS_TAIL={tail}: rows of the last tile, a multiple of 16 up to 128")
     if transposed:
         return no("the kernel reduces along N only")
     g, s = region.gemm, region.sizes
@@ -430,7 +436,7 @@ def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple,
     pairs = merge_pairs(region) if merge else ()
     return Plan(region, False, "ws_stages", stages, 128, 256, 64, 8, 8, 3, forms, tiles_n=tiles, mainloop="tma",
                 persistent=True, exchanges=len(layout_of(stages, pairs).exchanges), moments=pairs, lanes=lanes,
-                tma_store=tma_store and not tma_storable(region))
+                tma_store=tma_store and not tma_storable(region) and not tail, tail=tail)
 
 
 def template_offers(region: Region, sm_count: int = 132) -> list:
@@ -526,9 +532,14 @@ def candidates(region: Region, target: str = "cuda", settings=None, sm_count: in
         # (H200, 2026-12-01: LayerNorm 8192x4096x4096 1.049x cuBLAS's GEMM merged, 1.112x not)
         gen = stages_template_plan(first.region, first.transposed, first.stages, first.forms, target, sm_count,
                                    merge=settings.ws_merge, lanes=settings.ws_lanes or 32,
-                                   tma_store=settings.ws_tma_store)
+                                   tma_store=settings.ws_tma_store, tail=settings.ws_tail)
         if isinstance(gen, Plan):  # both row layouts of its epilogue, unless COMFUSE_WS_LANES names one
             out += [gen] if settings.ws_lanes else [gen, dataclasses.replace(gen, lanes=8)]
+            if not settings.ws_tail and not settings.ws_lanes and not gen.tma_store:
+                # the last 112 rows of each program's last tile by the mainloop's warps (H200,
+                # sixteenth session, sustained: RMSNorm 8192x1024x1024 1.302x cuBLAS's GEMM, 1.387x
+                # without; LayerNorm, softmax and multi-stage there within 1 % either way)
+                out.append(dataclasses.replace(gen, lanes=8, tail=112))
         if first.schedule == "split":  # a loss over wide rows: the template's terminal kind
             lse = lse_template_plan(first.region, first.transposed, first.stages, first.forms, target)
             if isinstance(lse, Plan):

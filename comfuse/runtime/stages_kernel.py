@@ -113,15 +113,18 @@ class StagesKernel:
         trace[program, n, slot] the global timer (ns) at each mark of its n-th tile. Slots 0-3:
         the mainloop partition (tile start, last MMA done, buffer free, hand-off); 4: the
         epilogue has the tile; 5 + 2e / 6 + 2e: exchange e's partials published / its wait
-        over; 5 + 2E: the outputs written (E exchanges, at most 5 here)."""
+        over; 5 + 2E: the outputs written (E exchanges, at most 5 here); 15, of a program's last
+        tile where the mainloop's warps share it (``Plan.tail``): their rows written."""
         from ..codegen.gluon import stages, strip
         tensors = self.tensors(a3, b3, ins, outs)
         self.launch(a3, b3, ins, outs)  # scratch, checks, and the counters in step
         a, b = tensors[:2]
         M = a.shape[0]
         N = b.shape[0] if self.plan.region.gemm.b.major == "K" else b.shape[1]
-        if len(stages.layout_of(self.plan.stages, self.plan.moments).exchanges) > 5:
-            raise ValueError("ws_stages trace: more than 5 exchanges do not fit 16 timer slots a tile")
+        E = len(stages.layout_of(self.plan.stages, self.plan.moments).exchanges)
+        if E > 5 or (E == 5 and self.plan.tail):
+            raise ValueError("ws_stages trace: more than 5 exchanges (4 with a shared last tile) do not fit 16 timer "
+                             "slots a tile")
         ws, counters = self._scratch[(str(a.device), M, N)]
         grid, options = self.grid_options(a.device, M, N)
         tiles = (M // strip.BM) * (N // strip.BN)
@@ -138,7 +141,7 @@ class StagesKernel:
 def source_text(plan: Plan, name: str) -> str:
     from ..codegen.gluon import stages
     return stages.emit(plan.region, plan.stages, name, plan.describe(), plan.moments, keep=bool(plan.moments),
-                       tma_store=plan.tma_store)
+                       tma_store=plan.tma_store, tail=plan.tail)
 
 
 def build(plan: Plan, name: str) -> StagesKernel:

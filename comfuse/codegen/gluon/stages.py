@@ -250,12 +250,19 @@ def tma_storable(region: Region) -> str:
 
 
 def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool = False,
-         tma_store: bool = False) -> str:
-    """The generated module's source: ``{name}`` (the kernel) and ``{name}_epilogue``;
-    ``pairs``: the merged exchanges (``merge_pairs``); ``keep``: an exchange's value, when it is
-    all the later passes need of the tile (``_Writer.keepable``), is written over the buffer
-    (rounded to bf16, as eager's bf16 ops round it) and the later passes start from it rather
-    than recompute it (only where every output is bf16 or fp16)."""
+         tma_store: bool = False, tail: int = 0) -> str:
+    """The generated module's source: ``{name}`` (the kernel), ``{name}_epilogue`` (its
+    partition) and ``{name}_tile`` (one tile's epilogue, by a group of warps over some of its
+    chunks); ``pairs``: the merged exchanges (``merge_pairs``); ``keep``: an exchange's value,
+    when it is all the later passes need of the tile (``_Writer.keepable``), is written over the
+    buffer (rounded to bf16, as eager's bf16 ops round it) and the later passes start from it
+    rather than recompute it (only where every output is bf16 or fp16); ``tail``: rows of each
+    program's last tile whose epilogue the mainloop's warps run (``{name}_main``), idle once
+    their last tile is handed off (0: none; a multiple of the chunk, 16 rows)."""
+    if tail and tma_store:
+        raise ValueError("ws_stages: a shared last tile is written by each thread, not by one TMA store")
+    if tail % 16 or not 0 <= tail <= 128:
+        raise ValueError(f"ws_stages: tail {tail}: a multiple of 16 rows, at most the tile's 128")
     lay = layout_of(stages, pairs)
     w = _Writer(region, lay)
     keep = keep and all(o.dtype in (torch.bfloat16, torch.float16) for o in region.outputs)
@@ -271,34 +278,35 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
     E = len(lay.exchanges)
     L = w.line
     L("@gluon.jit", 0)
-    L(f"def {name}_epilogue(tile_smem, stat_smem, tile_ready, tile_free, {ptrs}, ws_ptr, counter_ptr, trace_ptr,", 0)
-    L("num_tiles, TRACE: gl.constexpr,", 8)
-    L("M, N, TILES_N: gl.constexpr, TILES_P2: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,", 8)
-    L("CHUNK: gl.constexpr, EPI_WARPS: gl.constexpr, LANES_N: gl.constexpr, VEC: gl.constexpr):", 8)
-    L(f'"""The epilogue: {E} exchange(s), then the outputs (see the module docstring)."""', 1)
+    L(f"def {name}_tile(tile_smem, stat_smem, {ptrs}, ws_ptr, counter_ptr, trace_ptr, t, n, c_lo, c_hi, share,", 0)
+    L("TRACE: gl.constexpr, M, N, TILES_N: gl.constexpr, TILES_P2: gl.constexpr, BM: gl.constexpr,", 8)
+    L("BN: gl.constexpr, CHUNK: gl.constexpr, WARPS: gl.constexpr, LANES_N: gl.constexpr, VEC: gl.constexpr,", 8)
+    L("WN: gl.constexpr):", 8)
+    L(f'"""Tile t\'s epilogue over its chunks [c_lo, c_hi) by WARPS warps: {E} exchange(s), then the outputs (see the',
+      1)
+    L("module docstring); ``share``: this group's arrivals at each exchange (2 for the whole tile, 1 for a", 1)
+    L('part of the program\'s last tile)."""', 1)
     # LANES_N lanes of a warp share a row (a row's reduction takes log2(LANES_N) shuffles), each
-    # with VEC adjacent columns at a time (BN // LANES_N: a thread's columns all adjacent)
-    L("layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // LANES_N, LANES_N], [EPI_WARPS, 1], [1, 0])", 1)
+    # with VEC adjacent columns at a time (BN // LANES_N: a thread's columns all adjacent); WN
+    # warps side by side along a row where the warps' rows would outnumber a chunk's
+    L("layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // LANES_N, LANES_N], [WARPS // WN, WN], [1, 0])", 1)
     L("row_l: gl.constexpr = gl.SliceLayout(1, layout)", 1)
     L("rows = gl.arange(0, CHUNK, layout=row_l)", 1)
     L("cols = gl.arange(0, BN, layout=gl.SliceLayout(0, layout))", 1)
-    L("part_l: gl.constexpr = gl.BlockedLayout([1, BM // 32], [1, 32], [EPI_WARPS, 1], [1, 0])", 1)
+    L("part_l: gl.constexpr = gl.BlockedLayout([1, BM // 32], [1, 32], [WARPS, 1], [1, 0])", 1)
     L("prow = gl.arange(0, TILES_P2, layout=gl.SliceLayout(1, part_l))", 1)
     L("pcol = gl.arange(0, BM, layout=gl.SliceLayout(0, part_l))", 1)
     L("pmask = (prow < TILES_N)[:, None] & (pcol < BM)[None, :]", 1)
-    L("n = 0", 1)
-    L("for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):", 1)
-    L("strip = t // TILES_N", 2)
-    L("tn = t % TILES_N", 2)
-    L("col = tn * BN + cols", 2)
+    L("strip = t // TILES_N", 1)
+    L("tn = t % TILES_N", 1)
+    L("col = tn * BN + cols", 1)
     for j, inp in enumerate(region.inputs):
         if inp.axes == frozenset("N"):
-            L(f"vec{j} = gl.load(in{j}_ptr + col).to(gl.float32)  # {inp.name}", 2)
-    L("mbarrier.wait(tile_ready, n & 1)", 2)
-    L("_mark(trace_ptr, n, 4, TRACE)", 2)
+            L(f"vec{j} = gl.load(in{j}_ptr + col).to(gl.float32)  # {inp.name}", 1)
     for e, reds in enumerate(lay.exchanges):
-        L(f"# ---- exchange {e}: {', '.join(f'%{r} {region.nodes[r].op.value}' for r in reds)} ----", 2)
-        L("for c in gl.static_range(BM // CHUNK):", 2)
+        L(f"# ---- exchange {e}: {', '.join(f'%{r} {region.nodes[r].op.value}' for r in reds)} ----", 1)
+        L("for c in gl.static_range(BM // CHUNK):", 1)
+        L("if (c_lo <= c) & (c < c_hi):", 2)
         L("row = strip * BM + c * CHUNK + rows", 3)
         L("acc = tile_smem.slice(c * CHUNK, CHUNK, dim=0).load(layout).to(gl.float32)", 3)
         # (a merged second is computed from its first's value: its own source needs the first)
@@ -330,15 +338,16 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
             if region.nodes[region.nodes[r].src[0]].axes != frozenset("MN"):  # a broadcast value: over 256 columns
                 src = f"(gl.full([CHUNK, BN], 0.0, gl.float32, layout) + {src})"
             L(f"gl.store({slot}, {red}({src}, axis=1))", 3)
-        L("gl.thread_barrier()  # every warp has published its partials", 2)
-        L(f"_mark(trace_ptr, n, {5 + 2 * e}, TRACE)", 2)
-        L("old = gl.atomic_add(counter_ptr + strip, 1, sem=\"acq_rel\", scope=\"gpu\")", 2)
-        L("target = (old // TILES_N + 1) * TILES_N", 2)
+        L("gl.thread_barrier()  # every warp has published its partials", 1)
+        L(f"_mark(trace_ptr, n, {5 + 2 * e}, TRACE)", 1)
+        # 2 TILES_N arrivals an exchange: a whole tile makes 2, each part of a shared one 1
+        L("old = gl.atomic_add(counter_ptr + strip, share, sem=\"acq_rel\", scope=\"gpu\")", 1)
+        L("target = (old // (2 * TILES_N) + 1) * (2 * TILES_N)", 1)
+        L("seen = gl.atomic_add(counter_ptr + strip, 0, sem=\"acquire\", scope=\"gpu\")", 1)
+        L("while seen < target:", 1)
         L("seen = gl.atomic_add(counter_ptr + strip, 0, sem=\"acquire\", scope=\"gpu\")", 2)
-        L("while seen < target:", 2)
-        L("seen = gl.atomic_add(counter_ptr + strip, 0, sem=\"acquire\", scope=\"gpu\")", 3)
-        L(f"_mark(trace_ptr, n, {6 + 2 * e}, TRACE)", 2)
-        L("gl.thread_barrier()", 2)
+        L(f"_mark(trace_ptr, n, {6 + 2 * e}, TRACE)", 1)
+        L("gl.thread_barrier()", 1)
         for wi, r in enumerate(reds):
             op = region.nodes[r].op
             fill = {Op.SUM: "0.0", Op.RMAX: 'float("-inf")', Op.RMIN: 'float("inf")'}[op]
@@ -347,22 +356,23 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
                 kind, r1 = lay.second[r]
                 w1 = reds.index(r1)
                 if kind == "lse":  # sum_t s_t exp(m_t - m)
-                    L(f"tile_m = {partials(e, w1, NEG_INF)}", 2)
-                    L("row_m = gl.max(tile_m, axis=0)", 2)
-                    L(f"scaled = gl.where(pmask, {partials(e, wi, '0.0')} * exp_fast(tile_m - row_m[None, :]), 0.0)", 2)
+                    L(f"tile_m = {partials(e, w1, NEG_INF)}", 1)
+                    L("row_m = gl.max(tile_m, axis=0)", 1)
+                    L(f"scaled = gl.where(pmask, {partials(e, wi, '0.0')} * exp_fast(tile_m - row_m[None, :]), 0.0)", 1)
                 else:  # Chan: sum_t M2_t + BN (mean_t - mean)^2
-                    L(f"tile_sum = {partials(e, w1, '0.0')}", 2)
-                    L("dm = gl.where(pmask, tile_sum / BN - (gl.sum(tile_sum, axis=0) / N)[None, :], 0.0)", 2)
-                    L(f"scaled = {partials(e, wi, '0.0')} + BN * dm * dm", 2)
-                L(f"stat_smem.index({lay.slot[r][2]}).store(gl.sum(scaled, axis=0))  # %{r} (merged with %{r1})", 2)
+                    L(f"tile_sum = {partials(e, w1, '0.0')}", 1)
+                    L("dm = gl.where(pmask, tile_sum / BN - (gl.sum(tile_sum, axis=0) / N)[None, :], 0.0)", 1)
+                    L(f"scaled = {partials(e, wi, '0.0')} + BN * dm * dm", 1)
+                L(f"stat_smem.index({lay.slot[r][2]}).store(gl.sum(scaled, axis=0))  # %{r} (merged with %{r1})", 1)
                 continue
-            L(f"part = {partials(e, wi, fill)}", 2)
-            L(f"stat_smem.index({lay.slot[r][2]}).store({red}(part, axis=0))  # %{r}", 2)
-        L("gl.thread_barrier()", 2)
+            L(f"part = {partials(e, wi, fill)}", 1)
+            L(f"stat_smem.index({lay.slot[r][2]}).store({red}(part, axis=0))  # %{r}", 1)
+        L("gl.thread_barrier()", 1)
         if keep_now is not None:
             w.stored = keep_now
-    L("# ---- the outputs, each written once ----", 2)
-    L("for c in gl.static_range(BM // CHUNK):", 2)
+    L("# ---- the outputs, each written once ----", 1)
+    L("for c in gl.static_range(BM // CHUNK):", 1)
+    L("if (c_lo <= c) & (c < c_hi):", 2)
     L("row = strip * BM + c * CHUNK + rows", 3)
     L("acc = tile_smem.slice(c * CHUNK, CHUNK, dim=0).load(layout).to(gl.float32)", 3)
     full = [o for o in region.outputs if o.axes == frozenset("MN")]
@@ -387,14 +397,57 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
                 L(f"gl.store(out{k}_ptr + row, gl.max(gl.full([CHUNK, BN], 0.0, gl.float32, layout) + {w.ref(o.node)}, "
                   f"axis=1).to(out{k}_ptr.dtype.element_ty))  # {o.name}", 4)
     if tma_store:  # the output tile from the buffer by one bulk copy, read before the buffer is freed
-        L("fence_async_shared()  # the buffer's generic writes, before the TMA engine reads it", 2)
-        L("gl.thread_barrier()  # every warp has written its rows", 2)
-        L("tma.async_copy_shared_to_global(o_desc, [strip * BM, tn * BN], tile_smem)", 2)
-        L("tma.store_wait(0)", 2)
-    L("gl.thread_barrier()  # every warp has read the tile", 2)
+        L("fence_async_shared()  # the buffer's generic writes, before the TMA engine reads it", 1)
+        L("gl.thread_barrier()  # every warp has written its rows", 1)
+        L("tma.async_copy_shared_to_global(o_desc, [strip * BM, tn * BN], tile_smem)", 1)
+        L("tma.store_wait(0)", 1)
+    L("gl.thread_barrier()  # every warp has read the tile", 1)
+    L("", 0)
+    L("", 0)
+    L("@gluon.jit", 0)
+    L(f"def {name}_epilogue(tile_smem, stat_smem, tile_ready, tile_free, {ptrs}, ws_ptr, counter_ptr, trace_ptr,", 0)
+    L("num_tiles, TRACE: gl.constexpr,", 8)
+    L("M, N, TILES_N: gl.constexpr, TILES_P2: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,", 8)
+    L("CHUNK: gl.constexpr, EPI_WARPS: gl.constexpr, LANES_N: gl.constexpr, VEC: gl.constexpr):", 8)
+    L('"""The epilogue partition: each of the program\'s tiles as it is handed off."""', 1)
+    L("n = 0", 1)
+    L("for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):", 1)
+    L("mbarrier.wait(tile_ready, n & 1)", 2)
+    L("_mark(trace_ptr, n, 4, TRACE)", 2)
+    if tail:
+        L(f"# the program's last tile: its last {tail} rows go to the mainloop's warps, idle by then", 2)
+        L("last = (t + gl.num_programs(0) >= num_tiles).to(gl.int32)", 2)
+        L(f"{name}_tile(tile_smem, stat_smem, {ptrs}, ws_ptr, counter_ptr, trace_ptr, t, n, 0,", 2)
+        L(f"BM // CHUNK - last * ({tail} // CHUNK), 2 - last, TRACE, M, N, TILES_N, TILES_P2, BM, BN,", 6)
+        L("CHUNK, EPI_WARPS, LANES_N, VEC, 1)", 6)
+    else:
+        L(f"{name}_tile(tile_smem, stat_smem, {ptrs}, ws_ptr, counter_ptr, trace_ptr, t, n, 0, BM // CHUNK, 2,", 2)
+        L("TRACE, M, N, TILES_N, TILES_P2, BM, BN, CHUNK, EPI_WARPS, LANES_N, VEC, 1)", 6)
     L(f"_mark(trace_ptr, n, {5 + 2 * E}, TRACE)", 2)
     L("mbarrier.arrive(tile_free)", 2)
     L("n += 1", 2)
+    if tail:
+        L("", 0)
+        L("", 0)
+        L("@gluon.jit", 0)
+        L(f"def {name}_main(a_desc, b_desc, a_bufs, b_bufs, ready, tile_smem, stat_smem, tile_ready, tile_free, {ptrs},",
+          0)
+        L("ws_ptr, counter_ptr, trace_ptr, num_tiles, k_steps, M, N, TRACE: gl.constexpr, B_KMAJOR: gl.constexpr,", 8)
+        L("TILES_N: gl.constexpr, TILES_P2: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,", 8)
+        L("CHUNK: gl.constexpr, LANES_N: gl.constexpr, num_warps: gl.constexpr):", 8)
+        L(f'"""The mainloop partition; then, its warps idle, the last {tail} rows of the program\'s last tile\'s', 1)
+        L('epilogue (its first rows are the epilogue partition\'s)."""', 1)
+        L("_mma_partition(a_desc, b_desc, a_bufs, b_bufs, ready, tile_smem, tile_ready, tile_free, num_tiles, k_steps,",
+          1)
+        L("trace_ptr, TRACE, 0, B_KMAJOR, TILES_N, 0, BM, BN, BK, num_warps)", 6)
+        L("my_tiles = gl.cdiv(num_tiles - gl.program_id(0), gl.num_programs(0))", 1)
+        # (the buffer holds the tile: _mma_partition's last barrier follows its store)
+        L("WN: gl.constexpr = (num_warps * (32 // LANES_N) + CHUNK - 1) // CHUNK  # warps side by side along a row", 1)
+        L(f"{name}_tile(tile_smem, stat_smem, {ptrs}, ws_ptr, counter_ptr, trace_ptr,", 1)
+        L(f"gl.program_id(0) + (my_tiles - 1) * gl.num_programs(0), my_tiles - 1, BM // CHUNK - {tail} // CHUNK,", 6)
+        L("BM // CHUNK, 1, False, M, N, TILES_N, TILES_P2, BM, BN, CHUNK, num_warps, LANES_N, BN // (LANES_N * WN), WN)",
+          6)
+        L("_mark(trace_ptr, my_tiles - 1, 15, TRACE)  # (the trace's slot 15: these rows written)", 1)
     L("", 0)
     L("", 0)
     L("@gluon.jit", 0)
@@ -422,8 +475,14 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
     L("num_tiles = (M // BM) * TILES_N", 1)
     L("k_steps = gl.cdiv(K, BK)", 1)
     L("gl.warp_specialize([", 1)
-    L("(_mma_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, tile_smem, tile_ready, tile_free, num_tiles,", 2)
-    L("k_steps, trace_ptr, TRACE, 0, B_KMAJOR, TILES_N, 0, BM, BN, BK, num_warps)),", 5)
+    if tail:
+        L(f"({name}_main, (a_desc, b_desc, a_bufs, b_bufs, ready, tile_smem, stat_smem, tile_ready, tile_free, {ptrs},",
+          2)
+        L("ws_ptr, counter_ptr, trace_ptr, num_tiles, k_steps, M, N, TRACE, B_KMAJOR, TILES_N, TILES_P2, BM, BN, BK,", 5)
+        L("CHUNK, LANES_N, num_warps)),", 5)
+    else:
+        L("(_mma_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, tile_smem, tile_ready, tile_free, num_tiles,", 2)
+        L("k_steps, trace_ptr, TRACE, 0, B_KMAJOR, TILES_N, 0, BM, BN, BK, num_warps)),", 5)
     L(f"({name}_epilogue, (tile_smem, stat_smem, tile_ready, tile_free, {ptrs}, ws_ptr, counter_ptr, trace_ptr,", 2)
     L("num_tiles, TRACE, M, N, TILES_N, TILES_P2, BM, BN, CHUNK, EPI_WARPS, LANES_N, VEC)),", 5)
     L("], [EPI_WARPS], [EPI_REGS])", 1)
