@@ -101,7 +101,7 @@ def run_step(names, rounds, shapes):
                      .abs().max().item(),
                      False: (F.linear(x, w, b).double() - ref_y).abs().max().item()}
         ws = torch.empty(strip.workspace_numel(M, N), device="cuda", dtype=torch.float32)
-        counters = torch.zeros(M // strip.BM, device="cuda", dtype=torch.int32)
+        counters = torch.zeros(M // strip.BM, device="cuda", dtype=torch.int64)
         forms = {}
         for name in names:
             cfg, ablation = VARIANTS[name]

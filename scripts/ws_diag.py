@@ -59,7 +59,7 @@ def direct_forms(name, prog, ref, num_sms, log):
     N = w.shape[1]
     kw = {role: side[i] for role, i in roles.items()}
     ws = torch.empty(strip.workspace_numel(M, N), device="cuda", dtype=torch.float32)
-    counters = torch.zeros(M // strip.BM, device="cuda", dtype=torch.int32)
+    counters = torch.zeros(M // strip.BM, device="cuda", dtype=torch.int64)
     w_nk = w.t().contiguous()
     forms = {}
     for b_label, b, kmajor in (("B [K,N]", w, False), ("B [N,K]", w_nk, True)):

@@ -133,7 +133,7 @@ def test_later_calls_launch_with_the_arguments_the_jit_would_get(monkeypatch):
     (ws,) = [p for p in candidates(region, target="cuda") if p.schedule == "ws_strip" and not p.prefetch]
     kernel = build(ws)
     launched = []
-    scratch = (torch.empty(strip.workspace_numel(256, 512)), torch.zeros(2, dtype=torch.int32))
+    scratch = (torch.empty(strip.workspace_numel(256, 512)), torch.zeros(2, dtype=torch.int64))
 
     def bind(self, a, b, out, bias, residual, gamma, beta):  # the JIT's launch, minus the GPU
         grid, args, options = strip.arguments(strip_kernel.config(self.plan), a, b, out, bias=bias,

@@ -79,7 +79,7 @@ def compile_for_gpu(plan: Plan, arch: int = 90, tf32: bool = False) -> dict:
         elif p.role == "workspace":
             sig[p.name] = "*fp32"
         elif p.role == "counters":
-            sig[p.name] = "*i32"
+            sig[p.name] = "*i64"
         else:
             sig[p.name] = "i32"
     compiled = _compile(kernel, sig, dict(UPCAST_OPERANDS=False, DOT_PRECISION="tf32" if tf32 else "ieee",

@@ -263,13 +263,15 @@ class Kernel:
         return slots * buffers * max(p.exchange_width, 1) * pow2 * p.block_m
 
     def scratch(self, device, numel: int, counters: int = 1):
-        """Workspace (fp32) and arrival counters (int32), kept per device and grown as needed;
-        counters start at zero once and only ever grow."""
+        """Workspace (fp32) and arrival counters, kept per device and grown as needed;
+        counters start at zero once and only ever grow: int64, so that no count of launches
+        wraps them (int32 would after 2**31 / (TILES_N x exchanges) launches, a few tens of
+        millions at N = 4096: a long-lived server's count)."""
         key = str(device)
         ws, cnt = self._scratch.get(key, (None, None))
         if ws is None or ws.numel() < numel or cnt.numel() < counters:
             ws = torch.empty(max(numel, 1), dtype=torch.float32, device=device)
-            cnt = torch.zeros(max(counters, 1), dtype=torch.int32, device=device)
+            cnt = torch.zeros(max(counters, 1), dtype=torch.int64, device=device)
             self._scratch[key] = (ws, cnt)
         return ws, cnt
 

@@ -87,7 +87,7 @@ class StagesKernel:
         if key not in self._scratch:
             self._scratch[key] = (torch.empty(stages.workspace_numel(M, N, self.plan.stages, self.plan.moments),
                                               dtype=torch.float32, device=dev),
-                                  torch.zeros(M // strip.BM, dtype=torch.int32, device=dev))
+                                  torch.zeros(M // strip.BM, dtype=torch.int64, device=dev))  # (int64: never wraps)
         ws, counters = self._scratch[key]
         if N // strip.BN > _sm_count(dev):
             raise UnsupportedLayout(f"ws_stages: a strip of {N // strip.BN} tiles cannot be resident at once")
@@ -175,7 +175,7 @@ def compile_sm90(plan: Plan, name: str = "", chunk: int = CHUNK, vec: int = 0):
         sig[f"out{k}_ptr"] = "*" + short[out.dtype]
     if plan.tma_store:
         sig["o_desc"] = f"tensordesc<bf16[{strip.BM}, {strip.BN}],{strip.layouts(kmajor)[2]!r}>"
-    sig.update({"ws_ptr": "*fp32", "counter_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "trace_ptr": "*i32"})
+    sig.update({"ws_ptr": "*fp32", "counter_ptr": "*i64", "M": "i32", "N": "i32", "K": "i32", "trace_ptr": "*i64"})
     tiles = plan.region.sizes.N // strip.BN
     constexprs = dict(B_KMAJOR=kmajor, BN=strip.BN, TILES_N=tiles, TILES_P2=strip._pow2(tiles), STAGES=3,
                       CHUNK=chunk, EPI_WARPS=4, EPI_REGS=152, LANES_N=plan.lanes, VEC=vec or strip.BN // plan.lanes,

@@ -87,7 +87,7 @@ class StripKernel:
         key = (dev, M, N)
         if key not in self._scratch:
             self._scratch[key] = (torch.empty(strip.workspace_numel(M, N), dtype=torch.float32, device=dev),
-                                  torch.zeros(M // strip.BM, dtype=torch.int32, device=dev))
+                                  torch.zeros(M // strip.BM, dtype=torch.int64, device=dev))  # (int64: never wraps)
         ws, counters = self._scratch[key]
         cfg = config(self.plan)
         grid, args, options = strip.arguments(cfg, a, b, out, bias=bias, residual=residual, gamma=gamma, beta=beta,

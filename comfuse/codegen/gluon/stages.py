@@ -21,9 +21,18 @@ Each stage's values are recomputed in every later pass rather than kept (the til
 fit in the epilogue warps' registers). The exchanges are plain reductions, so LayerNorm takes
 two (the mean, then the squared deviations) where the template's Welford merge takes one.
 The co-residency argument is the template's (strip.py): every exchange waits only on tiles
-of the same strip, which run in the same round of the persistent grid, and the counters only
-grow (E arrivals per tile per launch, E the number of exchanges; all members make them in the
-same order, so the target ``(old // TILES_N + 1) * TILES_N`` names the right exchange).
+of the same strip, which run in the same round of the persistent grid, and the counters (int64)
+only grow: each exchange counts 2 TILES_N arrivals a strip, 2 from a whole tile, 1 from each
+part of a shared one (below); all members make them in the same order, so the target
+``(old // (2 TILES_N) + 1) * 2 TILES_N`` names the right exchange.
+
+With ``tail`` (``Plan.tail``) the mainloop's 8 warps, idle once the program's last tile is
+handed off, run that tile's last ``tail`` rows through the same per-tile function while the
+epilogue partition runs its first rows. No wait is added: the mainloop warps' part needs
+nothing from the epilogue partition but its arrivals, and those come after its earlier tiles.
+Both parts write the same per-row statistics of that tile to ``stat_smem``, the same values
+to the same places (each combines all partials of the strip), and neither reads a statistic
+before its own write and barrier, so the shared writes are benign.
 """
 from __future__ import annotations
 

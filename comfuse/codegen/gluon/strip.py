@@ -444,7 +444,7 @@ def arguments(cfg: StripConfig, a, b, out, *, bias=None, residual=None, gamma=No
         raise ValueError(f"a strip of {tiles_n} tiles cannot be resident at once on {num_sms} SMs")
     grid = (min(num_sms, (M // BM) * tiles_n), )
     args = [*call_arguments(cfg, a, b, out, bias, residual, gamma, beta, targets), ws if ws is not None else out,
-            counters if counters is not None else torch.zeros(1, dtype=torch.int32, device=out.device),
+            counters if counters is not None else torch.zeros(1, dtype=torch.int64, device=out.device),
             M, N, K, eps, counters if trace is None else trace]
     return grid, args, dict(cfg.constexprs(tiles_n, trace is not None), num_warps=8, maxnreg=cfg.maxnreg)
 
@@ -453,7 +453,7 @@ def launch(cfg: StripConfig, a, b, out, **kw) -> int:
     """One launch through Triton's JIT: ``a`` [M, K] row-major, ``b`` [K, N] (or [N, K] when
     cfg.b_kmajor) with unit inner stride, ``out`` [M, N] contiguous, all bf16; bias / gamma /
     beta [N]; residual [M, N] contiguous; ``ws`` (float32, at least workspace_numel) and
-    ``counters`` (int32, M / 128 entries, zero before the first launch, never reset). KIND_LSE:
+    ``counters`` (int64, M / 128 entries, zero before the first launch, never reset). KIND_LSE:
     ``targets`` int64 [M] and ``out`` any bf16 [BM, BN] tensor (nothing is written to it; the
     results are in ``ws``). Returns the grid size. (runtime/strip_kernel.py launches the
     compiled kernel directly after its first call per layout.)"""
@@ -482,8 +482,8 @@ def compile_sm90(cfg: StripConfig, M: int = 8192, N: int = 1024, K: int = 1024):
            "r_desc": f"tensordesc<bf16[{BM}, {BN}],{lt!r}>",
            "bias_ptr": "*bf16", "res_ptr": "*bf16", "gamma_ptr": "*bf16", "beta_ptr": "*bf16",
            "out_ptr": "*bf16", "aux_ptr": "*i64" if cfg.kind == KIND_LSE else "*bf16", "ws_ptr": "*fp32",
-           "counter_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
-           "eps": "fp32", "trace_ptr": "*i32"}
+           "counter_ptr": "*i64", "M": "i32", "N": "i32", "K": "i32",
+           "eps": "fp32", "trace_ptr": "*i64"}
     constexprs = dict(cfg.constexprs(N // BN), num_warps=8)
     sig.update({k: "constexpr" for k in constexprs})
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(3, 14)}

@@ -702,7 +702,7 @@ class _Emitter:
                   "later exchanges]")
         self.line("ws_rows = tl.arange(0, BLOCK_M)")
         self.line("prev_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)  # the tile of the strip to finish")
-        self.line("prev_target = pid * 0  # the count that completes its first exchange")
+        self.line("prev_target = (pid * 0).to(tl.int64)  # the count that completes its first exchange (counters: int64)")
         self.line("for it in range(0, mine + 1):")
         self.line("cur_acc = prev_acc", 2)
         self.line("cur_target = prev_target", 2)
