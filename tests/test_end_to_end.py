@@ -521,6 +521,24 @@ def test_one_tile_strips_run_the_gpu_form_and_match_reference(name, overlap):
         assert "strip_wait(counters" in open(r.kernel_path).read()
 
 
+def test_strip_counters_pass_the_int32_limit():
+    """The arrival counters only grow, so a long-lived process takes them past 2**31: they are
+    int64 (an int32 counter would wrap there and its strips would wait forever). Set just
+    below the limit, two more calls cross it and still match the reference."""
+    wl = SUITE["softmax"]
+    args = wl.inputs(200, 24, 16, device=DEVICE)
+    with settings.override(schedule="cooperative"):
+        compiled, out = compile_and_run(wl.fn, args)
+        (region,) = compiled.fused_regions()
+        (_, counters), = region.kernel._scratch.values()
+        assert counters.dtype == torch.int64
+        counters.fill_(2**31 - 2)
+        for _ in range(2):
+            out = compiled(*args)
+    assert_matches_reference(wl.fn, args, out)
+    assert counters.min().item() > 2**31 - 2
+
+
 def test_overlapped_strip_with_a_row_output_matches_reference():
     fn = lambda x, w: (torch.softmax(x @ w, -1), (x @ w).amax(-1))  # noqa: E731
     args = (randn(150, 24), weight(24, 16))

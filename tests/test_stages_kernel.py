@@ -91,8 +91,8 @@ def test_every_constexpr_of_the_generated_kernel_is_given_at_launch():
 
 def test_generated_kernels_compile_for_sm90():
     """The suite's row reductions and a LayerNorm through nn.Linear's weight ([N, K]), merged or
-    not, with the output by TMA store or not: 12 warps at <= 168 registers, the epilogue
-    partition at 152, at most a few spills."""
+    not, with the output by TMA store or not, the last tile shared with the mainloop's warps
+    or not: 12 warps at <= 168 registers, the epilogue partition at 152, at most a few spills."""
     script = textwrap.dedent("""
         import json, re, torch
         import torch.nn.functional as F
@@ -113,9 +113,11 @@ def test_generated_kernels_compile_for_sm90():
         for name, (fn, args) in [*cases.items(), ("multi_stage_merged", cases["multi_stage"]),
                                  ("ln_postnorm_merged", cases["ln_postnorm"]),
                                  ("multi_stage_merged_tma", cases["multi_stage"]),
-                                 ("ln_linear_tma", cases["ln_linear"])]:
+                                 ("ln_linear_tma", cases["ln_linear"]),
+                                 ("multi_stage_merged_tail", cases["multi_stage"])]:
             (cand,) = find_regions(capture(fn, args))
-            with settings.override(schedule="ws_stages", ws_merge="_merged" in name, ws_tma_store=name.endswith("_tma")):
+            with settings.override(schedule="ws_stages", ws_merge="_merged" in name, ws_tma_store=name.endswith("_tma"),
+                                   ws_tail=112 if name.endswith("_tail") else 0, ws_lanes=8 if name.endswith("_tail") else 0):
                 p = plan(cand.region, target="cuda")
             k = compile_sm90(p)
             regs = sorted(set(int(v) for v in re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+);",
@@ -207,3 +209,33 @@ def test_a_division_by_a_broadcast_value_is_a_reciprocal_and_a_multiply():
     assert "v0 * (1.0 / 3.0)" in text
     text = source_text(forced(lambda x, w: torch.softmax((x @ w) / 0.0, -1), x, w), "k")
     assert "v0 / 0.0" in text
+
+
+def test_the_last_tile_shared_with_the_mainloop_warps():
+    """COMFUSE_WS_TAIL=ROWS: the mainloop partition runs the last ROWS rows of its program's
+    last tile through the per-tile function, the epilogue partition the first ones; each
+    exchange counts 2 TILES_N arrivals (2 a whole tile, 1 a part). Autotuning offers 8 lanes
+    with 112 such rows; rows that are not a multiple of the 16-row chunk are refused; a shared
+    tile is written by each thread, not by one TMA store."""
+    from comfuse.codegen.gluon import stages
+    from comfuse.runtime.stages_kernel import source_text
+    plain = suite_plan("rmsnorm", merge=True)
+    assert plain.tail == 0 and "_main(" not in source_text(plain, "k")
+    offered = [q for q in candidates(plain.region, target="cuda") if q.schedule == "ws_stages"]
+    assert [(q.lanes, q.tail) for q in offered] == [(32, 0), (8, 0), (8, 112)]
+    with settings.override(ws_tail=96):
+        p = suite_plan("rmsnorm", merge=True)
+        assert [q.tail for q in candidates(plain.region, target="cuda") if q.schedule == "ws_stages"] == [96, 96]
+        with settings.override(ws_tma_store=True):
+            assert not suite_plan("rmsnorm").tma_store
+    assert p.tail == 96 and "the last 96 rows of the last tile" in p.describe()
+    text = source_text(p, "k")
+    assert "def k_main(" in text and "(k_main, (" in text and "(_mma_partition, (" not in text
+    assert "BM // CHUNK - last * (96 // CHUNK), 2 - last" in text  # the epilogue partition's part
+    assert "BM // CHUNK - 96 // CHUNK,\n" in text  # the mainloop warps' part starts there
+    assert text.count("target = (old // (2 * TILES_N) + 1) * (2 * TILES_N)") == p.exchanges
+    with settings.override(ws_tail=100):
+        refused = suite_plan("rmsnorm")
+    assert isinstance(refused, NotFused) and "COMFUSE_WS_TAIL=100" in refused.reason
+    with pytest.raises(ValueError, match="TMA store"):
+        stages.emit(p.region, p.stages, "k", "", tma_store=True, tail=96)
