@@ -67,15 +67,16 @@ class Settings:
     # where the later passes need nothing else of the tile; 0: one exchange per stage.
     ws_merge: bool
     # COMFUSE_WS_LANES: lanes of a warp along a row of a ws_stages epilogue's chunks, 32 or 8
-    # (0, the default: autotuning times both; the planner's own choice is 32).
+    # (0, the default: autotuning times both; the planner's own choice is 8).
     ws_lanes: int
     # COMFUSE_WS_TMA_STORE=1: ws_stages kernels with one bf16 [M, N] output write it from the
     # hand-off buffer by one TMA bulk store a tile (experimental: compiled for sm_90, not yet
     # run on a GPU, so not among the autotuner's candidates without it).
     ws_tma_store: bool
-    # COMFUSE_WS_TAIL: rows (a multiple of 16, at most 128) of each program's last tile whose
+    # COMFUSE_WS_TAIL: rows (a multiple of 32, at most 128) of each program's last tile whose
     # epilogue a ws_stages kernel's mainloop warps run, idle by then, beside the epilogue
-    # partition's rows (0, the default: none; experimental until timed on a GPU).
+    # partition's rows (0, the default: none; experimental, not an autotuning candidate: its
+    # form in 32-row chunks has not run on a GPU).
     ws_tail: int
     # COMFUSE_AUTOTUNE: "auto" (time the candidate plans and the unfused ops on the first
     # call on a GPU, keep the fastest, remember it on disk), "1" (also under the

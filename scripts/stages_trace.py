@@ -58,6 +58,13 @@ def timeline(trace, grid: int, tiles: int, E: int) -> str:
     last_mma = t[..., 1][valid].max()
     lines.append(f"    span {(end - start).item() / 1e3:.2f} us, after the last mainloop "
                  f"{(end - last_mma).item() / 1e3:.2f} us")
+    # row 63: each program's start (before its partitions fork) and end (after they join)
+    entry, leave = t[:, 63, 0], t[:, 63, 1]
+    first = t[:, 0, 0]
+    lines.append(f"    program start -> its first tile: median {((first - entry) / 1e3).median().item():.2f} us, max "
+                 f"{((first - entry) / 1e3).max().item():.2f}; first start -> last end "
+                 f"{(leave.max() - entry.min()).item() / 1e3:.2f} us; last mark -> last end "
+                 f"{(leave.max() - end).item() / 1e3:.2f} us")
     return "\n".join(lines)
 
 

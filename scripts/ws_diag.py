@@ -190,7 +190,7 @@ def main() -> None:
     ap.add_argument("--max-autotune", action="store_true", help="also time torch.compile max-autotune-no-cudagraphs")
     ap.add_argument("--auto", action="store_true", help="also comfuse with autotuning (its choice, timed)")
     ap.add_argument("--schedules", default="ws_strip",
-                    help="comma-separated schedules to force (ws_strip, ws_stages, ws_stages/8: its rows over 8 "
+                    help="comma-separated schedules to force (ws_strip, ws_stages (its rows over 8 lanes, the planner's choice), ws_stages/32 or ws_stages/8: its rows over 32 or 8 "
                          "lanes; linear_ce always ws_split)")
     args = ap.parse_args()
     out_dir = Path(os.environ.get("OUT", "/tmp"))

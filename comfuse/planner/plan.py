@@ -52,14 +52,17 @@ class Plan:
     persistent: bool = False  # tile, TMA: one program per SM walks the tiles, its tile and K loops fused by Triton
     template: object = None  # ws_strip: the planner.template.StripTemplate the region matched
     # ws_stages: lanes of a warp along a row of the epilogue's chunks (a row reduction takes
-    # log2(lanes) shuffles); 32 or 8 (H200, 2026-12-01: 8 halves multi-stage's epilogue, 32
-    # suits LayerNorm's [M, N] reads and writes)
+    # log2(lanes) shuffles); 32 or 8 (the planner's choice: H200, sixteenth session, sustained,
+    # x cuBLAS's GEMM at 8192x4096x4096: multi-stage 1.00-1.08x against 1.42-1.47x, LayerNorm
+    # 1.080x against 1.101x, softmax 1.058x against 1.070x; at 8192x1024x1024 within 3 %
+    # either way but softmax, 1.364x against 1.522x)
     lanes: int = 32
     # ws_stages: the output tile written from the hand-off buffer by one TMA bulk store, not by
     # each thread (COMFUSE_WS_TMA_STORE=1, experimental: compiled for sm_90, not yet run on a GPU)
     tma_store: bool = False
     # ws_stages: rows of each program's last tile whose epilogue the mainloop's 8 warps run once
-    # their last tile is handed off (0: the epilogue partition runs every row; COMFUSE_WS_TAIL)
+    # their last tile is handed off, a multiple of 32 (0: the epilogue partition runs every row;
+    # COMFUSE_WS_TAIL, experimental: the form in 32-row chunks has not run on a GPU)
     tail: int = 0
 
     def describe(self) -> str:
@@ -322,7 +325,7 @@ def plan(region: Region, target: str = "cuda", settings=None, sm_count: int = 13
         return lse_template_plan(region, transposed, stages, tuple(forms), target)
     if forced == "ws_stages":
         return stages_template_plan(region, transposed, stages, tuple(forms), target, sm_count,
-                                    merge=settings.ws_merge, lanes=settings.ws_lanes or 32,
+                                    merge=settings.ws_merge, lanes=settings.ws_lanes or 8,
                                     tma_store=settings.ws_tma_store, tail=settings.ws_tail)
     if forced in TEMPLATE_SCHEDULES:
         return strip_template_plan(region, transposed, stages, tuple(forms), target, sm_count,
@@ -418,8 +421,8 @@ def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple,
         return no("Gluon kernels do not run in Triton's interpreter (sm_90 GPUs only)")
     if lanes not in (32, 8):
         return no(f"COMFUSE_WS_LANES={lanes}: the epilogue lays a row over 32 or 8 lanes")
-    if tail % 16 or not 0 <= tail <= 128:
-        return no(f"COMFUSE_WS_TAIL={tail}: rows of the last tile, a multiple of 16 up to 128")
+    if tail % 32 or not 0 <= tail <= 128:
+        return no(f"COMFUSE_WS_TAIL={tail}: rows of the last tile, a multiple of 32 up to 128")
     if transposed:
         return no("the kernel reduces along N only")
     g, s = region.gemm, region.sizes
@@ -531,15 +534,10 @@ def candidates(region: Region, target: str = "cuda", settings=None, sm_count: in
         # the generated warp-specialised kernel, its exchanges merged unless COMFUSE_WS_MERGE=0
         # (H200, 2026-12-01: LayerNorm 8192x4096x4096 1.049x cuBLAS's GEMM merged, 1.112x not)
         gen = stages_template_plan(first.region, first.transposed, first.stages, first.forms, target, sm_count,
-                                   merge=settings.ws_merge, lanes=settings.ws_lanes or 32,
+                                   merge=settings.ws_merge, lanes=settings.ws_lanes or 8,
                                    tma_store=settings.ws_tma_store, tail=settings.ws_tail)
         if isinstance(gen, Plan):  # both row layouts of its epilogue, unless COMFUSE_WS_LANES names one
-            out += [gen] if settings.ws_lanes else [gen, dataclasses.replace(gen, lanes=8)]
-            if not settings.ws_tail and not settings.ws_lanes and not gen.tma_store:
-                # the last 112 rows of each program's last tile by the mainloop's warps (H200,
-                # sixteenth session, sustained: RMSNorm 8192x1024x1024 1.302x cuBLAS's GEMM, 1.387x
-                # without; LayerNorm, softmax and multi-stage there within 1 % either way)
-                out.append(dataclasses.replace(gen, lanes=8, tail=112))
+            out += [gen] if settings.ws_lanes else [gen, dataclasses.replace(gen, lanes=32 if gen.lanes == 8 else 8)]
         if first.schedule == "split":  # a loss over wide rows: the template's terminal kind
             lse = lse_template_plan(first.region, first.transposed, first.stages, first.forms, target)
             if isinstance(lse, Plan):

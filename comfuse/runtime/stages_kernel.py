@@ -114,7 +114,8 @@ class StagesKernel:
         the mainloop partition (tile start, last MMA done, buffer free, hand-off); 4: the
         epilogue has the tile; 5 + 2e / 6 + 2e: exchange e's partials published / its wait
         over; 5 + 2E: the outputs written (E exchanges, at most 5 here); 15, of a program's last
-        tile where the mainloop's warps share it (``Plan.tail``): their rows written."""
+        tile where the mainloop's warps share it (``Plan.tail``): their rows written. Row 63
+        (so at most 63 tiles a program): slot 0 the program's start, slot 1 its end."""
         from ..codegen.gluon import stages, strip
         tensors = self.tensors(a3, b3, ins, outs)
         self.launch(a3, b3, ins, outs)  # scratch, checks, and the counters in step
@@ -128,8 +129,8 @@ class StagesKernel:
         ws, counters = self._scratch[(str(a.device), M, N)]
         grid, options = self.grid_options(a.device, M, N)
         tiles = (M // strip.BM) * (N // strip.BN)
-        if -(-tiles // grid[0]) > 64:
-            raise ValueError("ws_stages trace: more than 64 tiles a program")
+        if -(-tiles // grid[0]) > 63:
+            raise ValueError("ws_stages trace: more than 63 tiles a program")
         buf = torch.zeros(grid[0], 64, 16, dtype=torch.int64, device=a.device)
         args = self.arguments(tensors, ws, counters)
         args[-1] = buf
@@ -151,7 +152,7 @@ def build(plan: Plan, name: str) -> StagesKernel:
     return StagesKernel(plan, source, getattr(module, name))
 
 
-def compile_sm90(plan: Plan, name: str = "", chunk: int = CHUNK, vec: int = 0):
+def compile_sm90(plan: Plan, name: str = "", chunk: int = CHUNK, vec: int = 0, trace: bool = False):
     """Compile a plan's generated kernel for sm_90 on any machine (no GPU needed), as
     ``strip.compile_sm90`` does for the template. ``name``: the module's (by default the plan's
     kernel name: a loaded module is reused by name)."""
@@ -179,7 +180,7 @@ def compile_sm90(plan: Plan, name: str = "", chunk: int = CHUNK, vec: int = 0):
     tiles = plan.region.sizes.N // strip.BN
     constexprs = dict(B_KMAJOR=kmajor, BN=strip.BN, TILES_N=tiles, TILES_P2=strip._pow2(tiles), STAGES=3,
                       CHUNK=chunk, EPI_WARPS=4, EPI_REGS=152, LANES_N=plan.lanes, VEC=vec or strip.BN // plan.lanes,
-                      num_warps=8)
+                      TRACE=trace, num_warps=8)
     sig.update({k: "constexpr" for k in constexprs})
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(2, len(sig) - len(constexprs))}
     return triton.compile(GluonASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),

@@ -267,11 +267,11 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
     buffer (rounded to bf16, as eager's bf16 ops round it) and the later passes start from it
     rather than recompute it (only where every output is bf16 or fp16); ``tail``: rows of each
     program's last tile whose epilogue the mainloop's warps run (``{name}_main``), idle once
-    their last tile is handed off (0: none; a multiple of the chunk, 16 rows)."""
+    their last tile is handed off (0: none; a multiple of their chunk, 32 rows)."""
     if tail and tma_store:
         raise ValueError("ws_stages: a shared last tile is written by each thread, not by one TMA store")
-    if tail % 16 or not 0 <= tail <= 128:
-        raise ValueError(f"ws_stages: tail {tail}: a multiple of 16 rows, at most the tile's 128")
+    if tail % 32 or not 0 <= tail <= 128:
+        raise ValueError(f"ws_stages: tail {tail}: a multiple of 32 rows, at most the tile's 128")
     lay = layout_of(stages, pairs)
     w = _Writer(region, lay)
     keep = keep and all(o.dtype in (torch.bfloat16, torch.float16) for o in region.outputs)
@@ -289,16 +289,14 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
     L("@gluon.jit", 0)
     L(f"def {name}_tile(tile_smem, stat_smem, {ptrs}, ws_ptr, counter_ptr, trace_ptr, t, n, c_lo, c_hi, share,", 0)
     L("TRACE: gl.constexpr, M, N, TILES_N: gl.constexpr, TILES_P2: gl.constexpr, BM: gl.constexpr,", 8)
-    L("BN: gl.constexpr, CHUNK: gl.constexpr, WARPS: gl.constexpr, LANES_N: gl.constexpr, VEC: gl.constexpr,", 8)
-    L("WN: gl.constexpr):", 8)
+    L("BN: gl.constexpr, CHUNK: gl.constexpr, WARPS: gl.constexpr, LANES_N: gl.constexpr, VEC: gl.constexpr):", 8)
     L(f'"""Tile t\'s epilogue over its chunks [c_lo, c_hi) by WARPS warps: {E} exchange(s), then the outputs (see the',
       1)
     L("module docstring); ``share``: this group's arrivals at each exchange (2 for the whole tile, 1 for a", 1)
     L('part of the program\'s last tile)."""', 1)
     # LANES_N lanes of a warp share a row (a row's reduction takes log2(LANES_N) shuffles), each
-    # with VEC adjacent columns at a time (BN // LANES_N: a thread's columns all adjacent); WN
-    # warps side by side along a row where the warps' rows would outnumber a chunk's
-    L("layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // LANES_N, LANES_N], [WARPS // WN, WN], [1, 0])", 1)
+    # with VEC adjacent columns at a time (BN // LANES_N: a thread's columns all adjacent)
+    L("layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // LANES_N, LANES_N], [WARPS, 1], [1, 0])", 1)
     L("row_l: gl.constexpr = gl.SliceLayout(1, layout)", 1)
     L("rows = gl.arange(0, CHUNK, layout=row_l)", 1)
     L("cols = gl.arange(0, BN, layout=gl.SliceLayout(0, layout))", 1)
@@ -428,10 +426,10 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
         L("last = (t + gl.num_programs(0) >= num_tiles).to(gl.int32)", 2)
         L(f"{name}_tile(tile_smem, stat_smem, {ptrs}, ws_ptr, counter_ptr, trace_ptr, t, n, 0,", 2)
         L(f"BM // CHUNK - last * ({tail} // CHUNK), 2 - last, TRACE, M, N, TILES_N, TILES_P2, BM, BN,", 6)
-        L("CHUNK, EPI_WARPS, LANES_N, VEC, 1)", 6)
+        L("CHUNK, EPI_WARPS, LANES_N, VEC)", 6)
     else:
         L(f"{name}_tile(tile_smem, stat_smem, {ptrs}, ws_ptr, counter_ptr, trace_ptr, t, n, 0, BM // CHUNK, 2,", 2)
-        L("TRACE, M, N, TILES_N, TILES_P2, BM, BN, CHUNK, EPI_WARPS, LANES_N, VEC, 1)", 6)
+        L("TRACE, M, N, TILES_N, TILES_P2, BM, BN, CHUNK, EPI_WARPS, LANES_N, VEC)", 6)
     L(f"_mark(trace_ptr, n, {5 + 2 * E}, TRACE)", 2)
     L("mbarrier.arrive(tile_free)", 2)
     L("n += 1", 2)
@@ -443,19 +441,20 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
           0)
         L("ws_ptr, counter_ptr, trace_ptr, num_tiles, k_steps, M, N, TRACE: gl.constexpr, B_KMAJOR: gl.constexpr,", 8)
         L("TILES_N: gl.constexpr, TILES_P2: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,", 8)
-        L("CHUNK: gl.constexpr, LANES_N: gl.constexpr, num_warps: gl.constexpr):", 8)
+        L("CHUNK: gl.constexpr, EPI_WARPS: gl.constexpr, LANES_N: gl.constexpr, num_warps: gl.constexpr):", 8)
         L(f'"""The mainloop partition; then, its warps idle, the last {tail} rows of the program\'s last tile\'s', 1)
         L('epilogue (its first rows are the epilogue partition\'s)."""', 1)
         L("_mma_partition(a_desc, b_desc, a_bufs, b_bufs, ready, tile_smem, tile_ready, tile_free, num_tiles, k_steps,",
           1)
         L("trace_ptr, TRACE, 0, B_KMAJOR, TILES_N, 0, BM, BN, BK, num_warps)", 6)
         L("my_tiles = gl.cdiv(num_tiles - gl.program_id(0), gl.num_programs(0))", 1)
-        # (the buffer holds the tile: _mma_partition's last barrier follows its store)
-        L("WN: gl.constexpr = (num_warps * (32 // LANES_N) + CHUNK - 1) // CHUNK  # warps side by side along a row", 1)
+        # (the buffer holds the tile: _mma_partition's last barrier follows its store.) Chunks of
+        # MC rows: each thread holds as many of a chunk's values as an epilogue warp's thread, in
+        # the same layout, and a row lies within one warp (no reduction across warps)
+        L("MC: gl.constexpr = CHUNK * num_warps // EPI_WARPS", 1)
         L(f"{name}_tile(tile_smem, stat_smem, {ptrs}, ws_ptr, counter_ptr, trace_ptr,", 1)
-        L(f"gl.program_id(0) + (my_tiles - 1) * gl.num_programs(0), my_tiles - 1, BM // CHUNK - {tail} // CHUNK,", 6)
-        L("BM // CHUNK, 1, False, M, N, TILES_N, TILES_P2, BM, BN, CHUNK, num_warps, LANES_N, BN // (LANES_N * WN), WN)",
-          6)
+        L(f"gl.program_id(0) + (my_tiles - 1) * gl.num_programs(0), my_tiles - 1, (BM - {tail}) // MC, BM // MC,", 6)
+        L("1, False, M, N, TILES_N, TILES_P2, BM, BN, MC, num_warps, LANES_N, BN // LANES_N)", 6)
         L("_mark(trace_ptr, my_tiles - 1, 15, TRACE)  # (the trace's slot 15: these rows written)", 1)
     L("", 0)
     L("", 0)
@@ -483,18 +482,20 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
     L("fence_async_shared()", 1)
     L("num_tiles = (M // BM) * TILES_N", 1)
     L("k_steps = gl.cdiv(K, BK)", 1)
+    L("_mark(trace_ptr, 63, 0, TRACE)  # (the trace's row 63: the program's start and end)", 1)
     L("gl.warp_specialize([", 1)
     if tail:
         L(f"({name}_main, (a_desc, b_desc, a_bufs, b_bufs, ready, tile_smem, stat_smem, tile_ready, tile_free, {ptrs},",
           2)
         L("ws_ptr, counter_ptr, trace_ptr, num_tiles, k_steps, M, N, TRACE, B_KMAJOR, TILES_N, TILES_P2, BM, BN, BK,", 5)
-        L("CHUNK, LANES_N, num_warps)),", 5)
+        L("CHUNK, EPI_WARPS, LANES_N, num_warps)),", 5)
     else:
         L("(_mma_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, tile_smem, tile_ready, tile_free, num_tiles,", 2)
         L("k_steps, trace_ptr, TRACE, 0, B_KMAJOR, TILES_N, 0, BM, BN, BK, num_warps)),", 5)
     L(f"({name}_epilogue, (tile_smem, stat_smem, tile_ready, tile_free, {ptrs}, ws_ptr, counter_ptr, trace_ptr,", 2)
     L("num_tiles, TRACE, M, N, TILES_N, TILES_P2, BM, BN, CHUNK, EPI_WARPS, LANES_N, VEC)),", 5)
     L("], [EPI_WARPS], [EPI_REGS])", 1)
+    L("_mark(trace_ptr, 63, 1, TRACE)", 1)
     header = "\n".join([
         f'"""comfuse kernel {name}: {describe}', "",
         "Generated from this IR (do not edit; regenerated when anything below changes):", "",
