@@ -4,7 +4,9 @@ for each way of laying a chunk's rows over a warp's lanes (LANES_N: 32 lanes a r
 shuffles a row reduction; 8 lanes, three) and of sizing the persistent grid (one program per
 SM, or a multiple of the strip's tiles, so that no strip straddles two rounds).
 
-Each form's output is checked against float64 before it is timed.
+Each form's output is checked against float64 before it is timed. Each variant is traced
+twice: one launch alone (the GPU rested), and one queued right behind a CUDA graph of
+``--after-graph`` calls (the GPU as the sustained timings see it).
 
     python scripts/stages_trace.py [--only multi_stage,ln_postnorm] [--shapes 8192x4096x4096]
 
@@ -99,6 +101,8 @@ def main() -> None:
     ap.add_argument("--only", default="multi_stage,ln_postnorm")
     ap.add_argument("--shapes", default="8192x4096x4096,8192x1024x1024", help="MxKxN, comma-separated")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--after-graph", type=int, default=20,
+                    help="also trace a launch queued right behind a CUDA graph of this many calls (0: not)")
     ap.add_argument("--variants", default="32,8,8v,32t",
                     help="LANES_N (lanes of a warp along a row), 'a': the grid a multiple of the strip, "
                          "'v': 8 adjacent columns a lane, 't': the output by one TMA store, 'hROWS': the last "
@@ -146,6 +150,20 @@ def main() -> None:
                     trace, grid, tiles = k.trace(a3, b3, ins, outs)
                     print(f"  {variant} ({grid} programs, {tiles} tiles, {E} exchange(s)) timeline:")
                     print(timeline(trace, grid, tiles, E), flush=True)
+                    if args.after_graph:
+                        # the same launch right behind a graph of back-to-back calls: the GPU as
+                        # it is in the sustained timings (clocks, caches, the previous kernel's
+                        # tail), where one launch alone runs rested
+                        g = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(g):
+                            for _ in range(args.after_graph):
+                                compiled(*xs)
+                        for _ in range(3):
+                            g.replay()
+                        g.replay()
+                        trace, grid, tiles = k.trace(a3, b3, ins, outs)
+                        print(f"  {variant}, right after {args.after_graph} graph-replayed calls:")
+                        print(timeline(trace, grid, tiles, E), flush=True)
                     forms[f"ws_stages, {variant}"] = lambda compiled=compiled, xs=xs: compiled(*xs)
                 finally:
                     stages_kernel.StagesKernel.grid_options = orig
