@@ -78,6 +78,12 @@ class Settings:
     # partition's rows (0, the default: none; experimental, not an autotuning candidate: its
     # form in 32-row chunks has not run on a GPU).
     ws_tail: int
+    # COMFUSE_WS_RES_TMA=1: a ws_stages kernel whose region adds a bf16 [M, N] input to the
+    # GEMM's tile (a residual; codegen/gluon/stages.tma_residual) TMA-loads it into the hand-off
+    # buffer while the next tile's mainloop runs, which adds it before the hand-off, rather than
+    # each pass reading it from global memory (experimental: compiled for sm_90, not yet run
+    # on a GPU, so not an autotuning candidate without it).
+    ws_res_tma: bool
     # COMFUSE_AUTOTUNE: "auto" (time the candidate plans and the unfused ops on the first
     # call on a GPU, keep the fastest, remember it on disk), "1" (also under the
     # interpreter, for tests), "0" (use the planner's choice).
@@ -117,7 +123,8 @@ class Settings:
 
 
 CODEGEN_SETTINGS = ("row_budget", "schedule", "mainloop", "prefetch", "overlap", "persistent", "ws_merge",
-                    "ws_lanes", "ws_tma_store", "ws_tail")
+                    "ws_lanes", "ws_tma_store", "ws_tail",
+                    "ws_res_tma")
 
 _overrides: dict[str, object] = {}
 
@@ -127,7 +134,8 @@ _ENV_NAMES = ("COMFUSE_STRICT", "COMFUSE_DISABLE", "COMFUSE_CACHE_DIR", "XDG_CAC
               "COMFUSE_AUTOTUNE", "COMFUSE_MAINLOOP", "COMFUSE_FUEL", "COMFUSE_PREFETCH",
               "COMFUSE_UNFUSED_MODE", "COMFUSE_OVERLAP", "COMFUSE_PERSISTENT", "COMFUSE_TUNE_TIMING",
               "COMFUSE_GRAD_COMPILE", "COMFUSE_VALIDATE", "COMFUSE_GRAPH_CHECK", "COMFUSE_WS_MERGE",
-              "COMFUSE_WS_LANES", "COMFUSE_WS_TMA_STORE", "COMFUSE_WS_TAIL")
+              "COMFUSE_WS_LANES", "COMFUSE_WS_TMA_STORE", "COMFUSE_WS_TAIL",
+              "COMFUSE_WS_RES_TMA")
 _ENV_KEYS = tuple(os.environ.encodekey(n) if hasattr(os.environ, "encodekey") else n for n in _ENV_NAMES)
 _memo: dict[tuple, Settings] = {}
 
@@ -168,6 +176,7 @@ def _read() -> Settings:
         ws_lanes=_int("COMFUSE_WS_LANES", 0),
         ws_tma_store=_flag("COMFUSE_WS_TMA_STORE", False),
         ws_tail=_int("COMFUSE_WS_TAIL", 0),
+        ws_res_tma=_flag("COMFUSE_WS_RES_TMA", False),
         persistent=_flag("COMFUSE_PERSISTENT", False),
         fuel=_int("COMFUSE_FUEL", -1),
         unfused_mode=os.environ.get("COMFUSE_UNFUSED_MODE", "best"),

@@ -439,3 +439,14 @@ def test_generated_warp_specialised_kernel_matches_the_reference(name, shape, me
     a launch); new tensors go through the direct launch."""
     forced_schedule_matches(name, shape, "ws_stages", 20, ws_merge=merge, ws_lanes=lanes, ws_tma_store=tma,
                             ws_tail=tail)
+
+
+@pytest.mark.parametrize("shape", [(8192, 1024, 1024), (2048, 1024, 3072), (4096, 3072, 768)],
+                         ids=["paper", "N3072", "bert_ffn_out"])
+@pytest.mark.parametrize("tail", [0, 96], ids=["whole_tiles", "tail96"])
+def test_generated_kernel_with_the_residual_by_tma_matches_the_reference(shape, tail):
+    """LayerNorm post-norm with COMFUSE_WS_RES_TMA=1: the residual TMA-loaded into the hand-off
+    buffer as soon as the epilogue frees it, added by the mainloop before the hand-off (the
+    template's RES 2), alone and with the last tile shared (COMFUSE_WS_TAIL); strips of 4, 12
+    and 3 tiles."""
+    forced_schedule_matches("ln_postnorm", shape, "ws_stages", 20, ws_res_tma=True, ws_tail=tail)

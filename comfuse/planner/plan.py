@@ -64,6 +64,9 @@ class Plan:
     # their last tile is handed off, a multiple of 32 (0: the epilogue partition runs every row;
     # COMFUSE_WS_TAIL, experimental: the form in 32-row chunks has not run on a GPU)
     tail: int = 0
+    # ws_stages: the region's residual (codegen/gluon/stages.tma_residual) TMA-loaded into the
+    # hand-off buffer and added by the mainloop partition (COMFUSE_WS_RES_TMA, experimental)
+    res_tma: bool = False
 
     def describe(self) -> str:
         if self.schedule == "ws_stages":
@@ -75,7 +78,8 @@ class Plan:
                     f"{' (' + ', '.join(k for k, _, _ in self.moments) + ' pairs merged)' if self.moments else ''}"
                     f", then write each output once{' (by one TMA store)' if self.tma_store else ''}; "
                     f"{self.lanes} lanes a row"
-                    f"{f'; the mainloop warps take the last {self.tail} rows of the last tile' if self.tail else ''}")
+                    f"{f'; the mainloop warps take the last {self.tail} rows of the last tile' if self.tail else ''}"
+                    f"{'; the residual by TMA into the hand-off buffer, added by the mainloop' if self.res_tma else ''}")
         if self.schedule == "ws_split":
             return (f"ws_split: warp-specialised Gluon template computing the {self.template.describe()}; "
                     f"persistent grid of {self.block_m}x{self.block_n}x{self.block_k} tiles in grouped order, TMA "
@@ -326,7 +330,8 @@ def plan(region: Region, target: str = "cuda", settings=None, sm_count: int = 13
     if forced == "ws_stages":
         return stages_template_plan(region, transposed, stages, tuple(forms), target, sm_count,
                                     merge=settings.ws_merge, lanes=settings.ws_lanes or 8,
-                                    tma_store=settings.ws_tma_store, tail=settings.ws_tail)
+                                    tma_store=settings.ws_tma_store, tail=settings.ws_tail,
+                                    res_tma=settings.ws_res_tma)
     if forced in TEMPLATE_SCHEDULES:
         return strip_template_plan(region, transposed, stages, tuple(forms), target, sm_count,
                                    prefetch=settings.prefetch)
@@ -408,11 +413,11 @@ def lse_template_plan(region: Region, transposed: bool, stages, forms: tuple, ta
 
 def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple, target: str,
                          sm_count: int, merge: bool = False, lanes: int = 32,
-                         tma_store: bool = False, tail: int = 0) -> Plan | NotFused:
+                         tma_store: bool = False, tail: int = 0, res_tma: bool = False) -> Plan | NotFused:
     """The ws_stages plan for ``region`` (row form), or why the generated Gluon kernel does
     not apply; ``merge``: moment and online-softmax pairs share an exchange (COMFUSE_WS_MERGE, on
     by default)."""
-    from ..codegen.gluon.stages import blocker, layout_of, merge_pairs, tma_storable
+    from ..codegen.gluon.stages import blocker, layout_of, merge_pairs, tma_residual, tma_storable
     from .template import fits
 
     def no(why):
@@ -439,7 +444,8 @@ def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple,
     pairs = merge_pairs(region) if merge else ()
     return Plan(region, False, "ws_stages", stages, 128, 256, 64, 8, 8, 3, forms, tiles_n=tiles, mainloop="tma",
                 persistent=True, exchanges=len(layout_of(stages, pairs).exchanges), moments=pairs, lanes=lanes,
-                tma_store=tma_store and not tma_storable(region) and not tail, tail=tail)
+                tma_store=tma_store and not tma_storable(region) and not tail, tail=tail,
+                res_tma=res_tma and tma_residual(region) is not None)
 
 
 def template_offers(region: Region, sm_count: int = 132) -> list:
@@ -535,7 +541,8 @@ def candidates(region: Region, target: str = "cuda", settings=None, sm_count: in
         # (H200, 2026-12-01: LayerNorm 8192x4096x4096 1.049x cuBLAS's GEMM merged, 1.112x not)
         gen = stages_template_plan(first.region, first.transposed, first.stages, first.forms, target, sm_count,
                                    merge=settings.ws_merge, lanes=settings.ws_lanes or 8,
-                                   tma_store=settings.ws_tma_store, tail=settings.ws_tail)
+                                   tma_store=settings.ws_tma_store, tail=settings.ws_tail,
+                                   res_tma=settings.ws_res_tma)
         if isinstance(gen, Plan):  # both row layouts of its epilogue, unless COMFUSE_WS_LANES names one
             out += [gen] if settings.ws_lanes else [gen, dataclasses.replace(gen, lanes=32 if gen.lanes == 8 else 8)]
         if first.schedule == "split":  # a loss over wide rows: the template's terminal kind

@@ -56,9 +56,17 @@ class StagesKernel:
         M, K = a.shape
         N = b.shape[0] if kmajor else b.shape[1]
         out_desc = [TensorDescriptor.from_tensor(flat[-1], [strip.BM, strip.BN], lt)] if self.plan.tma_store else []
+        res_desc = [TensorDescriptor.from_tensor(flat[self.residual], [strip.BM, strip.BN], lt)] \
+            if self.plan.res_tma else []
         return [TensorDescriptor.from_tensor(a, [strip.BM, strip.BK], la),
                 TensorDescriptor.from_tensor(b, [strip.BN, strip.BK] if kmajor else [strip.BK, strip.BN], lb),
-                *flat, *out_desc, ws, counters, M, N, K, counters]
+                *flat, *res_desc, *out_desc, ws, counters, M, N, K, counters]
+
+    @property
+    def residual(self):
+        """The input the mainloop adds into the tile (Plan.res_tma), or None."""
+        from ..codegen.gluon import stages
+        return stages.tma_residual(self.plan.region) if self.plan.res_tma else None
 
     def launch(self, a3, b3, ins, outs) -> None:
         tensors = self.tensors(a3, b3, ins, outs)
@@ -81,6 +89,8 @@ class StagesKernel:
             raise UnsupportedLayout("ws_stages: the generated Gluon kernel runs on sm_90 (Hopper) GPUs only")
         _tma_ready(a, "A")
         _tma_ready(b, "B")
+        if self.plan.res_tma:
+            _tma_ready(tensors[2 + self.residual], "the residual")
         M = a.shape[0]
         N = b.shape[0] if self.plan.region.gemm.b.major == "K" else b.shape[1]
         key = (str(dev), M, N)
@@ -93,7 +103,7 @@ class StagesKernel:
             raise UnsupportedLayout(f"ws_stages: a strip of {N // strip.BN} tiles cannot be resident at once")
         args = self.arguments(tensors, ws, counters)
         grid, options = self.grid_options(dev, M, N)
-        fresh = len(tensors) + self.plan.tma_store  # (the output's descriptor: each call's own)
+        fresh = len(tensors) + self.plan.res_tma + self.plan.tma_store  # (descriptors: each call's own)
         return (*launch_direct(self.fn, grid, args, options, set(range(fresh))), fresh)
 
     def grid_options(self, dev, M: int, N: int):
@@ -142,7 +152,8 @@ class StagesKernel:
 def source_text(plan: Plan, name: str) -> str:
     from ..codegen.gluon import stages
     return stages.emit(plan.region, plan.stages, name, plan.describe(), plan.moments, keep=bool(plan.moments),
-                       tma_store=plan.tma_store, tail=plan.tail)
+                       tma_store=plan.tma_store, tail=plan.tail,
+                       residual=stages.tma_residual(plan.region) if plan.res_tma else None)
 
 
 def build(plan: Plan, name: str) -> StagesKernel:
@@ -174,6 +185,8 @@ def compile_sm90(plan: Plan, name: str = "", chunk: int = CHUNK, vec: int = 0, t
         sig[f"in{j}_ptr"] = "*" + short[inp.dtype]
     for k, out in enumerate(plan.region.outputs):
         sig[f"out{k}_ptr"] = "*" + short[out.dtype]
+    if plan.res_tma:
+        sig["r_desc"] = f"tensordesc<bf16[{strip.BM}, {strip.BN}],{strip.layouts(kmajor)[2]!r}>"
     if plan.tma_store:
         sig["o_desc"] = f"tensordesc<bf16[{strip.BM}, {strip.BN}],{strip.layouts(kmajor)[2]!r}>"
     sig.update({"ws_ptr": "*fp32", "counter_ptr": "*i64", "M": "i32", "N": "i32", "K": "i32", "trace_ptr": "*i64"})

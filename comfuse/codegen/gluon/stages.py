@@ -158,6 +158,7 @@ class _Writer:
         self.region, self.lay = region, lay
         self.lines: list[str] = []
         self.stored = None  # the node the hand-off buffer holds in place of the GEMM's tile, if any
+        self.in_buffer = None  # the [M, N] input the mainloop adds into the tile (``tma_residual``), if any
 
     def line(self, text: str, indent: int) -> None:
         self.lines.append("    " * indent + text)
@@ -198,6 +199,8 @@ class _Writer:
         if op is Op.ACC:
             return "acc"
         if op is Op.INPUT:
+            if node.arg == self.in_buffer:  # already added into the tile by the mainloop partition
+                return "0.0"
             inp = self.region.inputs[node.arg]
             axes = inp.axes
             if axes == frozenset("N"):
@@ -249,6 +252,51 @@ class _Writer:
         return _literal(node.arg) if node.op is Op.CONST else f"v{i}"
 
 
+def tma_residual(region: Region):
+    """The index of the [M, N] input that the mainloop partition can add into the tile before
+    the hand-off (TMA-loaded into the buffer meanwhile), or None: a bf16 input read once, by an
+    add whose other side is the GEMM's tile through adds of broadcast values ([N], [M] or
+    scalar) and floating-point casts, each node of that chain used once (so no pass needs the
+    tile without it). LayerNorm(x @ w + b + r) qualifies; the sum is then (acc + r) + b, not
+    (acc + b) + r: one rounding to bf16 fewer than eager's, at the hand-off."""
+    nodes = region.nodes
+    users = [[] for _ in nodes]
+    for i, node in enumerate(nodes):
+        for src in node.src:
+            users[src].append(i)
+    for o in region.outputs:
+        users[o.node].append(-1)
+
+    def on_tile_chain(i: int) -> bool:
+        while True:
+            node = nodes[i]
+            if len(users[i]) != 1:
+                return False
+            if node.op is Op.ACC:
+                return True
+            if node.op is Op.CAST and node.arg.is_floating_point:
+                i = node.src[0]
+            elif node.op in (Op.ADD, Op.SUB) and nodes[node.src[1]].axes != frozenset("MN"):
+                i = node.src[0]
+            elif node.op is Op.ADD and nodes[node.src[0]].axes != frozenset("MN"):
+                i = node.src[1]
+            else:
+                return False
+    for j, inp in enumerate(region.inputs):
+        if inp.axes != frozenset("MN") or inp.dtype != torch.bfloat16:
+            continue
+        reads = [i for i, node in enumerate(nodes) if node.op is Op.INPUT and node.arg == j]
+        if len(reads) != 1 or len(users[reads[0]]) != 1:
+            continue
+        add = users[reads[0]][0]
+        if add < 0 or nodes[add].op is not Op.ADD:
+            continue
+        other = [s for s in nodes[add].src if s != reads[0]]
+        if len(other) == 1 and on_tile_chain(other[0]):
+            return j
+    return None
+
+
 def tma_storable(region: Region) -> str:
     """Why the output pass cannot write the tile by one TMA bulk store ('' when it can): one
     [M, N] bf16 output and nothing per row."""
@@ -259,7 +307,7 @@ def tma_storable(region: Region) -> str:
 
 
 def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool = False,
-         tma_store: bool = False, tail: int = 0) -> str:
+         tma_store: bool = False, tail: int = 0, residual=None) -> str:
     """The generated module's source: ``{name}`` (the kernel), ``{name}_epilogue`` (its
     partition) and ``{name}_tile`` (one tile's epilogue, by a group of warps over some of its
     chunks); ``pairs``: the merged exchanges (``merge_pairs``); ``keep``: an exchange's value,
@@ -267,13 +315,19 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
     buffer (rounded to bf16, as eager's bf16 ops round it) and the later passes start from it
     rather than recompute it (only where every output is bf16 or fp16); ``tail``: rows of each
     program's last tile whose epilogue the mainloop's warps run (``{name}_main``), idle once
-    their last tile is handed off (0: none; a multiple of their chunk, 32 rows)."""
+    their last tile is handed off (0: none; a multiple of their chunk, 32 rows); ``residual``:
+    the index of the [M, N] input (``tma_residual``) that the epilogue partition TMA-loads into
+    the buffer as soon as it frees it, and the mainloop adds into the next tile (None: none)."""
     if tail and tma_store:
         raise ValueError("ws_stages: a shared last tile is written by each thread, not by one TMA store")
     if tail % 32 or not 0 <= tail <= 128:
         raise ValueError(f"ws_stages: tail {tail}: a multiple of 32 rows, at most the tile's 128")
     lay = layout_of(stages, pairs)
     w = _Writer(region, lay)
+    if residual is not None:
+        if tma_residual(region) != residual:
+            raise ValueError(f"ws_stages: input {residual} cannot be added into the tile before the hand-off")
+        w.in_buffer = residual
     keep = keep and all(o.dtype in (torch.bfloat16, torch.float16) for o in region.outputs)
     tma_store = tma_store and not tma_storable(region)
 
@@ -283,7 +337,8 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
                 f"+ pcol[None, :], mask=pmask, other={fill}, cache_modifier=\".cg\")")
     ins = [f"in{j}_ptr" for j in range(len(region.inputs))]
     outs = [f"out{k}_ptr" for k in range(len(region.outputs))]
-    ptrs = ", ".join(ins + outs + (["o_desc"] if tma_store else []))
+    ptrs = ", ".join(ins + outs + (["r_desc"] if residual is not None else []) + (["o_desc"] if tma_store else []))
+    RES = 0 if residual is None else 2  # (strip._mma_partition: 2, the buffer holds the tile's residual)
     E = len(lay.exchanges)
     L = w.line
     L("@gluon.jit", 0)
@@ -417,6 +472,9 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
     L("M, N, TILES_N: gl.constexpr, TILES_P2: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,", 8)
     L("CHUNK: gl.constexpr, EPI_WARPS: gl.constexpr, LANES_N: gl.constexpr, VEC: gl.constexpr):", 8)
     L('"""The epilogue partition: each of the program\'s tiles as it is handed off."""', 1)
+    if residual is not None:
+        L(f"# the first tile's {region.inputs[residual].name} into the buffer; the mainloop adds it to its tile", 1)
+        L("_load_residual(r_desc, tile_smem, tile_free, gl.program_id(0), num_tiles, TILES_N, BM, BN)", 1)
     L("n = 0", 1)
     L("for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):", 1)
     L("mbarrier.wait(tile_ready, n & 1)", 2)
@@ -431,7 +489,11 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
         L(f"{name}_tile(tile_smem, stat_smem, {ptrs}, ws_ptr, counter_ptr, trace_ptr, t, n, 0, BM // CHUNK, 2,", 2)
         L("TRACE, M, N, TILES_N, TILES_P2, BM, BN, CHUNK, EPI_WARPS, LANES_N, VEC)", 6)
     L(f"_mark(trace_ptr, n, {5 + 2 * E}, TRACE)", 2)
-    L("mbarrier.arrive(tile_free)", 2)
+    if residual is not None:  # the buffer is free: the next tile's residual into it, which frees it
+        L("fence_async_shared()  # the buffer's generic reads and writes, before the TMA engine writes it", 2)
+        L("_load_residual(r_desc, tile_smem, tile_free, t + gl.num_programs(0), num_tiles, TILES_N, BM, BN)", 2)
+    else:
+        L("mbarrier.arrive(tile_free)", 2)
     L("n += 1", 2)
     if tail:
         L("", 0)
@@ -446,7 +508,7 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
         L('epilogue (its first rows are the epilogue partition\'s)."""', 1)
         L("_mma_partition(a_desc, b_desc, a_bufs, b_bufs, ready, tile_smem, tile_ready, tile_free, num_tiles, k_steps,",
           1)
-        L("trace_ptr, TRACE, 0, B_KMAJOR, TILES_N, 0, BM, BN, BK, num_warps)", 6)
+        L(f"trace_ptr, TRACE, {RES}, B_KMAJOR, TILES_N, 0, BM, BN, BK, num_warps)", 6)
         L("my_tiles = gl.cdiv(num_tiles - gl.program_id(0), gl.num_programs(0))", 1)
         # (the buffer holds the tile: _mma_partition's last barrier follows its store.) Chunks of
         # MC rows: each thread holds as many of a chunk's values as an epilogue warp's thread, in
@@ -491,7 +553,7 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
         L("CHUNK, EPI_WARPS, LANES_N, num_warps)),", 5)
     else:
         L("(_mma_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, tile_smem, tile_ready, tile_free, num_tiles,", 2)
-        L("k_steps, trace_ptr, TRACE, 0, B_KMAJOR, TILES_N, 0, BM, BN, BK, num_warps)),", 5)
+        L(f"k_steps, trace_ptr, TRACE, {RES}, B_KMAJOR, TILES_N, 0, BM, BN, BK, num_warps)),", 5)
     L(f"({name}_epilogue, (tile_smem, stat_smem, tile_ready, tile_free, {ptrs}, ws_ptr, counter_ptr, trace_ptr,", 2)
     L("num_tiles, TRACE, M, N, TILES_N, TILES_P2, BM, BN, CHUNK, EPI_WARPS, LANES_N, VEC)),", 5)
     L("], [EPI_WARPS], [EPI_REGS])", 1)
@@ -504,7 +566,8 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
         "from triton.experimental.gluon import language as gl",
         "from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma",
         "",
-        "from comfuse.codegen.gluon.strip import TILE_LAYOUT, _mark, _mma_partition, exp_fast, tanh_fast",
+        "from comfuse.codegen.gluon.strip import TILE_LAYOUT, _load_residual, _mark, _mma_partition, exp_fast, "
+        "tanh_fast",
         "", "", ""])
     return header + "\n".join(w.lines) + "\n"
 
