@@ -71,16 +71,17 @@ def timeline(trace, grid: int, tiles: int, E: int) -> str:
 
 
 def variant_of(spec: str):
-    """(label, settings, grid_options) for a variant "LANES[a][v][t][hROWS]": the epilogue's
+    """(label, settings, grid_options) for a variant "LANES[a][v][t][r][hROWS]": the epilogue's
     rows over LANES lanes of a warp (COMFUSE_WS_LANES); "a": the grid a multiple of the strip's
     tiles (every strip in one round of the persistent loop), not one program per SM; "v": each
     lane 8 adjacent columns at a time (VEC = 8; a warp's lanes cover a row's 128 bytes at once)
     rather than all its 256 / LANES columns adjacent; "t": the output tile by one TMA store
-    (COMFUSE_WS_TMA_STORE); "hROWS": the last ROWS rows of each program's last tile by the
-    mainloop's warps (COMFUSE_WS_TAIL)."""
-    m = re.fullmatch(r"(\d+)([avt]*)(?:h(\d+))?", spec)
+    (COMFUSE_WS_TMA_STORE); "r": the residual by TMA into the hand-off buffer, added by the
+    mainloop (COMFUSE_WS_RES_TMA); "hROWS": the last ROWS rows of each program's last tile by
+    the mainloop's warps (COMFUSE_WS_TAIL)."""
+    m = re.fullmatch(r"(\d+)([avtr]*)(?:h(\d+))?", spec)
     if not m:
-        raise SystemExit(f"variant {spec!r}: LANES[a][v][t][hROWS], e.g. 8 or 32t or 8h96")
+        raise SystemExit(f"variant {spec!r}: LANES[a][v][t][r][hROWS], e.g. 8 or 32t or 8rh96")
     lanes, flags, tail = int(m[1]), m[2], int(m[3] or 0)
 
     def grid_options(self, dev, M, N, _orig=stages_kernel.StagesKernel.grid_options):
@@ -92,8 +93,8 @@ def variant_of(spec: str):
         return grid, options
     label = f"{lanes} lanes a row" + (", grid a strip multiple" if "a" in flags else "") + \
         (", 8 adjacent columns a lane" if "v" in flags else "") + (", TMA store" if "t" in flags else "") + \
-        (f", last {tail} rows by the mainloop warps" if tail else "")
-    return label, dict(ws_lanes=lanes, ws_tma_store="t" in flags, ws_tail=tail), grid_options
+        (", residual by TMA" if "r" in flags else "") + (f", last {tail} rows by the mainloop warps" if tail else "")
+    return label, dict(ws_lanes=lanes, ws_tma_store="t" in flags, ws_res_tma="r" in flags, ws_tail=tail), grid_options
 
 
 def main() -> None:
@@ -105,8 +106,8 @@ def main() -> None:
                     help="also trace a launch queued right behind a CUDA graph of this many calls (0: not)")
     ap.add_argument("--variants", default="32,8,8v,32t",
                     help="LANES_N (lanes of a warp along a row), 'a': the grid a multiple of the strip, "
-                         "'v': 8 adjacent columns a lane, 't': the output by one TMA store, 'hROWS': the last "
-                         "ROWS rows of a program's last tile by the mainloop warps")
+                         "'v': 8 adjacent columns a lane, 't': the output by one TMA store, 'r': the residual by "
+                         "TMA, 'hROWS': the last ROWS rows of a program's last tile by the mainloop warps")
     args = ap.parse_args()
     args.variants = args.variants.split(",")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
