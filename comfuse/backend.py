@@ -13,7 +13,11 @@ Options (``torch.compile(..., options={...})`` or ``COMFUSE_*`` variables):
 ``disable`` ("gemm_epilogue", "b2b" or both, comma-separated), ``schedule`` (force one),
 ``fuel`` (fuse at most this many regions per graph), ``autotune`` ("0", "1", "auto"),
 ``graph_check`` ("0", "1", "auto": time a graph that keeps fused regions against Inductor's
-compilation without them at its first call and keep the faster; "auto" on GPUs).
+compilation without them at its first call and keep the faster; "auto" on GPUs), and each
+code-generation setting by its field name (``settings.CODEGEN_SETTINGS``: ``row_budget``,
+``mainloop``, ``prefetch``, ``overlap``, ``persistent``, ``ws_merge``, ``ws_lanes``,
+``ws_tma_store``, ``ws_tail``, ``ws_res_tma``; the same values as their ``COMFUSE_*``
+variables).
 
 The backward of a fused region recomputes it unfused under autograd (its original
 ops), so gradients match eager; the forward stays fused.
@@ -21,6 +25,7 @@ ops), so gradients match eager; the forward stays fused.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import itertools
 import logging
@@ -191,9 +196,26 @@ def _split_backward_fake(region_id, tensors, scalars, grads, carried=None):
     return [torch.empty_like(t) if t.is_floating_point() else t.new_empty(0) for t in tensors]
 
 
+def _codegen_option(name: str, value):
+    """``value`` as the type of settings field ``name`` (one of CODEGEN_SETTINGS)."""
+    kind = {f.name: f.type for f in dataclasses.fields(settings_mod.Settings)}[name]
+    kind = getattr(kind, "__name__", kind)
+    if kind == "bool":
+        if isinstance(value, str):
+            return value.strip().lower() not in ("", "0", "false", "no", "off")
+        return bool(value)
+    if kind == "int":
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"comfuse backend: option {name}={value!r} is not an integer") from None
+    return str(value)
+
+
 def _options(options: dict | None) -> dict:
     options = dict(options or {})
-    known = {"disable", "schedule", "fuel", "autotune", "graph_check"}
+    codegen = set(settings_mod.CODEGEN_SETTINGS) - {"schedule"}
+    known = {"disable", "schedule", "fuel", "autotune", "graph_check"} | codegen
     unknown = set(options) - known
     if unknown:
         raise ValueError(f"comfuse backend: unknown options {sorted(unknown)}; known: {sorted(known)}")
@@ -212,6 +234,8 @@ def _options(options: dict | None) -> dict:
         overrides["autotune"] = str(options["autotune"])
     if "graph_check" in options:
         overrides["graph_check"] = str(options["graph_check"])
+    for name in sorted(codegen & set(options)):  # the code generator's settings, as their COMFUSE_* variables
+        overrides[name] = _codegen_option(name, options[name])
     return {"kinds": set(kinds), "settings": overrides}
 
 

@@ -148,6 +148,23 @@ def test_options_disable_kinds_and_fuel():
         compiled(model, options={"bogus": 1})(x)
 
 
+def test_options_take_the_code_generators_settings():
+    """Each code-generation setting (settings.CODEGEN_SETTINGS) is an option too, with its
+    COMFUSE_* variable's values: here the cooperative strip's overlapped form."""
+    from comfuse.backend import _options
+    model = PostNorm().to(DEVICE)
+    x, r = torch.randn(2, 5, 32, device=DEVICE), torch.randn(2, 5, 48, device=DEVICE)
+    with torch.no_grad():
+        out = compiled(model, options={"schedule": "cooperative", "overlap": "1", "autotune": "0"})(x, r)
+        (region,) = lower.last_report.regions
+        assert region.fused and "overlapped" in region.plan
+        torch.testing.assert_close(out, model(x, r), rtol=1e-4, atol=1e-5)
+    assert _options({"ws_lanes": "8", "ws_merge": "off", "row_budget": 4096})["settings"] == \
+        {"ws_lanes": 8, "ws_merge": False, "row_budget": 4096}
+    with pytest.raises(ValueError, match="ws_tail='x' is not an integer"):
+        _options({"ws_tail": "x"})
+
+
 def test_explain_accepts_a_module():
     model = PostNorm().to(DEVICE)
     report = comfuse.explain(model, (torch.randn(2, 5, 32, device=DEVICE), torch.randn(2, 5, 48, device=DEVICE)))
