@@ -330,42 +330,80 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
         w.in_buffer = residual
     keep = keep and all(o.dtype in (torch.bfloat16, torch.float16) for o in region.outputs)
     tma_store = tma_store and not tma_storable(region)
-
-    def partials(e: int, wi: int, fill: str) -> str:
-        """A load of exchange e's partials [TILES_P2, BM] of its wi-th reduction, all tiles of the strip."""
-        return (f"gl.load(ws_ptr + (((strip * {E} + {e}) * {lay.width} + {wi}) * TILES_N + prow[:, None]) * BM "
-                f"+ pcol[None, :], mask=pmask, other={fill}, cache_modifier=\".cg\")")
     ins = [f"in{j}_ptr" for j in range(len(region.inputs))]
     outs = [f"out{k}_ptr" for k in range(len(region.outputs))]
     ptrs = ", ".join(ins + outs + (["r_desc"] if residual is not None else []) + (["o_desc"] if tma_store else []))
-    RES = 0 if residual is None else 2  # (strip._mma_partition: 2, the buffer holds the tile's residual)
-    E = len(lay.exchanges)
-    L = w.line
-    L("@gluon.jit", 0)
-    L(f"def {name}_tile(tile_smem, stat_smem, {ptrs}, ws_ptr, counter_ptr, trace_ptr, t, n, c_lo, c_hi, share,", 0)
-    L("TRACE: gl.constexpr, M, N, TILES_N: gl.constexpr, TILES_P2: gl.constexpr, BM: gl.constexpr,", 8)
-    L("BN: gl.constexpr, CHUNK: gl.constexpr, WARPS: gl.constexpr, LANES_N: gl.constexpr, VEC: gl.constexpr):", 8)
-    L(f'"""Tile t\'s epilogue over its chunks [c_lo, c_hi) by WARPS warps: {E} exchange(s), then the outputs (see the',
-      1)
-    L("module docstring); ``share``: this group's arrivals at each exchange (2 for the whole tile, 1 for a", 1)
-    L('part of the program\'s last tile)."""', 1)
-    # LANES_N lanes of a warp share a row (a row's reduction takes log2(LANES_N) shuffles), each
-    # with VEC adjacent columns at a time (BN // LANES_N: a thread's columns all adjacent)
-    L("layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // LANES_N, LANES_N], [WARPS, 1], [1, 0])", 1)
-    L("row_l: gl.constexpr = gl.SliceLayout(1, layout)", 1)
-    L("rows = gl.arange(0, CHUNK, layout=row_l)", 1)
-    L("cols = gl.arange(0, BN, layout=gl.SliceLayout(0, layout))", 1)
-    L("part_l: gl.constexpr = gl.BlockedLayout([1, BM // 32], [1, 32], [WARPS, 1], [1, 0])", 1)
-    L("prow = gl.arange(0, TILES_P2, layout=gl.SliceLayout(1, part_l))", 1)
-    L("pcol = gl.arange(0, BM, layout=gl.SliceLayout(0, part_l))", 1)
-    L("pmask = (prow < TILES_N)[:, None] & (pcol < BM)[None, :]", 1)
-    L("strip = t // TILES_N", 1)
-    L("tn = t % TILES_N", 1)
-    L("col = tn * BN + cols", 1)
-    for j, inp in enumerate(region.inputs):
-        if inp.axes == frozenset("N"):
-            L(f"vec{j} = gl.load(in{j}_ptr + col).to(gl.float32)  # {inp.name}", 1)
-    for e, reds in enumerate(lay.exchanges):
+    m = _Module(region, lay, w, name, ptrs, keep, tma_store, tail, residual)
+    m.tile()
+    m.epilogue()
+    if tail:
+        m.main()
+    m.kernel(describe)
+    return m.header(describe) + "\n".join(w.lines) + "\n"
+
+
+@dataclasses.dataclass
+class _Module:
+    """The functions of a generated module (``emit``), written in order into one _Writer."""
+    region: Region
+    lay: Layout
+    w: _Writer
+    name: str
+    ptrs: str  # the kernel's per-call arguments after A and B: pointers, then descriptors
+    keep: bool
+    tma_store: bool
+    tail: int
+    residual: object  # the [M, N] input the mainloop adds into the tile (tma_residual), or None
+
+    @property
+    def E(self) -> int:
+        return len(self.lay.exchanges)
+
+    @property
+    def RES(self) -> int:  # (strip._mma_partition: 2, the buffer holds the tile's residual)
+        return 0 if self.residual is None else 2
+
+    def partials(self, e: int, wi: int, fill: str) -> str:
+        """A load of exchange e's partials [TILES_P2, BM] of its wi-th reduction, all tiles of the strip."""
+        return (f"gl.load(ws_ptr + (((strip * {self.E} + {e}) * {self.lay.width} + {wi}) * TILES_N + prow[:, None]) "
+                f"* BM + pcol[None, :], mask=pmask, other={fill}, cache_modifier=\".cg\")")
+
+    def tile(self) -> None:
+        """``{name}_tile``: one tile's epilogue over a range of its chunks, by a group of warps."""
+        region, lay, L, E, name, ptrs = self.region, self.lay, self.w.line, self.E, self.name, self.ptrs
+        L("@gluon.jit", 0)
+        L(f"def {name}_tile(tile_smem, stat_smem, {ptrs}, ws_ptr, counter_ptr, trace_ptr, t, n, c_lo, c_hi, share,", 0)
+        L("TRACE: gl.constexpr, M, N, TILES_N: gl.constexpr, TILES_P2: gl.constexpr, BM: gl.constexpr,", 8)
+        L("BN: gl.constexpr, CHUNK: gl.constexpr, WARPS: gl.constexpr, LANES_N: gl.constexpr, VEC: gl.constexpr):", 8)
+        L(f'"""Tile t\'s epilogue over its chunks [c_lo, c_hi) by WARPS warps: {E} exchange(s), then the outputs '
+          '(see the', 1)
+        L("module docstring); ``share``: this group's arrivals at each exchange (2 for the whole tile, 1 for a", 1)
+        L('part of the program\'s last tile)."""', 1)
+        # LANES_N lanes of a warp share a row (a row's reduction takes log2(LANES_N) shuffles), each
+        # with VEC adjacent columns at a time (BN // LANES_N: a thread's columns all adjacent)
+        L("layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // LANES_N, LANES_N], [WARPS, 1], [1, 0])", 1)
+        L("row_l: gl.constexpr = gl.SliceLayout(1, layout)", 1)
+        L("rows = gl.arange(0, CHUNK, layout=row_l)", 1)
+        L("cols = gl.arange(0, BN, layout=gl.SliceLayout(0, layout))", 1)
+        L("part_l: gl.constexpr = gl.BlockedLayout([1, BM // 32], [1, 32], [WARPS, 1], [1, 0])", 1)
+        L("prow = gl.arange(0, TILES_P2, layout=gl.SliceLayout(1, part_l))", 1)
+        L("pcol = gl.arange(0, BM, layout=gl.SliceLayout(0, part_l))", 1)
+        L("pmask = (prow < TILES_N)[:, None] & (pcol < BM)[None, :]", 1)
+        L("strip = t // TILES_N", 1)
+        L("tn = t % TILES_N", 1)
+        L("col = tn * BN + cols", 1)
+        for j, inp in enumerate(region.inputs):
+            if inp.axes == frozenset("N"):
+                L(f"vec{j} = gl.load(in{j}_ptr + col).to(gl.float32)  # {inp.name}", 1)
+        for e, reds in enumerate(lay.exchanges):
+            self.exchange(e, reds)
+        self.outputs()
+
+    def exchange(self, e: int, reds) -> None:
+        """Exchange e of a tile: its pass over the chunks, the strip's partials published and
+        waited for, and combined into statistics."""
+        region, lay, w, L, E, keep, partials = self.region, self.lay, self.w, self.w.line, self.E, self.keep, \
+            self.partials
         L(f"# ---- exchange {e}: {', '.join(f'%{r} {region.nodes[r].op.value}' for r in reds)} ----", 1)
         L("for c in gl.static_range(BM // CHUNK):", 1)
         L("if (c_lo <= c) & (c < c_hi):", 2)
@@ -432,74 +470,89 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
         L("gl.thread_barrier()", 1)
         if keep_now is not None:
             w.stored = keep_now
-    L("# ---- the outputs, each written once ----", 1)
-    L("for c in gl.static_range(BM // CHUNK):", 1)
-    L("if (c_lo <= c) & (c < c_hi):", 2)
-    L("row = strip * BM + c * CHUNK + rows", 3)
-    L("acc = tile_smem.slice(c * CHUNK, CHUNK, dim=0).load(layout).to(gl.float32)", 3)
-    full = [o for o in region.outputs if o.axes == frozenset("MN")]
-    per_row = [o for o in region.outputs if o.axes == frozenset("M")]
-    w.values(w.closure([o.node for o in full]), 3)
-    for k, o in enumerate(region.outputs):
-        if o in full:
-            val = w.ref(o.node)
-            if region.nodes[o.node].axes != frozenset("MN"):
-                val = f"gl.full([CHUNK, BN], 0.0, gl.float32, layout) + {val}"
-            if tma_store:  # over the rows just read (each thread its own elements)
-                L(f"tile_smem.slice(c * CHUNK, CHUNK, dim=0).store(({val}).to(gl.bfloat16))  # {o.name}", 3)
-            else:
-                L(f"gl.store(out{k}_ptr + row[:, None] * N + col[None, :], ({val}).to(out{k}_ptr.dtype.element_ty))"
-                  f"  # {o.name}", 3)
-    if per_row:
-        L("if tn == 0:  # per-row outputs, by the strip's first tile", 3)
-        done = set(w.closure([o.node for o in full]))
-        w.values([i for i in w.closure([o.node for o in per_row]) if i not in done], 4)
+
+    def outputs(self) -> None:
+        """The last pass: every output written once."""
+        region, w, L, tma_store = self.region, self.w, self.w.line, self.tma_store
+        L("# ---- the outputs, each written once ----", 1)
+        L("for c in gl.static_range(BM // CHUNK):", 1)
+        L("if (c_lo <= c) & (c < c_hi):", 2)
+        L("row = strip * BM + c * CHUNK + rows", 3)
+        L("acc = tile_smem.slice(c * CHUNK, CHUNK, dim=0).load(layout).to(gl.float32)", 3)
+        full = [o for o in region.outputs if o.axes == frozenset("MN")]
+        per_row = [o for o in region.outputs if o.axes == frozenset("M")]
+        w.values(w.closure([o.node for o in full]), 3)
         for k, o in enumerate(region.outputs):
-            if o in per_row:
-                L(f"gl.store(out{k}_ptr + row, gl.max(gl.full([CHUNK, BN], 0.0, gl.float32, layout) + {w.ref(o.node)}, "
-                  f"axis=1).to(out{k}_ptr.dtype.element_ty))  # {o.name}", 4)
-    if tma_store:  # the output tile from the buffer by one bulk copy, read before the buffer is freed
-        L("fence_async_shared()  # the buffer's generic writes, before the TMA engine reads it", 1)
-        L("gl.thread_barrier()  # every warp has written its rows", 1)
-        L("tma.async_copy_shared_to_global(o_desc, [strip * BM, tn * BN], tile_smem)", 1)
-        L("tma.store_wait(0)", 1)
-    L("gl.thread_barrier()  # every warp has read the tile", 1)
-    L("", 0)
-    L("", 0)
-    L("@gluon.jit", 0)
-    L(f"def {name}_epilogue(tile_smem, stat_smem, tile_ready, tile_free, {ptrs}, ws_ptr, counter_ptr, trace_ptr,", 0)
-    L("num_tiles, TRACE: gl.constexpr,", 8)
-    L("M, N, TILES_N: gl.constexpr, TILES_P2: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,", 8)
-    L("CHUNK: gl.constexpr, EPI_WARPS: gl.constexpr, LANES_N: gl.constexpr, VEC: gl.constexpr):", 8)
-    L('"""The epilogue partition: each of the program\'s tiles as it is handed off."""', 1)
-    if residual is not None:
-        L(f"# the first tile's {region.inputs[residual].name} into the buffer; the mainloop adds it to its tile", 1)
-        L("_load_residual(r_desc, tile_smem, tile_free, gl.program_id(0), num_tiles, TILES_N, BM, BN)", 1)
-    L("n = 0", 1)
-    L("for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):", 1)
-    L("mbarrier.wait(tile_ready, n & 1)", 2)
-    L("_mark(trace_ptr, n, 4, TRACE)", 2)
-    if tail:
-        L(f"# the program's last tile: its last {tail} rows go to the mainloop's warps, idle by then", 2)
-        L("last = (t + gl.num_programs(0) >= num_tiles).to(gl.int32)", 2)
-        L(f"{name}_tile(tile_smem, stat_smem, {ptrs}, ws_ptr, counter_ptr, trace_ptr, t, n, 0,", 2)
-        L(f"BM // CHUNK - last * ({tail} // CHUNK), 2 - last, TRACE, M, N, TILES_N, TILES_P2, BM, BN,", 6)
-        L("CHUNK, EPI_WARPS, LANES_N, VEC)", 6)
-    else:
-        L(f"{name}_tile(tile_smem, stat_smem, {ptrs}, ws_ptr, counter_ptr, trace_ptr, t, n, 0, BM // CHUNK, 2,", 2)
-        L("TRACE, M, N, TILES_N, TILES_P2, BM, BN, CHUNK, EPI_WARPS, LANES_N, VEC)", 6)
-    L(f"_mark(trace_ptr, n, {5 + 2 * E}, TRACE)", 2)
-    if residual is not None:  # the buffer is free: the next tile's residual into it, which frees it
-        L("fence_async_shared()  # the buffer's generic reads and writes, before the TMA engine writes it", 2)
-        L("_load_residual(r_desc, tile_smem, tile_free, t + gl.num_programs(0), num_tiles, TILES_N, BM, BN)", 2)
-    else:
-        L("mbarrier.arrive(tile_free)", 2)
-    L("n += 1", 2)
-    if tail:
+            if o in full:
+                val = w.ref(o.node)
+                if region.nodes[o.node].axes != frozenset("MN"):
+                    val = f"gl.full([CHUNK, BN], 0.0, gl.float32, layout) + {val}"
+                if tma_store:  # over the rows just read (each thread its own elements)
+                    L(f"tile_smem.slice(c * CHUNK, CHUNK, dim=0).store(({val}).to(gl.bfloat16))  # {o.name}", 3)
+                else:
+                    L(f"gl.store(out{k}_ptr + row[:, None] * N + col[None, :], ({val}).to(out{k}_ptr.dtype.element_ty))"
+                      f"  # {o.name}", 3)
+        if per_row:
+            L("if tn == 0:  # per-row outputs, by the strip's first tile", 3)
+            done = set(w.closure([o.node for o in full]))
+            w.values([i for i in w.closure([o.node for o in per_row]) if i not in done], 4)
+            for k, o in enumerate(region.outputs):
+                if o in per_row:
+                    L(f"gl.store(out{k}_ptr + row, gl.max(gl.full([CHUNK, BN], 0.0, gl.float32, layout) + "
+                      f"{w.ref(o.node)}, "
+                      f"axis=1).to(out{k}_ptr.dtype.element_ty))  # {o.name}", 4)
+        if tma_store:  # the output tile from the buffer by one bulk copy, read before the buffer is freed
+            L("fence_async_shared()  # the buffer's generic writes, before the TMA engine reads it", 1)
+            L("gl.thread_barrier()  # every warp has written its rows", 1)
+            L("tma.async_copy_shared_to_global(o_desc, [strip * BM, tn * BN], tile_smem)", 1)
+            L("tma.store_wait(0)", 1)
+        L("gl.thread_barrier()  # every warp has read the tile", 1)
+
+    def epilogue(self) -> None:
+        """``{name}_epilogue``: the epilogue partition's loop over its program's tiles."""
+        region, L, E, name, ptrs, tail, residual = self.region, self.w.line, self.E, self.name, self.ptrs, self.tail, \
+            self.residual
         L("", 0)
         L("", 0)
         L("@gluon.jit", 0)
-        L(f"def {name}_main(a_desc, b_desc, a_bufs, b_bufs, ready, tile_smem, stat_smem, tile_ready, tile_free, {ptrs},",
+        L(f"def {name}_epilogue(tile_smem, stat_smem, tile_ready, tile_free, {ptrs}, ws_ptr, counter_ptr, "
+          "trace_ptr,", 0)
+        L("num_tiles, TRACE: gl.constexpr,", 8)
+        L("M, N, TILES_N: gl.constexpr, TILES_P2: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,", 8)
+        L("CHUNK: gl.constexpr, EPI_WARPS: gl.constexpr, LANES_N: gl.constexpr, VEC: gl.constexpr):", 8)
+        L('"""The epilogue partition: each of the program\'s tiles as it is handed off."""', 1)
+        if residual is not None:
+            L(f"# the first tile's {region.inputs[residual].name} into the buffer; the mainloop adds it to its tile", 1)
+            L("_load_residual(r_desc, tile_smem, tile_free, gl.program_id(0), num_tiles, TILES_N, BM, BN)", 1)
+        L("n = 0", 1)
+        L("for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):", 1)
+        L("mbarrier.wait(tile_ready, n & 1)", 2)
+        L("_mark(trace_ptr, n, 4, TRACE)", 2)
+        if tail:
+            L(f"# the program's last tile: its last {tail} rows go to the mainloop's warps, idle by then", 2)
+            L("last = (t + gl.num_programs(0) >= num_tiles).to(gl.int32)", 2)
+            L(f"{name}_tile(tile_smem, stat_smem, {ptrs}, ws_ptr, counter_ptr, trace_ptr, t, n, 0,", 2)
+            L(f"BM // CHUNK - last * ({tail} // CHUNK), 2 - last, TRACE, M, N, TILES_N, TILES_P2, BM, BN,", 6)
+            L("CHUNK, EPI_WARPS, LANES_N, VEC)", 6)
+        else:
+            L(f"{name}_tile(tile_smem, stat_smem, {ptrs}, ws_ptr, counter_ptr, trace_ptr, t, n, 0, BM // CHUNK, 2,", 2)
+            L("TRACE, M, N, TILES_N, TILES_P2, BM, BN, CHUNK, EPI_WARPS, LANES_N, VEC)", 6)
+        L(f"_mark(trace_ptr, n, {5 + 2 * E}, TRACE)", 2)
+        if residual is not None:  # the buffer is free: the next tile's residual into it, which frees it
+            L("fence_async_shared()  # the buffer's generic reads and writes, before the TMA engine writes it", 2)
+            L("_load_residual(r_desc, tile_smem, tile_free, t + gl.num_programs(0), num_tiles, TILES_N, BM, BN)", 2)
+        else:
+            L("mbarrier.arrive(tile_free)", 2)
+        L("n += 1", 2)
+
+    def main(self) -> None:
+        """``{name}_main``: the mainloop partition, then its share of the program's last tile."""
+        L, name, ptrs, tail, RES = self.w.line, self.name, self.ptrs, self.tail, self.RES
+        L("", 0)
+        L("", 0)
+        L("@gluon.jit", 0)
+        L(f"def {name}_main(a_desc, b_desc, a_bufs, b_bufs, ready, tile_smem, stat_smem, tile_ready, tile_free, "
+          f"{ptrs},",
           0)
         L("ws_ptr, counter_ptr, trace_ptr, num_tiles, k_steps, M, N, TRACE: gl.constexpr, B_KMAJOR: gl.constexpr,", 8)
         L("TILES_N: gl.constexpr, TILES_P2: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,", 8)
@@ -518,58 +571,72 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
         L(f"gl.program_id(0) + (my_tiles - 1) * gl.num_programs(0), my_tiles - 1, (BM - {tail}) // MC, BM // MC,", 6)
         L("1, False, M, N, TILES_N, TILES_P2, BM, BN, MC, num_warps, LANES_N, BN // LANES_N)", 6)
         L("_mark(trace_ptr, my_tiles - 1, 15, TRACE)  # (the trace's slot 15: these rows written)", 1)
-    L("", 0)
-    L("", 0)
-    L("@gluon.jit", 0)
-    L(f"def {name}(a_desc, b_desc, {ptrs}, ws_ptr, counter_ptr, M, N, K, trace_ptr,", 0)
-    L("B_KMAJOR: gl.constexpr, BN: gl.constexpr, TILES_N: gl.constexpr, TILES_P2: gl.constexpr,", 4)
-    L("STAGES: gl.constexpr, CHUNK: gl.constexpr, EPI_WARPS: gl.constexpr, EPI_REGS: gl.constexpr,", 4)
-    L("num_warps: gl.constexpr, LANES_N: gl.constexpr = 32, VEC: gl.constexpr = 8, TRACE: gl.constexpr = False):",
-      4)
-    L(f'"""{describe}"""', 1)
-    L("BM: gl.constexpr = a_desc.block_type.shape[0]", 1)
-    L("BK: gl.constexpr = a_desc.block_type.shape[1]", 1)
-    L("a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)", 1)
-    L("b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)", 1)
-    L("tile_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, BN], TILE_LAYOUT)", 1)
-    L(f"stat_smem = gl.allocate_shared_memory(gl.float32, [{max(len(lay.slot), 1)}, BM], "
-      "gl.SwizzledSharedLayout(1, 1, 1, [0]))", 1)
-    L("ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())", 1)
-    L("tile_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())", 1)
-    L("tile_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())", 1)
-    L("for i in gl.static_range(STAGES):", 1)
-    L("mbarrier.init(ready.index(i), count=1)", 2)
-    L("mbarrier.init(tile_ready, count=1)", 1)
-    L("mbarrier.init(tile_free, count=1)", 1)
-    L("fence_async_shared()", 1)
-    L("num_tiles = (M // BM) * TILES_N", 1)
-    L("k_steps = gl.cdiv(K, BK)", 1)
-    L("_mark(trace_ptr, 63, 0, TRACE)  # (the trace's row 63: the program's start and end)", 1)
-    L("gl.warp_specialize([", 1)
-    if tail:
-        L(f"({name}_main, (a_desc, b_desc, a_bufs, b_bufs, ready, tile_smem, stat_smem, tile_ready, tile_free, {ptrs},",
-          2)
-        L("ws_ptr, counter_ptr, trace_ptr, num_tiles, k_steps, M, N, TRACE, B_KMAJOR, TILES_N, TILES_P2, BM, BN, BK,", 5)
-        L("CHUNK, EPI_WARPS, LANES_N, num_warps)),", 5)
-    else:
-        L("(_mma_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, tile_smem, tile_ready, tile_free, num_tiles,", 2)
-        L(f"k_steps, trace_ptr, TRACE, {RES}, B_KMAJOR, TILES_N, 0, BM, BN, BK, num_warps)),", 5)
-    L(f"({name}_epilogue, (tile_smem, stat_smem, tile_ready, tile_free, {ptrs}, ws_ptr, counter_ptr, trace_ptr,", 2)
-    L("num_tiles, TRACE, M, N, TILES_N, TILES_P2, BM, BN, CHUNK, EPI_WARPS, LANES_N, VEC)),", 5)
-    L("], [EPI_WARPS], [EPI_REGS])", 1)
-    L("_mark(trace_ptr, 63, 1, TRACE)", 1)
-    header = "\n".join([
-        f'"""comfuse kernel {name}: {describe}', "",
-        "Generated from this IR (do not edit; regenerated when anything below changes):", "",
-        format_region(region), '"""',
-        "from triton.experimental import gluon",
-        "from triton.experimental.gluon import language as gl",
-        "from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma",
-        "",
-        "from comfuse.codegen.gluon.strip import TILE_LAYOUT, _load_residual, _mark, _mma_partition, exp_fast, "
-        "tanh_fast",
-        "", "", ""])
-    return header + "\n".join(w.lines) + "\n"
+
+    def kernel(self, describe: str) -> None:
+        """``{name}``: the kernel, its shared memory and barriers, and the two partitions."""
+        lay, L, name, ptrs, tail, RES = self.lay, self.w.line, self.name, self.ptrs, self.tail, self.RES
+        L("", 0)
+        L("", 0)
+        L("@gluon.jit", 0)
+        L(f"def {name}(a_desc, b_desc, {ptrs}, ws_ptr, counter_ptr, M, N, K, trace_ptr,", 0)
+        L("B_KMAJOR: gl.constexpr, BN: gl.constexpr, TILES_N: gl.constexpr, TILES_P2: gl.constexpr,", 4)
+        L("STAGES: gl.constexpr, CHUNK: gl.constexpr, EPI_WARPS: gl.constexpr, EPI_REGS: gl.constexpr,", 4)
+        L("num_warps: gl.constexpr, LANES_N: gl.constexpr = 32, VEC: gl.constexpr = 8, TRACE: gl.constexpr = False):",
+          4)
+        L(f'"""{describe}"""', 1)
+        L("BM: gl.constexpr = a_desc.block_type.shape[0]", 1)
+        L("BK: gl.constexpr = a_desc.block_type.shape[1]", 1)
+        L("a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)", 1)
+        L("b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)", 1)
+        L("tile_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, BN], TILE_LAYOUT)", 1)
+        L(f"stat_smem = gl.allocate_shared_memory(gl.float32, [{max(len(lay.slot), 1)}, BM], "
+          "gl.SwizzledSharedLayout(1, 1, 1, [0]))", 1)
+        L("ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())", 1)
+        L("tile_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())", 1)
+        L("tile_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())", 1)
+        L("for i in gl.static_range(STAGES):", 1)
+        L("mbarrier.init(ready.index(i), count=1)", 2)
+        L("mbarrier.init(tile_ready, count=1)", 1)
+        L("mbarrier.init(tile_free, count=1)", 1)
+        L("fence_async_shared()", 1)
+        L("num_tiles = (M // BM) * TILES_N", 1)
+        L("k_steps = gl.cdiv(K, BK)", 1)
+        L("_mark(trace_ptr, 63, 0, TRACE)  # (the trace's row 63: the program's start and end)", 1)
+        L("gl.warp_specialize([", 1)
+        if tail:
+            L(f"({name}_main, (a_desc, b_desc, a_bufs, b_bufs, ready, tile_smem, stat_smem, tile_ready, tile_free, "
+              f"{ptrs},",
+              2)
+            L("ws_ptr, counter_ptr, trace_ptr, num_tiles, k_steps, M, N, TRACE, B_KMAJOR, TILES_N, TILES_P2, BM, BN, "
+              "BK,", 5)
+            L("CHUNK, EPI_WARPS, LANES_N, num_warps)),", 5)
+        else:
+            L("(_mma_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, tile_smem, tile_ready, tile_free, "
+              "num_tiles,", 2)
+            L(f"k_steps, trace_ptr, TRACE, {RES}, B_KMAJOR, TILES_N, 0, BM, BN, BK, num_warps)),", 5)
+        L(f"({name}_epilogue, (tile_smem, stat_smem, tile_ready, tile_free, {ptrs}, ws_ptr, counter_ptr, trace_ptr,", 2)
+        L("num_tiles, TRACE, M, N, TILES_N, TILES_P2, BM, BN, CHUNK, EPI_WARPS, LANES_N, VEC)),", 5)
+        L("], [EPI_WARPS], [EPI_REGS])", 1)
+        L("_mark(trace_ptr, 63, 1, TRACE)", 1)
+
+    def header(self, describe: str) -> str:
+        """The module's docstring (the region's IR) and imports."""
+        name, region = self.name, self.region
+        header = "\n".join([
+            f'"""comfuse kernel {name}: {describe}', "",
+            "Generated from this IR (do not edit; regenerated when anything below changes):", "",
+            format_region(region), '"""',
+            "from triton.experimental import gluon",
+            "from triton.experimental.gluon import language as gl",
+            "from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma",
+            "",
+            "from comfuse.codegen.gluon.strip import TILE_LAYOUT, _load_residual, _mark, _mma_partition, exp_fast, "
+            "tanh_fast",
+            "", "", ""])
+        return header
+
+
+
 
 
 def workspace_numel(M: int, N: int, stages, pairs=()) -> int:
