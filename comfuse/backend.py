@@ -25,7 +25,6 @@ ops), so gradients match eager; the forward stays fused.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import itertools
 import logging
@@ -196,22 +195,6 @@ def _split_backward_fake(region_id, tensors, scalars, grads, carried=None):
     return [torch.empty_like(t) if t.is_floating_point() else t.new_empty(0) for t in tensors]
 
 
-def _codegen_option(name: str, value):
-    """``value`` as the type of settings field ``name`` (one of CODEGEN_SETTINGS)."""
-    kind = {f.name: f.type for f in dataclasses.fields(settings_mod.Settings)}[name]
-    kind = getattr(kind, "__name__", kind)
-    if kind == "bool":
-        if isinstance(value, str):
-            return value.strip().lower() not in ("", "0", "false", "no", "off")
-        return bool(value)
-    if kind == "int":
-        try:
-            return int(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"comfuse backend: option {name}={value!r} is not an integer") from None
-    return str(value)
-
-
 def _options(options: dict | None) -> dict:
     options = dict(options or {})
     codegen = set(settings_mod.CODEGEN_SETTINGS) - {"schedule"}
@@ -235,7 +218,7 @@ def _options(options: dict | None) -> dict:
     if "graph_check" in options:
         overrides["graph_check"] = str(options["graph_check"])
     for name in sorted(codegen & set(options)):  # the code generator's settings, as their COMFUSE_* variables
-        overrides[name] = _codegen_option(name, options[name])
+        overrides[name] = settings_mod.coerce(name, options[name])
     return {"kinds": set(kinds), "settings": overrides}
 
 

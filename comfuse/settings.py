@@ -13,21 +13,41 @@ from pathlib import Path
 from typing import Iterator
 
 
+def _truthy(raw: str) -> bool:
+    return raw.strip().lower() not in ("0", "false", "no", "off")
+
+
+def _integer(name: str, raw) -> int:
+    try:
+        return int(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+
+
 def _flag(name: str, default: bool) -> bool:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
-    return raw.strip().lower() not in ("0", "false", "no", "off")
+    return _truthy(raw)
 
 
 def _int(name: str, default: int) -> int:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
+    return _integer(name, raw)
+
+
+def coerce(name: str, value):
+    """``value`` (an option's, e.g. the torch.compile backend's) as the type of Settings field
+    ``name``, read as its COMFUSE_* variable's text would be."""
+    kind = {f.name: f.type for f in dataclasses.fields(Settings)}[name]
+    kind = getattr(kind, "__name__", kind)
+    if kind == "bool":
+        return _truthy(value) if isinstance(value, str) else bool(value)
+    if kind == "int":
+        return _integer(name, value)
+    return str(value)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -70,8 +90,8 @@ class Settings:
     # (0, the default: autotuning times both; the planner's own choice is 8).
     ws_lanes: int
     # COMFUSE_WS_TMA_STORE=1: ws_stages kernels with one bf16 [M, N] output write it from the
-    # hand-off buffer by one TMA bulk store a tile (experimental: compiled for sm_90, not yet
-    # run on a GPU, so not among the autotuner's candidates without it).
+    # hand-off buffer by one TMA bulk store a tile (correct on the H200 but no faster, sixteenth
+    # session, so not among the autotuner's candidates without it).
     ws_tma_store: bool
     # COMFUSE_WS_TAIL: rows (a multiple of 32, at most 128) of each program's last tile whose
     # epilogue a ws_stages kernel's mainloop warps run, idle by then, beside the epilogue

@@ -112,6 +112,14 @@ def peak_above(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
+def log_kernels(log, label: str, fn) -> None:
+    """The kernels one call of ``fn`` launches (profiler), the slowest 8."""
+    total, rows = kernel_times(fn)
+    log(f"  comfuse {label} kernels ({total:.4f} ms a call):")
+    for ms, n, k in rows[:8]:
+        log(f"    {ms:.4f} ms  x{n}  {k[:100]}")
+
+
 def comfuse_forms(prog, ref, log, profile=False, out_dir=None, auto=False, schedules=("ws_strip", )):
     forms = {}
     for schedule in schedules:
@@ -129,10 +137,7 @@ def comfuse_forms(prog, ref, log, profile=False, out_dir=None, auto=False, sched
         err = rel_err(out, ref)
         log(f"  comfuse autotuned: rel err {err:.2e} {'OK' if err < 2e-2 else 'WRONG'}; host loop "
             f"{host_us(lambda: chosen(*prog.args)):.1f} us a call")
-        total, rows = kernel_times(lambda: chosen(*prog.args))
-        log(f"  comfuse autotuned kernels ({total:.4f} ms a call):")
-        for ms, n, k in rows[:8]:
-            log(f"    {ms:.4f} ms  x{n}  {k[:100]}")
+        log_kernels(log, "autotuned", lambda: chosen(*prog.args))
         if err < 2e-2:
             forms["comfuse autotuned"] = lambda: chosen(*prog.args)
     return forms
@@ -157,10 +162,7 @@ def forced_form(prog, ref, log, profile, out_dir, spec) -> dict:
             log(f"  comfuse region: fused={r.fused} schedule={r.schedule} reason={r.reason!r} plan={r.plan}")
         err = rel_err(out, ref)
         log(f"  comfuse {spec}: rel err {err:.2e} {'OK' if err < 2e-2 else 'WRONG'}")
-        total, rows = kernel_times(lambda: fused(*prog.args))
-        log(f"  comfuse {spec} kernels ({total:.4f} ms a call):")
-        for ms, n, k in rows[:8]:
-            log(f"    {ms:.4f} ms  x{n}  {k[:100]}")
+        log_kernels(log, spec, lambda: fused(*prog.args))
         log(f"  comfuse {spec} host loop: {host_us(lambda: fused(*prog.args)):.1f} us a call")
         if profile:  # where the host time of a call goes
             import cProfile

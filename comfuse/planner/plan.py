@@ -58,7 +58,7 @@ class Plan:
     # either way but softmax, 1.364x against 1.522x)
     lanes: int = 32
     # ws_stages: the output tile written from the hand-off buffer by one TMA bulk store, not by
-    # each thread (COMFUSE_WS_TMA_STORE=1, experimental: compiled for sm_90, not yet run on a GPU)
+    # each thread (COMFUSE_WS_TMA_STORE=1: correct on the H200, no faster; sixteenth session)
     tma_store: bool = False
     # ws_stages: rows of each program's last tile whose epilogue the mainloop's 8 warps run once
     # their last tile is handed off, a multiple of 32 (0: the epilogue partition runs every row;
@@ -329,9 +329,7 @@ def plan(region: Region, target: str = "cuda", settings=None, sm_count: int = 13
         return lse_template_plan(region, transposed, stages, tuple(forms), target)
     if forced == "ws_stages":
         return stages_template_plan(region, transposed, stages, tuple(forms), target, sm_count,
-                                    merge=settings.ws_merge, lanes=settings.ws_lanes or 8,
-                                    tma_store=settings.ws_tma_store, tail=settings.ws_tail,
-                                    res_tma=settings.ws_res_tma)
+                                    **stages_options(settings))
     if forced in TEMPLATE_SCHEDULES:
         return strip_template_plan(region, transposed, stages, tuple(forms), target, sm_count,
                                    prefetch=settings.prefetch)
@@ -409,6 +407,13 @@ def lse_template_plan(region: Region, transposed: bool, stages, forms: tuple, ta
     return Plan(region, False, "ws_split", stages, 128, 256, 64, 8, 8, 3, forms, tiles_n=tiles, mainloop="tma",
                 persistent=True, template=template, chunks=tiles, tiles_per_chunk=1, onepass=one_pass(region),
                 grouped=True)
+
+
+def stages_options(settings) -> dict:
+    """stages_template_plan's options from the settings (COMFUSE_WS_*); 8 lanes a row unless
+    COMFUSE_WS_LANES names one."""
+    return dict(merge=settings.ws_merge, lanes=settings.ws_lanes or 8, tma_store=settings.ws_tma_store,
+                tail=settings.ws_tail, res_tma=settings.ws_res_tma)
 
 
 def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple, target: str,
@@ -540,9 +545,7 @@ def candidates(region: Region, target: str = "cuda", settings=None, sm_count: in
         # the generated warp-specialised kernel, its exchanges merged unless COMFUSE_WS_MERGE=0
         # (H200, 2026-12-01: LayerNorm 8192x4096x4096 1.049x cuBLAS's GEMM merged, 1.112x not)
         gen = stages_template_plan(first.region, first.transposed, first.stages, first.forms, target, sm_count,
-                                   merge=settings.ws_merge, lanes=settings.ws_lanes or 8,
-                                   tma_store=settings.ws_tma_store, tail=settings.ws_tail,
-                                   res_tma=settings.ws_res_tma)
+                                   **stages_options(settings))
         if isinstance(gen, Plan):  # both row layouts of its epilogue, unless COMFUSE_WS_LANES names one
             out += [gen] if settings.ws_lanes else [gen, dataclasses.replace(gen, lanes=32 if gen.lanes == 8 else 8)]
         if first.schedule == "split":  # a loss over wide rows: the template's terminal kind

@@ -4,6 +4,7 @@ stages (codegen/gluon/stages.py), with the interface of runtime.kernel.Kernel
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -62,9 +63,10 @@ class StagesKernel:
                 TensorDescriptor.from_tensor(b, [strip.BN, strip.BK] if kmajor else [strip.BK, strip.BN], lb),
                 *flat, *res_desc, *out_desc, ws, counters, M, N, K, counters]
 
-    @property
+    @functools.cached_property
     def residual(self):
-        """The input the mainloop adds into the tile (Plan.res_tma), or None."""
+        """The input the mainloop adds into the tile (Plan.res_tma), or None (worked out once:
+        ``arguments`` runs at every launch)."""
         from ..codegen.gluon import stages
         return stages.tma_residual(self.plan.region) if self.plan.res_tma else None
 
