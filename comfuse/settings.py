@@ -95,15 +95,17 @@ class Settings:
     ws_tma_store: bool
     # COMFUSE_WS_TAIL: rows (a multiple of 32, at most 128) of each program's last tile whose
     # epilogue a ws_stages kernel's mainloop warps run, idle by then, beside the epilogue
-    # partition's rows (0, the default: none; experimental, not an autotuning candidate: its
-    # form in 32-row chunks has not run on a GPU).
+    # partition's rows (0, the default: none, and autotuning also times 96 rows at 8 lanes).
     ws_tail: int
     # COMFUSE_WS_RES_TMA=1: a ws_stages kernel whose region adds a bf16 [M, N] input to the
     # GEMM's tile (a residual; codegen/gluon/stages.tma_residual) TMA-loads it into the hand-off
     # buffer while the next tile's mainloop runs, which adds it before the hand-off, rather than
-    # each pass reading it from global memory (experimental: compiled for sm_90, not yet run
-    # on a GPU, so not an autotuning candidate without it).
+    # each pass reading it from global memory (experimental, not an autotuning candidate).
     ws_res_tma: bool
+    # COMFUSE_WS_LOOKAHEAD=1: each chunk of a ws_stages epilogue's passes issues the next
+    # chunk's loads (the tile's rows from the buffer, [M, N] inputs from global memory) before
+    # its own work (experimental).
+    ws_lookahead: bool
     # COMFUSE_AUTOTUNE: "auto" (time the candidate plans and the unfused ops on the first
     # call on a GPU, keep the fastest, remember it on disk), "1" (also under the
     # interpreter, for tests), "0" (use the planner's choice).
@@ -144,7 +146,7 @@ class Settings:
 
 CODEGEN_SETTINGS = ("row_budget", "schedule", "mainloop", "prefetch", "overlap", "persistent", "ws_merge",
                     "ws_lanes", "ws_tma_store", "ws_tail",
-                    "ws_res_tma")
+                    "ws_res_tma", "ws_lookahead")
 
 _overrides: dict[str, object] = {}
 
@@ -197,6 +199,7 @@ def _read() -> Settings:
         ws_tma_store=_flag("COMFUSE_WS_TMA_STORE", False),
         ws_tail=_int("COMFUSE_WS_TAIL", 0),
         ws_res_tma=_flag("COMFUSE_WS_RES_TMA", False),
+        ws_lookahead=_flag("COMFUSE_WS_LOOKAHEAD", False),
         persistent=_flag("COMFUSE_PERSISTENT", False),
         fuel=_int("COMFUSE_FUEL", -1),
         unfused_mode=os.environ.get("COMFUSE_UNFUSED_MODE", "best"),
@@ -215,6 +218,8 @@ def override(**values: object) -> Iterator[Settings]:
     unknown = set(values) - {f.name for f in dataclasses.fields(Settings)}
     if unknown:
         raise TypeError(f"unknown comfuse settings: {sorted(unknown)}")
+    if isinstance(values.get("cache_dir"), str):  # (a path as text, as COMFUSE_CACHE_DIR gives it)
+        values["cache_dir"] = Path(values["cache_dir"])
     saved = dict(_overrides)
     _overrides.update(values)
     try:
@@ -222,3 +227,17 @@ def override(**values: object) -> Iterator[Settings]:
     finally:
         _overrides.clear()
         _overrides.update(saved)
+
+
+def pinned(fn, **values: object):
+    """``fn`` with ``values`` in force at every call, not only while it was made: settings are
+    read at each call (a compiled function built under ``override(autotune="0")`` autotunes at
+    its first call outside it), so a benchmark's forced form must carry them."""
+    unknown = set(values) - {f.name for f in dataclasses.fields(Settings)}
+    if unknown:  # (here, not at the first call)
+        raise TypeError(f"unknown comfuse settings: {sorted(unknown)}")
+
+    def run(*args, **kwargs):
+        with override(**values):
+            return fn(*args, **kwargs)
+    return run

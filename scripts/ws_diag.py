@@ -148,8 +148,10 @@ def forced_form(prog, ref, log, profile, out_dir, spec) -> dict:
     a schedule, or "ws_stages/8": with its epilogue's rows over 8 lanes (COMFUSE_WS_LANES)."""
     forms = {}
     schedule, _, lanes = spec.partition("/")
-    with settings_mod.override(schedule=schedule, autotune="0", validate="0", ws_lanes=int(lanes or 0)):
-        fused = comfuse.compile(prog.fn, prog.args)
+    forced = dict(schedule=schedule, autotune="0", validate="0", ws_lanes=int(lanes or 0))
+    with settings_mod.override(**forced):
+        # (every call forced, the later ones outside this block too: they would autotune)
+        fused = settings_mod.pinned(comfuse.compile(prog.fn, prog.args), **forced)
         out = fused(*prog.args)
         torch.cuda.synchronize()
         if prog.workload == "linear_ce":

@@ -425,28 +425,31 @@ def test_terminal_template_trains_through_the_backend(monkeypatch):
 
 @pytest.mark.parametrize("name", ["multi_stage", "ln_postnorm", "rmsnorm", "softmax", "mblr"])
 @pytest.mark.parametrize("shape", [(8192, 1024, 1024), (2048, 1024, 3072)], ids=["paper", "N3072"])
-@pytest.mark.parametrize("merge, lanes, tma, tail", [(False, 32, False, 0), (True, 32, False, 0), (True, 8, False, 0),
-                                                     (True, 32, True, 0), (True, 32, False, 64), (True, 8, False, 96)],
-                         ids=["exchange_per_stage", "merged", "merged-8lanes", "merged-tma_store", "merged-tail64",
-                              "merged-8lanes-tail96"])
-def test_generated_warp_specialised_kernel_matches_the_reference(name, shape, merge, lanes, tma, tail):
+@pytest.mark.parametrize("merge, lanes, tma, tail, ahead", [
+    (False, 32, False, 0, False), (True, 32, False, 0, False), (True, 8, False, 0, False), (True, 32, True, 0, False),
+    (True, 32, False, 64, False), (True, 8, False, 96, False), (True, 8, False, 0, True), (True, 8, False, 96, True)],
+    ids=["exchange_per_stage", "merged", "merged-8lanes", "merged-tma_store", "merged-tail64", "merged-8lanes-tail96",
+         "merged-8lanes-lookahead", "merged-8lanes-tail96-lookahead"])
+def test_generated_warp_specialised_kernel_matches_the_reference(name, shape, merge, lanes, tma, tail, ahead):
     """The Gluon kernel generated from the region's stages (ws_stages) forced: 1 to 4 exchanges
     a tile (merged: moment and online-softmax pairs in one, COMFUSE_WS_MERGE), strips of 4 and
     12 tiles, a chunk's rows over 32 or 8 lanes (COMFUSE_WS_LANES), the output by each thread
     or by one TMA store a tile (COMFUSE_WS_TMA_STORE), the last rows of each program's last
     tile by the mainloop's warps (COMFUSE_WS_TAIL; both shapes give some programs 2 tiles and
-    some 1); 20 more calls give the same output (the counters only grow, 2 E TILES_N a strip
-    a launch); new tensors go through the direct launch."""
+    some 1), each chunk's loads issued a chunk ahead (COMFUSE_WS_LOOKAHEAD); 20 more calls give
+    the same output (the counters only grow, 2 E TILES_N a strip a launch; a shared tile's two
+    groups write the same statistics, to the bit); new tensors go through the direct launch."""
     forced_schedule_matches(name, shape, "ws_stages", 20, ws_merge=merge, ws_lanes=lanes, ws_tma_store=tma,
-                            ws_tail=tail)
+                            ws_tail=tail, ws_lookahead=ahead)
 
 
 @pytest.mark.parametrize("shape", [(8192, 1024, 1024), (2048, 1024, 3072), (4096, 3072, 768)],
                          ids=["paper", "N3072", "bert_ffn_out"])
-@pytest.mark.parametrize("tail", [0, 96], ids=["whole_tiles", "tail96"])
-def test_generated_kernel_with_the_residual_by_tma_matches_the_reference(shape, tail):
+@pytest.mark.parametrize("tail, ahead", [(0, False), (96, False), (96, True)],
+                         ids=["whole_tiles", "tail96", "tail96-lookahead"])
+def test_generated_kernel_with_the_residual_by_tma_matches_the_reference(shape, tail, ahead):
     """LayerNorm post-norm with COMFUSE_WS_RES_TMA=1: the residual TMA-loaded into the hand-off
     buffer as soon as the epilogue frees it, added by the mainloop before the hand-off (the
     template's RES 2), alone and with the last tile shared (COMFUSE_WS_TAIL); strips of 4, 12
-    and 3 tiles."""
-    forced_schedule_matches("ln_postnorm", shape, "ws_stages", 20, ws_res_tma=True, ws_tail=tail)
+    and 3 tiles; with each chunk's loads a chunk ahead (COMFUSE_WS_LOOKAHEAD)."""
+    forced_schedule_matches("ln_postnorm", shape, "ws_stages", 20, ws_res_tma=True, ws_tail=tail, ws_lookahead=ahead)

@@ -118,12 +118,13 @@ def test_generated_kernels_compile_for_sm90():
                                  ("multi_stage_merged_tma", cases["multi_stage"]),
                                  ("ln_linear_tma", cases["ln_linear"]),
                                  ("multi_stage_merged_tail", cases["multi_stage"]),
-                                 ("ln_postnorm_merged_res", cases["ln_postnorm"])]:
+                                 ("ln_postnorm_merged_res", cases["ln_postnorm"]),
+                                 ("ln_postnorm_merged_ahead", cases["ln_postnorm"])]:
             (cand,) = find_regions(capture(fn, args))
             with settings.override(schedule="ws_stages", ws_merge="_merged" in name, ws_tma_store=name.endswith("_tma"),
                                    ws_tail=96 if name.endswith("_tail") else 0,
                                    ws_lanes=8 if "_merged" in name else 32,  # (plain LayerNorm at 8 lanes: 400 bytes)
-                                   ws_res_tma=name.endswith("_res")):
+                                   ws_res_tma=name.endswith("_res"), ws_lookahead=name.endswith("_ahead")):
                 p = plan(cand.region, target="cuda")
             k = compile_sm90(p)
             regs = sorted(set(int(v) for v in re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+);",
@@ -219,18 +220,20 @@ def test_a_division_by_a_broadcast_value_is_a_reciprocal_and_a_multiply():
 
 
 def test_the_last_tile_shared_with_the_mainloop_warps():
-    """COMFUSE_WS_TAIL=ROWS (experimental): the mainloop partition runs the last ROWS rows of
-    its program's last tile through the per-tile function, in chunks of 32 rows (each thread
-    as many values as an epilogue warp's thread), the epilogue partition the first ones in
-    chunks of 16; each exchange counts 2 TILES_N arrivals (2 a whole tile, 1 a part). Not an
-    autotuning candidate without the setting; rows that are not a multiple of 32 are refused;
-    a shared tile is written by each thread, not by one TMA store."""
+    """COMFUSE_WS_TAIL=ROWS: the mainloop partition runs the last ROWS rows of its program's
+    last tile through the per-tile function, in chunks of 32 rows (each thread as many values
+    as an epilogue warp's thread), the epilogue partition the first ones in chunks of 16; each
+    exchange counts 2 TILES_N arrivals (2 a whole tile, 1 a part); both groups combine the
+    strip's partials in a layout without cross-warp sums (the same bits). 96 rows at 8 lanes
+    are an autotuning candidate; rows that are not a multiple of 32 are refused; a shared tile
+    is written by each thread, not by one TMA store."""
     from comfuse.codegen.gluon import stages
     from comfuse.runtime.stages_kernel import source_text
     plain = suite_plan("rmsnorm", merge=True)
     assert plain.tail == 0 and "_main(" not in source_text(plain, "k")
     offered = [q for q in candidates(plain.region, target="cuda") if q.schedule == "ws_stages"]
-    assert [(q.lanes, q.tail) for q in offered] == [(8, 0), (32, 0)]  # (8 lanes: the planner's choice)
+    # (8 lanes: the planner's choice; 8 lanes with a shared last tile a third candidate)
+    assert [(q.lanes, q.tail) for q in offered] == [(8, 0), (32, 0), (8, 96)]
     with settings.override(ws_tail=96):
         p = suite_plan("rmsnorm", merge=True)
         assert [q.tail for q in candidates(plain.region, target="cuda") if q.schedule == "ws_stages"] == [96, 96]
@@ -242,6 +245,7 @@ def test_the_last_tile_shared_with_the_mainloop_warps():
     assert "BM // CHUNK - last * (96 // CHUNK), 2 - last" in text  # the epilogue partition's part
     assert "(BM - 96) // MC, BM // MC," in text and "MC: gl.constexpr = CHUNK * num_warps // EPI_WARPS" in text
     assert text.count("target = (old // (2 * TILES_N) + 1) * (2 * TILES_N)") == p.exchanges
+    assert text.count("gl.BlockedLayout([TILES_P2, 1], [1, 32], [1, WARPS], [0, 1])") == 1
     with settings.override(ws_tail=100):
         refused = suite_plan("rmsnorm")
     assert isinstance(refused, NotFused) and "COMFUSE_WS_TAIL=100" in refused.reason
@@ -283,3 +287,24 @@ def test_the_residual_by_tma_into_the_hand_off_buffer():
     assert first < loop < text.index("fence_async_shared()", loop) < later
     assert "mbarrier.arrive(tile_free)" not in text and "TRACE, 2, B_KMAJOR" in text
     assert f"gl.load(in{j}_ptr" not in text and f"= 0.0  # %" in text
+
+
+def test_loads_a_chunk_ahead_only_with_its_setting():
+    """COMFUSE_WS_LOOKAHEAD=1 (experimental): each chunk of a pass issues the next chunk's
+    loads (the tile's rows, the residual) before its own work, the chunk range constexpr (so
+    the shared tile's epilogue calls the per-tile function once a range). Without it, the
+    runtime range, and the planner offers no such candidate."""
+    from comfuse.runtime.stages_kernel import source_text
+    plain = suite_plan("ln_postnorm", merge=True)
+    assert not plain.lookahead and "nxt" not in source_text(plain, "k")
+    assert not any(q.lookahead for q in candidates(plain.region, target="cuda") if q.schedule == "ws_stages")
+    with settings.override(ws_lookahead=True, ws_tail=96):
+        p = suite_plan("ln_postnorm", merge=True)
+    assert p.lookahead and "each chunk loads the next ahead" in p.describe()
+    text = source_text(p, "k")
+    assert "c_lo: gl.constexpr," in text and "c_hi: gl.constexpr, share: gl.constexpr" in text
+    # both passes: the first chunk's loads, then the next chunk's ahead of each chunk's work
+    assert text.count("if c == c_lo:") == 2 and text.count("if c + 1 < c_hi:") == 2
+    assert "nxt1 = gl.load(in1_ptr + (row + CHUNK)[:, None] * N + col[None, :])" in text  # the residual
+    assert "v3 = cur1.to(gl.float32)" in text
+    assert "if t + gl.num_programs(0) >= num_tiles:" in text and "2 - last" not in text

@@ -459,3 +459,24 @@ def test_a_choice_shaped_by_one_calls_layout_is_not_remembered(monkeypatch, fres
     assert tuning.load(tuning.key(module.region, torch.device(DEVICE))) is None
     assert compiled.report.regions[0].fused
     assert_matches_reference(wl.fn, args, out)
+
+
+def test_a_pinned_form_keeps_autotuning_off_at_every_call(monkeypatch, fresh_cache):
+    """Settings are read at each call: a function compiled under override(autotune="0") would
+    autotune at its first call outside it; settings.pinned carries them to every call."""
+    wl = SUITE["softmax"]
+    args = wl.inputs(16, 16, 100, device=DEVICE)
+    monkeypatch.setattr(tuning, "measure", lambda *a, **k: pytest.fail("autotuned"))
+    with settings.override(autotune="1"):
+        forced = settings.pinned(comfuse.compile(wl.fn, args), autotune="0")
+        for _ in range(2):
+            assert_matches_reference(wl.fn, args, forced(*args))
+        with pytest.raises(BaseException, match="autotuned"):
+            comfuse.compile(wl.fn, args)(*args)
+    with pytest.raises(TypeError, match="unknown comfuse settings"):
+        settings.pinned(wl.fn, autotun="0")
+
+
+def test_a_cache_directory_given_as_text_is_a_path(tmp_path):
+    with settings.override(cache_dir=str(tmp_path)):
+        assert settings.get().cache_dir == tmp_path

@@ -62,11 +62,14 @@ class Plan:
     tma_store: bool = False
     # ws_stages: rows of each program's last tile whose epilogue the mainloop's 8 warps run once
     # their last tile is handed off, a multiple of 32 (0: the epilogue partition runs every row;
-    # COMFUSE_WS_TAIL, experimental: the form in 32-row chunks has not run on a GPU)
+    # COMFUSE_WS_TAIL; 96 at 8 lanes an autotuning candidate)
     tail: int = 0
     # ws_stages: the region's residual (codegen/gluon/stages.tma_residual) TMA-loaded into the
     # hand-off buffer and added by the mainloop partition (COMFUSE_WS_RES_TMA, experimental)
     res_tma: bool = False
+    # ws_stages: each chunk of an epilogue pass issues the next chunk's loads before its own
+    # work (COMFUSE_WS_LOOKAHEAD, experimental)
+    lookahead: bool = False
 
     def describe(self) -> str:
         if self.schedule == "ws_stages":
@@ -79,7 +82,8 @@ class Plan:
                     f", then write each output once{' (by one TMA store)' if self.tma_store else ''}; "
                     f"{self.lanes} lanes a row"
                     f"{f'; the mainloop warps take the last {self.tail} rows of the last tile' if self.tail else ''}"
-                    f"{'; the residual by TMA into the hand-off buffer, added by the mainloop' if self.res_tma else ''}")
+                    f"{'; the residual by TMA into the hand-off buffer, added by the mainloop' if self.res_tma else ''}"
+                    f"{'; each chunk loads the next ahead' if self.lookahead else ''}")
         if self.schedule == "ws_split":
             return (f"ws_split: warp-specialised Gluon template computing the {self.template.describe()}; "
                     f"persistent grid of {self.block_m}x{self.block_n}x{self.block_k} tiles in grouped order, TMA "
@@ -413,12 +417,13 @@ def stages_options(settings) -> dict:
     """stages_template_plan's options from the settings (COMFUSE_WS_*); 8 lanes a row unless
     COMFUSE_WS_LANES names one."""
     return dict(merge=settings.ws_merge, lanes=settings.ws_lanes or 8, tma_store=settings.ws_tma_store,
-                tail=settings.ws_tail, res_tma=settings.ws_res_tma)
+                tail=settings.ws_tail, res_tma=settings.ws_res_tma, lookahead=settings.ws_lookahead)
 
 
 def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple, target: str,
                          sm_count: int, merge: bool = False, lanes: int = 32,
-                         tma_store: bool = False, tail: int = 0, res_tma: bool = False) -> Plan | NotFused:
+                         tma_store: bool = False, tail: int = 0, res_tma: bool = False,
+                         lookahead: bool = False) -> Plan | NotFused:
     """The ws_stages plan for ``region`` (row form), or why the generated Gluon kernel does
     not apply; ``merge``: moment and online-softmax pairs share an exchange (COMFUSE_WS_MERGE, on
     by default)."""
@@ -450,7 +455,7 @@ def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple,
     return Plan(region, False, "ws_stages", stages, 128, 256, 64, 8, 8, 3, forms, tiles_n=tiles, mainloop="tma",
                 persistent=True, exchanges=len(layout_of(stages, pairs).exchanges), moments=pairs, lanes=lanes,
                 tma_store=tma_store and not tma_storable(region) and not tail, tail=tail,
-                res_tma=res_tma and tma_residual(region) is not None)
+                res_tma=res_tma and tma_residual(region) is not None, lookahead=lookahead)
 
 
 def template_offers(region: Region, sm_count: int = 132) -> list:
@@ -548,6 +553,13 @@ def candidates(region: Region, target: str = "cuda", settings=None, sm_count: in
                                    **stages_options(settings))
         if isinstance(gen, Plan):  # both row layouts of its epilogue, unless COMFUSE_WS_LANES names one
             out += [gen] if settings.ws_lanes else [gen, dataclasses.replace(gen, lanes=32 if gen.lanes == 8 else 8)]
+            if not settings.ws_tail and not gen.tma_store and gen.lanes == 8:
+                # and the last 96 rows of each program's last tile by its mainloop warps (H200,
+                # seventeenth session, sustained, x cuBLAS's GEMM: at 8192x1024x1024 LayerNorm
+                # 2.149x -> 1.937x, softmax 1.578x -> 1.472x, multi-stage 2.332x -> 2.304x,
+                # RMSNorm 1.364x -> 1.372x; LayerNorm 16384x2048x8192 1.332x -> 1.260x; at
+                # 8192x4096x4096 0.5-1.2 % slower: a candidate, not the default)
+                out.append(dataclasses.replace(gen, tail=96))
         if first.schedule == "split":  # a loss over wide rows: the template's terminal kind
             lse = lse_template_plan(first.region, first.transposed, first.stages, first.forms, target)
             if isinstance(lse, Plan):

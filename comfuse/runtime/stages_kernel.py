@@ -155,7 +155,8 @@ def source_text(plan: Plan, name: str) -> str:
     from ..codegen.gluon import stages
     return stages.emit(plan.region, plan.stages, name, plan.describe(), plan.moments, keep=bool(plan.moments),
                        tma_store=plan.tma_store, tail=plan.tail,
-                       residual=stages.tma_residual(plan.region) if plan.res_tma else None)
+                       residual=stages.tma_residual(plan.region) if plan.res_tma else None,
+                       lookahead=plan.lookahead)
 
 
 def build(plan: Plan, name: str) -> StagesKernel:

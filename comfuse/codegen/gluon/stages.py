@@ -31,7 +31,8 @@ handed off, run that tile's last ``tail`` rows through the same per-tile functio
 epilogue partition runs its first rows. No wait is added: the mainloop warps' part needs
 nothing from the epilogue partition but its arrivals, and those come after its earlier tiles.
 Both parts write the same per-row statistics of that tile to ``stat_smem``, the same values
-to the same places (each combines all partials of the strip), and neither reads a statistic
+to the same places (each combines all partials of the strip, each thread a column's partials
+in its own registers, so that 4 warps and 8 round alike), and neither reads a statistic
 before its own write and barrier, so the shared writes are benign.
 """
 from __future__ import annotations
@@ -159,6 +160,7 @@ class _Writer:
         self.lines: list[str] = []
         self.stored = None  # the node the hand-off buffer holds in place of the GEMM's tile, if any
         self.in_buffer = None  # the [M, N] input the mainloop adds into the tile (``tma_residual``), if any
+        self.loaded: dict = {}  # [M, N] input -> the variable holding this chunk's values, loaded ahead
 
     def line(self, text: str, indent: int) -> None:
         self.lines.append("    " * indent + text)
@@ -208,6 +210,8 @@ class _Writer:
             if axes == frozenset("M"):
                 return f"gl.load(in{node.arg}_ptr + row).to(gl.float32)[:, None]"
             if axes == frozenset("MN"):
+                if node.arg in self.loaded:
+                    return f"{self.loaded[node.arg]}.to(gl.float32)"
                 return f"gl.load(in{node.arg}_ptr + row[:, None] * N + col[None, :]).to(gl.float32)"
             return f"gl.load(in{node.arg}_ptr).to(gl.float32)"
         if op is Op.CONST:
@@ -307,7 +311,7 @@ def tma_storable(region: Region) -> str:
 
 
 def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool = False,
-         tma_store: bool = False, tail: int = 0, residual=None) -> str:
+         tma_store: bool = False, tail: int = 0, residual=None, lookahead: bool = False) -> str:
     """The generated module's source: ``{name}`` (the kernel), ``{name}_epilogue`` (its
     partition) and ``{name}_tile`` (one tile's epilogue, by a group of warps over some of its
     chunks); ``pairs``: the merged exchanges (``merge_pairs``); ``keep``: an exchange's value,
@@ -317,7 +321,9 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
     program's last tile whose epilogue the mainloop's warps run (``{name}_main``), idle once
     their last tile is handed off (0: none; a multiple of their chunk, 32 rows); ``residual``:
     the index of the [M, N] input (``tma_residual``) that the epilogue partition TMA-loads into
-    the buffer as soon as it frees it, and the mainloop adds into the next tile (None: none)."""
+    the buffer as soon as it frees it, and the mainloop adds into the next tile (None: none);
+    ``lookahead``: each chunk of a pass issues the next chunk's loads before its own work
+    (``_Module.chunk_head``)."""
     if tail and tma_store:
         raise ValueError("ws_stages: a shared last tile is written by each thread, not by one TMA store")
     if tail % 32 or not 0 <= tail <= 128:
@@ -333,7 +339,7 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
     ins = [f"in{j}_ptr" for j in range(len(region.inputs))]
     outs = [f"out{k}_ptr" for k in range(len(region.outputs))]
     ptrs = ", ".join(ins + outs + (["r_desc"] if residual is not None else []) + (["o_desc"] if tma_store else []))
-    m = _Module(region, lay, w, name, ptrs, keep, tma_store, tail, residual)
+    m = _Module(region, lay, w, name, ptrs, keep, tma_store, tail, residual, lookahead)
     m.tile()
     m.epilogue()
     if tail:
@@ -354,6 +360,7 @@ class _Module:
     tma_store: bool
     tail: int
     residual: object  # the [M, N] input the mainloop adds into the tile (tma_residual), or None
+    lookahead: bool = False  # each chunk issues the next one's loads first (chunk_head)
 
     @property
     def E(self) -> int:
@@ -372,8 +379,15 @@ class _Module:
         """``{name}_tile``: one tile's epilogue over a range of its chunks, by a group of warps."""
         region, lay, L, E, name, ptrs = self.region, self.lay, self.w.line, self.E, self.name, self.ptrs
         L("@gluon.jit", 0)
-        L(f"def {name}_tile(tile_smem, stat_smem, {ptrs}, ws_ptr, counter_ptr, trace_ptr, t, n, c_lo, c_hi, share,", 0)
-        L("TRACE: gl.constexpr, M, N, TILES_N: gl.constexpr, TILES_P2: gl.constexpr, BM: gl.constexpr,", 8)
+        if self.lookahead:  # (the chunk range constexpr: chunk_head's static branches)
+            L(f"def {name}_tile(tile_smem, stat_smem, {ptrs}, ws_ptr, counter_ptr, trace_ptr, t, n, "
+              "c_lo: gl.constexpr,", 0)
+            L("c_hi: gl.constexpr, share: gl.constexpr, TRACE: gl.constexpr, M, N, TILES_N: gl.constexpr,", 8)
+            L("TILES_P2: gl.constexpr, BM: gl.constexpr,", 8)
+        else:  # (a runtime range: as constexpr, a shared tile's two epilogue calls ran 8 % slower)
+            L(f"def {name}_tile(tile_smem, stat_smem, {ptrs}, ws_ptr, counter_ptr, trace_ptr, t, n, c_lo, c_hi, share,",
+              0)
+            L("TRACE: gl.constexpr, M, N, TILES_N: gl.constexpr, TILES_P2: gl.constexpr, BM: gl.constexpr,", 8)
         L("BN: gl.constexpr, CHUNK: gl.constexpr, WARPS: gl.constexpr, LANES_N: gl.constexpr, VEC: gl.constexpr):", 8)
         L(f'"""Tile t\'s epilogue over its chunks [c_lo, c_hi) by WARPS warps: {E} exchange(s), then the outputs '
           '(see the', 1)
@@ -385,7 +399,13 @@ class _Module:
         L("row_l: gl.constexpr = gl.SliceLayout(1, layout)", 1)
         L("rows = gl.arange(0, CHUNK, layout=row_l)", 1)
         L("cols = gl.arange(0, BN, layout=gl.SliceLayout(0, layout))", 1)
-        L("part_l: gl.constexpr = gl.BlockedLayout([1, BM // 32], [1, 32], [WARPS, 1], [1, 0])", 1)
+        if self.tail:
+            # both groups combine the strip's partials of the shared tile and write the same
+            # stat_smem places, so the sums must agree to the bit whatever WARPS: each thread
+            # sums its column's TILES_P2 partials itself (no reduction across warps)
+            L("part_l: gl.constexpr = gl.BlockedLayout([TILES_P2, 1], [1, 32], [1, WARPS], [0, 1])", 1)
+        else:
+            L("part_l: gl.constexpr = gl.BlockedLayout([1, BM // 32], [1, 32], [WARPS, 1], [1, 0])", 1)
         L("prow = gl.arange(0, TILES_P2, layout=gl.SliceLayout(1, part_l))", 1)
         L("pcol = gl.arange(0, BM, layout=gl.SliceLayout(0, part_l))", 1)
         L("pmask = (prow < TILES_N)[:, None] & (pcol < BM)[None, :]", 1)
@@ -399,18 +419,47 @@ class _Module:
             self.exchange(e, reds)
         self.outputs()
 
+    def chunk_head(self, nodes) -> None:
+        """A pass's loop over the chunks [c_lo, c_hi), to each chunk's rows and its tile values
+        ``acc``. With ``lookahead`` (the range constexpr then: the loop unrolled without
+        branches) each chunk first issues the next chunk's loads (``nxt*``: the tile's rows, the
+        [M, N] inputs among ``nodes`` read from global memory), so that their latency passes under
+        this chunk's work rather than at the start of the next."""
+        L, w = self.w.line, self.w
+        reads = sorted({self.region.nodes[i].arg for i in nodes if self.region.nodes[i].op is Op.INPUT
+                        and self.region.inputs[self.region.nodes[i].arg].axes == frozenset("MN")
+                        and self.region.nodes[i].arg != w.in_buffer})
+        L("for c in gl.static_range(BM // CHUNK):", 1)
+        L("if (c_lo <= c) & (c < c_hi):", 2)
+        L("row = strip * BM + c * CHUNK + rows", 3)
+        if not self.lookahead:
+            w.loaded = {}
+            L("acc = tile_smem.slice(c * CHUNK, CHUNK, dim=0).load(layout).to(gl.float32)", 3)
+            return
+
+        def issue(at: str, rows: str, indent: int) -> None:
+            L(f"nxt = tile_smem.slice({at}, CHUNK, dim=0).load(layout)", indent)
+            for j in reads:
+                L(f"nxt{j} = gl.load(in{j}_ptr + ({rows})[:, None] * N + col[None, :])  "
+                  f"# {self.region.inputs[j].name}", indent)
+        L("if c == c_lo:  # (the first chunk's loads)", 3)
+        issue("c * CHUNK", "row", 4)
+        L("acc = nxt.to(gl.float32)", 3)
+        for j in reads:
+            L(f"cur{j} = nxt{j}", 3)
+        L("if c + 1 < c_hi:  # the next chunk's loads, under this chunk's work", 3)
+        issue("(c + 1) * CHUNK", "row + CHUNK", 4)
+        w.loaded = {j: f"cur{j}" for j in reads}
+
     def exchange(self, e: int, reds) -> None:
         """Exchange e of a tile: its pass over the chunks, the strip's partials published and
         waited for, and combined into statistics."""
         region, lay, w, L, E, keep, partials = self.region, self.lay, self.w, self.w.line, self.E, self.keep, \
             self.partials
         L(f"# ---- exchange {e}: {', '.join(f'%{r} {region.nodes[r].op.value}' for r in reds)} ----", 1)
-        L("for c in gl.static_range(BM // CHUNK):", 1)
-        L("if (c_lo <= c) & (c < c_hi):", 2)
-        L("row = strip * BM + c * CHUNK + rows", 3)
-        L("acc = tile_smem.slice(c * CHUNK, CHUNK, dim=0).load(layout).to(gl.float32)", 3)
         # (a merged second is computed from its first's value: its own source needs the first)
         sources = sorted({region.nodes[lay.second[r][1] if r in lay.second else r].src[0] for r in reds})
+        self.chunk_head(w.closure(sources))
         w.values(w.closure(sources), 3)
         later = [region.nodes[r].src[0] for g in lay.exchanges[e + 1:] for r in g] + [o.node for o in region.outputs]
         keep_now = None
@@ -475,12 +524,9 @@ class _Module:
         """The last pass: every output written once."""
         region, w, L, tma_store = self.region, self.w, self.w.line, self.tma_store
         L("# ---- the outputs, each written once ----", 1)
-        L("for c in gl.static_range(BM // CHUNK):", 1)
-        L("if (c_lo <= c) & (c < c_hi):", 2)
-        L("row = strip * BM + c * CHUNK + rows", 3)
-        L("acc = tile_smem.slice(c * CHUNK, CHUNK, dim=0).load(layout).to(gl.float32)", 3)
         full = [o for o in region.outputs if o.axes == frozenset("MN")]
         per_row = [o for o in region.outputs if o.axes == frozenset("M")]
+        self.chunk_head(w.closure([o.node for o in region.outputs]))
         w.values(w.closure([o.node for o in full]), 3)
         for k, o in enumerate(region.outputs):
             if o in full:
@@ -530,10 +576,21 @@ class _Module:
         L("_mark(trace_ptr, n, 4, TRACE)", 2)
         if tail:
             L(f"# the program's last tile: its last {tail} rows go to the mainloop's warps, idle by then", 2)
-            L("last = (t + gl.num_programs(0) >= num_tiles).to(gl.int32)", 2)
-            L(f"{name}_tile(tile_smem, stat_smem, {ptrs}, ws_ptr, counter_ptr, trace_ptr, t, n, 0,", 2)
-            L(f"BM // CHUNK - last * ({tail} // CHUNK), 2 - last, TRACE, M, N, TILES_N, TILES_P2, BM, BN,", 6)
-            L("CHUNK, EPI_WARPS, LANES_N, VEC)", 6)
+            if self.lookahead:  # (one call for each constexpr range)
+                L("if t + gl.num_programs(0) >= num_tiles:", 2)
+                L(f"{name}_tile(tile_smem, stat_smem, {ptrs}, ws_ptr, counter_ptr, trace_ptr, t, n, 0,", 3)
+                L(f"BM // CHUNK - {tail} // CHUNK, 1, TRACE, M, N, TILES_N, TILES_P2, BM, BN, CHUNK, EPI_WARPS, "
+                  "LANES_N,", 7)
+                L("VEC)", 7)
+                L("else:", 2)
+                L(f"{name}_tile(tile_smem, stat_smem, {ptrs}, ws_ptr, counter_ptr, trace_ptr, t, n, 0, BM // CHUNK, 2,",
+                  3)
+                L("TRACE, M, N, TILES_N, TILES_P2, BM, BN, CHUNK, EPI_WARPS, LANES_N, VEC)", 7)
+            else:
+                L("last = (t + gl.num_programs(0) >= num_tiles).to(gl.int32)", 2)
+                L(f"{name}_tile(tile_smem, stat_smem, {ptrs}, ws_ptr, counter_ptr, trace_ptr, t, n, 0,", 2)
+                L(f"BM // CHUNK - last * ({tail} // CHUNK), 2 - last, TRACE, M, N, TILES_N, TILES_P2, BM, BN,", 6)
+                L("CHUNK, EPI_WARPS, LANES_N, VEC)", 6)
         else:
             L(f"{name}_tile(tile_smem, stat_smem, {ptrs}, ws_ptr, counter_ptr, trace_ptr, t, n, 0, BM // CHUNK, 2,", 2)
             L("TRACE, M, N, TILES_N, TILES_P2, BM, BN, CHUNK, EPI_WARPS, LANES_N, VEC)", 6)
