@@ -106,6 +106,10 @@ class Settings:
     # chunk's loads (the tile's rows from the buffer, [M, N] inputs from global memory) before
     # its own work (experimental).
     ws_lookahead: bool
+    # COMFUSE_WS_KEEP=0: a merged ws_stages kernel recomputes an exchange's value in the later
+    # passes rather than keep it in the hand-off buffer (the keep's shared-memory stores put two
+    # barriers of the epilogue's warps in each chunk; experimental, for measuring that).
+    ws_keep: bool
     # COMFUSE_AUTOTUNE: "auto" (time the candidate plans and the unfused ops on the first
     # call on a GPU, keep the fastest, remember it on disk), "1" (also under the
     # interpreter, for tests), "0" (use the planner's choice).
@@ -146,7 +150,7 @@ class Settings:
 
 CODEGEN_SETTINGS = ("row_budget", "schedule", "mainloop", "prefetch", "overlap", "persistent", "ws_merge",
                     "ws_lanes", "ws_tma_store", "ws_tail",
-                    "ws_res_tma", "ws_lookahead")
+                    "ws_res_tma", "ws_lookahead", "ws_keep")
 
 _overrides: dict[str, object] = {}
 
@@ -200,6 +204,7 @@ def _read() -> Settings:
         ws_tail=_int("COMFUSE_WS_TAIL", 0),
         ws_res_tma=_flag("COMFUSE_WS_RES_TMA", False),
         ws_lookahead=_flag("COMFUSE_WS_LOOKAHEAD", False),
+        ws_keep=_flag("COMFUSE_WS_KEEP", True),
         persistent=_flag("COMFUSE_PERSISTENT", False),
         fuel=_int("COMFUSE_FUEL", -1),
         unfused_mode=os.environ.get("COMFUSE_UNFUSED_MODE", "best"),

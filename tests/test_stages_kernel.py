@@ -119,12 +119,14 @@ def test_generated_kernels_compile_for_sm90():
                                  ("ln_linear_tma", cases["ln_linear"]),
                                  ("multi_stage_merged_tail", cases["multi_stage"]),
                                  ("ln_postnorm_merged_res", cases["ln_postnorm"]),
-                                 ("ln_postnorm_merged_ahead", cases["ln_postnorm"])]:
+                                 ("ln_postnorm_merged_ahead", cases["ln_postnorm"]),
+                                 ("ln_postnorm_merged_res_nokeep", cases["ln_postnorm"])]:
             (cand,) = find_regions(capture(fn, args))
             with settings.override(schedule="ws_stages", ws_merge="_merged" in name, ws_tma_store=name.endswith("_tma"),
                                    ws_tail=96 if name.endswith("_tail") else 0,
                                    ws_lanes=8 if "_merged" in name else 32,  # (plain LayerNorm at 8 lanes: 400 bytes)
-                                   ws_res_tma=name.endswith("_res"), ws_lookahead=name.endswith("_ahead")):
+                                   ws_res_tma="_res" in name, ws_lookahead=name.endswith("_ahead"),
+                                   ws_keep=not name.endswith("_nokeep")):
                 p = plan(cand.region, target="cuda")
             k = compile_sm90(p)
             regs = sorted(set(int(v) for v in re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+);",
@@ -308,3 +310,18 @@ def test_loads_a_chunk_ahead_only_with_its_setting():
     assert "nxt1 = gl.load(in1_ptr + (row + CHUNK)[:, None] * N + col[None, :])" in text  # the residual
     assert "v3 = cur1.to(gl.float32)" in text
     assert "if t + gl.num_programs(0) >= num_tiles:" in text and "2 - last" not in text
+
+
+def test_nothing_kept_in_the_buffer_with_its_setting():
+    """COMFUSE_WS_KEEP=0 (experimental): a merged kernel's later passes recompute the exchange's
+    value (LayerNorm: the residual read again) rather than read it kept in the hand-off buffer;
+    the default keeps it."""
+    from comfuse.runtime.stages_kernel import source_text
+    kept = suite_plan("ln_postnorm", merge=True)
+    assert kept.keep and "kept for the later passes" in source_text(kept, "k")
+    with settings.override(ws_keep=False):
+        p = suite_plan("ln_postnorm", merge=True)
+    assert not p.keep and "nothing kept in the buffer" in p.describe()
+    text = source_text(p, "k")
+    assert "kept for the later passes" not in text and ".store(v" not in text
+    assert text.count("gl.load(in1_ptr + row[:, None] * N + col[None, :])") == 2  # the residual, in both passes

@@ -70,6 +70,10 @@ class Plan:
     # ws_stages: each chunk of an epilogue pass issues the next chunk's loads before its own
     # work (COMFUSE_WS_LOOKAHEAD, experimental)
     lookahead: bool = False
+    # ws_stages, merged: an exchange's value kept in the hand-off buffer for the later passes
+    # where they need nothing else of the tile (codegen/gluon/stages._Writer.keepable; False:
+    # recomputed, COMFUSE_WS_KEEP=0, experimental)
+    keep: bool = True
 
     def describe(self) -> str:
         if self.schedule == "ws_stages":
@@ -83,7 +87,8 @@ class Plan:
                     f"{self.lanes} lanes a row"
                     f"{f'; the mainloop warps take the last {self.tail} rows of the last tile' if self.tail else ''}"
                     f"{'; the residual by TMA into the hand-off buffer, added by the mainloop' if self.res_tma else ''}"
-                    f"{'; each chunk loads the next ahead' if self.lookahead else ''}")
+                    f"{'; each chunk loads the next ahead' if self.lookahead else ''}"
+                    f"{'; nothing kept in the buffer' if self.moments and not self.keep else ''}")
         if self.schedule == "ws_split":
             return (f"ws_split: warp-specialised Gluon template computing the {self.template.describe()}; "
                     f"persistent grid of {self.block_m}x{self.block_n}x{self.block_k} tiles in grouped order, TMA "
@@ -417,13 +422,14 @@ def stages_options(settings) -> dict:
     """stages_template_plan's options from the settings (COMFUSE_WS_*); 8 lanes a row unless
     COMFUSE_WS_LANES names one."""
     return dict(merge=settings.ws_merge, lanes=settings.ws_lanes or 8, tma_store=settings.ws_tma_store,
-                tail=settings.ws_tail, res_tma=settings.ws_res_tma, lookahead=settings.ws_lookahead)
+                tail=settings.ws_tail, res_tma=settings.ws_res_tma, lookahead=settings.ws_lookahead,
+                keep=settings.ws_keep)
 
 
 def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple, target: str,
                          sm_count: int, merge: bool = False, lanes: int = 32,
                          tma_store: bool = False, tail: int = 0, res_tma: bool = False,
-                         lookahead: bool = False) -> Plan | NotFused:
+                         lookahead: bool = False, keep: bool = True) -> Plan | NotFused:
     """The ws_stages plan for ``region`` (row form), or why the generated Gluon kernel does
     not apply; ``merge``: moment and online-softmax pairs share an exchange (COMFUSE_WS_MERGE, on
     by default)."""
@@ -455,7 +461,7 @@ def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple,
     return Plan(region, False, "ws_stages", stages, 128, 256, 64, 8, 8, 3, forms, tiles_n=tiles, mainloop="tma",
                 persistent=True, exchanges=len(layout_of(stages, pairs).exchanges), moments=pairs, lanes=lanes,
                 tma_store=tma_store and not tma_storable(region) and not tail, tail=tail,
-                res_tma=res_tma and tma_residual(region) is not None, lookahead=lookahead)
+                res_tma=res_tma and tma_residual(region) is not None, lookahead=lookahead, keep=keep)
 
 
 def template_offers(region: Region, sm_count: int = 132) -> list:

@@ -153,7 +153,8 @@ class StagesKernel:
 
 def source_text(plan: Plan, name: str) -> str:
     from ..codegen.gluon import stages
-    return stages.emit(plan.region, plan.stages, name, plan.describe(), plan.moments, keep=bool(plan.moments),
+    return stages.emit(plan.region, plan.stages, name, plan.describe(), plan.moments,
+                       keep=bool(plan.moments) and plan.keep,
                        tma_store=plan.tma_store, tail=plan.tail,
                        residual=stages.tma_residual(plan.region) if plan.res_tma else None,
                        lookahead=plan.lookahead)
@@ -166,10 +167,13 @@ def build(plan: Plan, name: str) -> StagesKernel:
     return StagesKernel(plan, source, getattr(module, name))
 
 
-def compile_sm90(plan: Plan, name: str = "", chunk: int = CHUNK, vec: int = 0, trace: bool = False):
+def compile_sm90(plan: Plan, name: str = "", chunk: int = CHUNK, vec: int = 0, trace: bool = False,
+                 epi_warps: int = 4, epi_regs: int = 152, maxnreg: int = 168):
     """Compile a plan's generated kernel for sm_90 on any machine (no GPU needed), as
     ``strip.compile_sm90`` does for the template. ``name``: the module's (by default the plan's
-    kernel name: a loaded module is reused by name)."""
+    kernel name: a loaded module is reused by name); ``epi_warps`` / ``epi_regs`` / ``maxnreg``:
+    the epilogue partition's warps and registers and the kernel's register limit, for probing
+    other splits (launches use 4, 152 and 168)."""
     from .kernel import kernel_name
     name = name or kernel_name(plan)
     import triton
@@ -195,10 +199,11 @@ def compile_sm90(plan: Plan, name: str = "", chunk: int = CHUNK, vec: int = 0, t
     sig.update({"ws_ptr": "*fp32", "counter_ptr": "*i64", "M": "i32", "N": "i32", "K": "i32", "trace_ptr": "*i64"})
     tiles = plan.region.sizes.N // strip.BN
     constexprs = dict(B_KMAJOR=kmajor, BN=strip.BN, TILES_N=tiles, TILES_P2=strip._pow2(tiles), STAGES=3,
-                      CHUNK=chunk, EPI_WARPS=4, EPI_REGS=152, LANES_N=plan.lanes, VEC=vec or strip.BN // plan.lanes,
+                      CHUNK=chunk, EPI_WARPS=epi_warps, EPI_REGS=epi_regs, LANES_N=plan.lanes,
+                      VEC=vec or strip.BN // plan.lanes,
                       TRACE=trace, num_warps=8)
     sig.update({k: "constexpr" for k in constexprs})
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(2, len(sig) - len(constexprs))}
     return triton.compile(GluonASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": 8, "maxnreg": 168})
+                          options={"num_warps": 8, "maxnreg": maxnreg})
 
