@@ -453,3 +453,14 @@ def test_generated_kernel_with_the_residual_by_tma_matches_the_reference(shape, 
     template's RES 2), alone and with the last tile shared (COMFUSE_WS_TAIL); strips of 4, 12
     and 3 tiles; with each chunk's loads a chunk ahead (COMFUSE_WS_LOOKAHEAD)."""
     forced_schedule_matches("ln_postnorm", shape, "ws_stages", 20, ws_res_tma=True, ws_tail=tail, ws_lookahead=ahead)
+
+
+@pytest.mark.parametrize("name, res", [("ln_postnorm", False), ("ln_postnorm", True), ("multi_stage", False),
+                                       ("mblr", False)], ids=["ln_postnorm", "ln_postnorm-res_tma", "multi_stage",
+                                                              "mblr"])
+@pytest.mark.parametrize("shape", [(8192, 1024, 1024), (2048, 1024, 3072)], ids=["paper", "N3072"])
+def test_generated_kernel_with_nothing_kept_matches_the_reference(name, res, shape):
+    """COMFUSE_WS_KEEP=0: the merged kernel's later passes recompute the exchange's value (the
+    residual read again, or already in the buffer with COMFUSE_WS_RES_TMA) rather than read it
+    kept in the hand-off buffer."""
+    forced_schedule_matches(name, shape, "ws_stages", 20, ws_keep=False, ws_res_tma=res)
