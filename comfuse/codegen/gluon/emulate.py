@@ -1,0 +1,384 @@
+"""The generated ws_stages kernel's epilogue, run on the CPU: its per-tile function
+(``{name}_tile``, the source ``stages.emit`` writes) executed by Python over torch tensors,
+so that CI checks the generated text's arithmetic (exchanges, merged moments, the value kept
+in the buffer, the shared last tile's chunk ranges and arrival shares, the residual added at
+the hand-off, loads a chunk ahead) against the IR's float64 reference. Gluon kernels do not
+run in Triton's interpreter; this runs the same function body with its ``gl`` calls bound to
+the small emulation below.
+
+What is emulated: each group of warps that runs a tile's epilogue (the epilogue partition's
+4, and with ``Plan.tail`` the mainloop's 8 on the program's last tile) is one Python thread,
+its chunk a [rows, BN] tensor (layouts do not matter: every thread's elements are computed at
+once, so ``gl.thread_barrier`` is a no-op); shared memory (the hand-off buffer, the
+statistics) and global memory (inputs, outputs, the strips' partials and arrival counters)
+are torch tensors; ``gl.atomic_add`` is atomic under a lock, and the exchange's spin loop
+yields while it waits, so all tiles of a strip run at once as the persistent grid's
+co-residency guarantees. What is not: the mainloop (TMA, wgmma), replaced by an fp32 matrix
+product rounded to bf16 at the hand-off as the mainloop rounds it (plus the residual first,
+where the plan adds it there), and the order of floating-point sums inside a row.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import types
+
+import torch
+
+from ...ir import canonical_shape
+
+BM, BN = 128, 256
+EPI_WARPS, MMA_WARPS = 4, 8
+
+
+class _Ptr:
+    """A pointer into a flat tensor, ``ptr + offsets`` as in Gluon: the offsets an int or a
+    tensor of them."""
+
+    def __init__(self, base: torch.Tensor, offset=0):
+        self.base, self.offset = base, offset
+        self.dtype = types.SimpleNamespace(element_ty=base.dtype)
+
+    def __add__(self, other):
+        return _Ptr(self.base, self.offset + other)
+
+    __radd__ = __add__
+
+    def index(self):
+        off = self.offset
+        return off if isinstance(off, torch.Tensor) else torch.tensor(off)
+
+
+class _Smem:
+    """A shared-memory buffer or a view of one: ``slice``, ``index``, ``load``, ``store``."""
+
+    def __init__(self, t: torch.Tensor):
+        self.t = t
+
+    def slice(self, start, size, dim=0):
+        return _Smem(self.t.narrow(dim, int(start), int(size)))
+
+    def index(self, i):
+        return _Smem(self.t[int(i)])
+
+    def load(self, layout=None):
+        return self.t.clone()
+
+    def store(self, value):
+        self.t.copy_(torch.as_tensor(value).to(self.t.dtype).expand_as(self.t))
+
+
+def _tensor(x, like=None):
+    if isinstance(x, torch.Tensor):
+        return x
+    return torch.tensor(x, dtype=like.dtype if isinstance(like, torch.Tensor) else torch.float32)
+
+
+class _Gl:
+    """The part of ``triton.experimental.gluon.language`` a per-tile function uses."""
+
+    float32, bfloat16, float16, int32, int64 = torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64
+    constexpr = object
+
+    def __init__(self, lock: threading.Lock, cancelled: threading.Event):
+        self._lock, self._cancelled = lock, cancelled
+
+    @staticmethod
+    def BlockedLayout(*args, **kwargs):  # noqa: N802 - Gluon's name
+        return None
+
+    @staticmethod
+    def SliceLayout(*args, **kwargs):  # noqa: N802 - Gluon's name
+        return None
+
+    @staticmethod
+    def static_range(*args):
+        return range(*(int(a) for a in args))
+
+    @staticmethod
+    def arange(start, end, layout=None):
+        return torch.arange(int(start), int(end))
+
+    @staticmethod
+    def full(shape, value, dtype, layout=None):
+        return torch.full([int(s) for s in shape], value, dtype=dtype)
+
+    @staticmethod
+    def load(ptr: _Ptr, mask=None, other=None, cache_modifier=None):
+        idx = ptr.index()
+        if mask is None:
+            return ptr.base[idx]
+        mask = torch.as_tensor(mask).expand(idx.shape) if idx.dim() else torch.as_tensor(mask)
+        vals = ptr.base[torch.where(mask, idx, torch.zeros_like(idx))]
+        return torch.where(mask, vals, torch.as_tensor(0 if other is None else other, dtype=vals.dtype))
+
+    @staticmethod
+    def store(ptr: _Ptr, value, mask=None):
+        idx = ptr.index()
+        value = torch.as_tensor(value).to(ptr.base.dtype).expand(idx.shape)
+        if mask is not None:
+            keep = torch.as_tensor(mask).expand(idx.shape)
+            idx, value = idx[keep], value[keep]
+        ptr.base[idx] = value
+
+    def atomic_add(self, ptr: _Ptr, value, sem=None, scope=None):
+        if not value:  # a poll: let the other groups of the strip run
+            if self._cancelled.is_set():
+                raise _Cancelled()
+            time.sleep(1e-4)
+        with self._lock:
+            i = int(ptr.offset)
+            old = int(ptr.base[i])
+            ptr.base[i] = old + int(value)
+        return old
+
+    @staticmethod
+    def thread_barrier():
+        pass
+
+    @staticmethod
+    def sum(x, axis):
+        return x.sum(dim=axis)
+
+    @staticmethod
+    def max(x, axis):
+        return x.amax(dim=axis)
+
+    @staticmethod
+    def min(x, axis):
+        return x.amin(dim=axis)
+
+    @staticmethod
+    def maximum(x, y):
+        return torch.maximum(_tensor(x, y), _tensor(y, x))
+
+    @staticmethod
+    def minimum(x, y):
+        return torch.minimum(_tensor(x, y), _tensor(y, x))
+
+    @staticmethod
+    def where(c, x, y):
+        return torch.where(torch.as_tensor(c), _tensor(x, y), _tensor(y, x))
+
+    exp, log, sqrt, rsqrt = staticmethod(torch.exp), staticmethod(torch.log), staticmethod(torch.sqrt), \
+        staticmethod(torch.rsqrt)
+    abs, erf, sin, cos = staticmethod(torch.abs), staticmethod(torch.erf), staticmethod(torch.sin), \
+        staticmethod(torch.cos)
+
+
+class _Tma:
+    """``tma.async_copy_shared_to_global`` (the output tile by one TMA store): the descriptor
+    is the [M, N] output itself."""
+
+    @staticmethod
+    def async_copy_shared_to_global(desc, coords, smem: _Smem):
+        r, c = (int(v) for v in coords)
+        desc.t[r:r + smem.t.shape[0], c:c + smem.t.shape[1]] = smem.t.to(desc.t.dtype)
+
+    @staticmethod
+    def store_wait(n):
+        pass
+
+
+class _Cancelled(Exception):
+    """A launch given up (it did not finish in time): each waiting thread leaves."""
+
+
+class _Barriers:
+    """mbarriers by their shared-memory address: ``init(count)``, ``arrive``, and ``wait(phase)``
+    returning once that phase has completed (the phase now running has the other parity)."""
+
+    def __init__(self, cancelled: threading.Event):
+        self.state, self.cond, self.cancelled = {}, threading.Condition(), cancelled
+
+    def init(self, bar: _Smem, count=1):
+        with self.cond:
+            self.state[bar.t.data_ptr()] = [int(count), 0, 0]  # (count, arrivals, phases done)
+
+    def arrive(self, bar: _Smem, count=1, pred=True):
+        if not pred:
+            return
+        with self.cond:
+            st = self.state[bar.t.data_ptr()]
+            st[1] += count
+            if st[1] >= st[0]:
+                st[1], st[2] = 0, st[2] + 1
+                self.cond.notify_all()
+
+    def wait(self, bar: _Smem, phase, deps=None):
+        key = bar.t.data_ptr()
+        with self.cond:
+            while not self.cond.wait_for(lambda: self.state[key][2] % 2 != int(phase) % 2, timeout=0.05):
+                if self.cancelled.is_set():
+                    raise _Cancelled()
+
+
+class _Desc:
+    """A TMA descriptor stand-in: the whole tensor it covers, its block shape."""
+
+    def __init__(self, t: torch.Tensor, block):
+        self.t, self.dtype, self.layout = t, t.dtype, None
+        self.block_type = types.SimpleNamespace(shape=list(block), nbytes=t.element_size() * block[0] * block[1])
+
+
+class _Program(threading.local):
+    pid = 0
+    programs = 1
+
+
+def _module_env(module, gl: _Gl, bars: _Barriers, prog: _Program, acc: torch.Tensor):
+    """The generated module's globals with Gluon and strip.py's hand-written partitions bound to
+    the emulation: the mainloop partition hands off ``acc``'s tiles (the fp32 product), adding
+    the buffer's residual first where it holds one (RES 2), rounded to bf16."""
+
+    def mma_partition(a_desc, b_desc, a_bufs, b_bufs, ready, tile_smem, tile_ready, tile_free, num_tiles, k_steps,
+                      trace_ptr, TRACE, RES, B_KMAJOR, TILES_N, GROUP_M, BM_, BN_, BK, num_warps):
+        if GROUP_M:
+            raise NotImplementedError("emulate: grouped tile order")
+        for n, t in enumerate(range(prog.pid, int(num_tiles), prog.programs)):
+            r, c = (t // TILES_N) * BM_, (t % TILES_N) * BN_
+            tile = acc[r:r + BM_, c:c + BN_]
+            if RES == 2:  # the buffer holds this tile's residual
+                bars.wait(tile_free, n & 1)
+                tile = tile + tile_smem.t.float()
+            else:
+                bars.wait(tile_free, (n & 1) ^ 1)
+            tile_smem.store(tile.to(torch.bfloat16))
+            bars.arrive(tile_ready)
+
+    def load_residual(r_desc, tile_smem, bar, t, num_tiles, TILES_N, BM_, BN_):
+        if int(t) < int(num_tiles):
+            r, c = (int(t) // TILES_N) * BM_, (int(t) % TILES_N) * BN_
+            tile_smem.store(r_desc.t[r:r + BM_, c:c + BN_])
+            bars.arrive(bar)
+
+    def warp_specialize(partitions, worker_warps, worker_regs):
+        pid, programs, errors = prog.pid, prog.programs, []
+
+        def start(fn, args):
+            prog.pid, prog.programs = pid, programs
+            try:
+                fn(*args)
+            except BaseException as e:  # (raised in the program's thread)
+                errors.append(e)
+        threads = [threading.Thread(target=start, args=part, daemon=True) for part in partitions]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        if errors:
+            raise errors[0]
+
+    def rebind(f):  # a gluon.jit function of the module: its Python body, over the emulation
+        raw = f.fn
+        return types.FunctionType(raw.__code__, env, raw.__name__, raw.__defaults__, raw.__closure__)
+
+    gl.program_id = lambda axis: torch.tensor(prog.pid)
+    gl.num_programs = lambda axis: torch.tensor(prog.programs)
+    gl.cdiv = lambda a, b: (a + b - 1) // b
+    gl.allocate_shared_memory = lambda dtype, shape, layout=None: _Smem(torch.zeros([int(v) for v in shape],
+                                                                                     dtype=dtype))
+    gl.SwizzledSharedLayout = gl.BlockedLayout
+    gl.warp_specialize = warp_specialize
+    env = dict(vars(module), gl=gl, tma=_Tma, fence_async_shared=lambda: None,
+               mbarrier=types.SimpleNamespace(init=bars.init, arrive=bars.arrive, wait=bars.wait,
+                                              MBarrierLayout=lambda: None),
+               exp_fast=torch.exp, tanh_fast=torch.tanh, _mark=lambda *a: None,
+               _mma_partition=mma_partition, _load_residual=load_residual)
+    for key, value in vars(module).items():
+        if hasattr(value, "fn") and getattr(value.fn, "__module__", None) == module.__name__:
+            env[key] = rebind(value)
+    return env
+
+
+def run(plan, a3: torch.Tensor, b3: torch.Tensor, ins, outs=None, programs: int = 132, launches: int = 1,
+        name: str = "k", timeout: float = 120.0, source: str | None = None):
+    """Run ``plan``'s generated kernel (a ws_stages plan, row form, unbatched) on CPU tensors in
+    canonical 3-D layout, each of its ``programs`` programs (the persistent grid; at least a
+    strip's tiles, which must be resident at once) a thread and each program's two partitions
+    a thread; returns the outputs in canonical 3-D layout (written into ``outs`` when given).
+    The kernel function, its partitions and its per-tile function are the generated text's own;
+    the mainloop partition and the residual's TMA load (strip.py's, hand-written) are stand-ins
+    (``_module_env``). ``launches``: how many times to run it with the same counters (they only
+    grow); ``timeout``: seconds a launch may take before it is taken to wait forever;
+    ``source``: the module's text in place of the plan's (tests of the emulation itself)."""
+    from . import stages
+    from ...runtime import cache, stages_kernel
+    region = plan.region
+    if plan.schedule != "ws_stages" or plan.transposed or region.gemm.batched:
+        raise ValueError("emulate.run: a ws_stages plan, row form, unbatched")
+    s = region.sizes
+    M, N, K = s.M, s.N, s.K
+    if M % BM or N % BN:
+        raise ValueError(f"emulate.run: M a multiple of {BM}, N of {BN} (got {M}x{N})")
+    tiles_n = N // BN
+    num_tiles = (M // BM) * tiles_n
+    programs = min(programs, num_tiles)
+    if programs < tiles_n:
+        raise ValueError(f"emulate.run: {programs} programs cannot hold a strip of {tiles_n} tiles at once")
+    text = source if source is not None else stages_kernel.source_text(plan, name)
+    module = cache.load_source(f"{name}_emulated_{abs(hash(text)) % 10**12}", text)
+    lock, cancelled = threading.Lock(), threading.Event()
+    gl, bars, prog = _Gl(lock, cancelled), _Barriers(cancelled), _Program()
+    acc = a3[0].float() @ b3[0].float()
+    env = _module_env(module, gl, bars, prog, acc)
+    kernel = env[name]
+
+    residual = stages.tma_residual(region) if plan.res_tma else None
+    flat_in = [t[0].contiguous().reshape(-1) if spec.axes == frozenset("MN") else t.reshape(-1).contiguous()
+               for t, spec in zip(ins, region.inputs)]
+    if outs is None:
+        outs = [torch.empty(canonical_shape(region, o.axes), dtype=o.dtype) for o in region.outputs]
+    flat_out = [o.view(-1) for o in outs]
+    args = [_Desc(a3[0], (BM, 64)), _Desc(b3[0], (64, BN)), *[_Ptr(t) for t in flat_in + flat_out]]
+    if residual is not None:  # r_desc
+        args.append(_Desc(flat_in[residual].view(M, N), (BM, BN)))
+    if plan.tma_store:  # o_desc: the [M, N] output
+        args.append(_Desc(outs[-1][0], (BM, BN)))
+    ws = torch.zeros(stages.workspace_numel(M, N, plan.stages, plan.moments), dtype=torch.float32)
+    counters = torch.zeros(M // BM, dtype=torch.int64)
+    options = {k: v for k, v in stages_kernel.StagesKernel.options(types.SimpleNamespace(plan=plan), N).items()
+               if k != "maxnreg"}
+    E = len(stages.layout_of(plan.stages, plan.moments).exchanges)
+    for launch in range(launches):
+        errors = []
+        cancelled.clear()
+
+        def program(pid):
+            prog.pid, prog.programs = pid, programs
+            try:
+                kernel(*args, _Ptr(ws), _Ptr(counters), M, N, K, None, **options)
+            except BaseException as e:  # (reported after the join; the other programs given up)
+                errors.append(e)
+                cancelled.set()
+        threads = [threading.Thread(target=program, args=(p, ), daemon=True) for p in range(programs)]
+        for th in threads:
+            th.start()
+        deadline = time.monotonic() + timeout
+        for th in threads:
+            th.join(timeout=max(deadline - time.monotonic(), 0.0))
+        hung = any(th.is_alive() for th in threads)
+        cancelled.set()  # (the threads still waiting leave)
+        for th in threads:
+            th.join()
+        if hung:
+            raise RuntimeError("emulate.run: the launch did not finish (an exchange or a barrier waits forever)")
+        errors = [e for e in errors if not isinstance(e, _Cancelled)] or errors
+        if errors:
+            raise errors[0]
+        expected = (launch + 1) * E * 2 * tiles_n
+        if any(int(c) != expected for c in counters):
+            raise RuntimeError(f"emulate.run: the strips' counters are {counters.tolist()}, not {expected} each")
+    return outs
+
+
+def check(plan, a3, b3, ins, **kw) -> list:
+    """``run``'s outputs against the IR's float64 reference, judged as ``COMFUSE_CHECK`` judges
+    a kernel's (``runtime.check``: the region's tolerance, errors in units of the reference
+    interpreter's error scale): the list of comparisons, each with ``.ok``."""
+    from ...ir import evaluate_with_scale
+    from ...runtime.check import compare, region_tolerance
+    outs = run(plan, a3, b3, ins, **kw)
+    refs, scales = evaluate_with_scale(plan.region, a3, b3, ins)
+    tol = region_tolerance(plan.region)
+    return [compare(o, r, tol, s) for o, r, s in zip(outs, refs, scales)]

@@ -1,0 +1,109 @@
+"""The generated ws_stages kernel's epilogue run on the CPU (codegen/gluon/emulate.py): its
+per-tile function's text, executed over torch tensors, against the IR's float64 reference,
+for the suite's row reductions in every form the generator writes, on random epilogues, and
+two broken sources the emulation must catch. (The kernel itself runs on sm_90 GPUs only; its
+GPU tests are in test_gpu.py.)"""
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given, settings as hsettings
+
+from comfuse import settings
+from comfuse.bench.workloads import SUITE
+from comfuse.codegen.gluon import emulate
+from comfuse.frontend.capture import capture
+from comfuse.frontend.regions import find_regions
+from comfuse.ir import canonical_shape
+from comfuse.planner import plan
+from comfuse.planner.plan import NotFused
+from comfuse.runtime.stages_kernel import source_text
+
+from test_property import EXAMPLES, PROPERTY_COUNTS, build, programs
+
+bf = torch.bfloat16
+FORMS = {  # name -> the settings of one form of the generated kernel
+    "merged": {}, "exchange_per_stage": dict(ws_merge=False), "tail96": dict(ws_tail=96),
+    "32lanes-tail64": dict(ws_lanes=32, ws_tail=64), "res_tma": dict(ws_res_tma=True),
+    "res_tma-tail96": dict(ws_res_tma=True, ws_tail=96), "lookahead-tail96": dict(ws_lookahead=True, ws_tail=96),
+    "nothing_kept": dict(ws_keep=False), "tma_store": dict(ws_tma_store=True),
+}
+
+
+def region_of(fn, args):
+    (cand,) = find_regions(capture(fn, args))
+    return cand.region
+
+
+def operands(region, seed=0):
+    """Random bf16 operands in canonical 3-D layout (the weight scaled as a layer's)."""
+    g = torch.Generator().manual_seed(seed)
+    s = region.sizes
+    a3 = torch.randn(1, s.M, s.K, generator=g).to(bf)
+    b3 = (torch.randn(1, s.K, s.N, generator=g) / s.K ** 0.5).to(bf)
+    ins = [torch.randn(canonical_shape(region, i.axes), generator=g).to(i.dtype) for i in region.inputs]
+    return a3, b3, ins
+
+
+def ws_plan(region, **overrides):
+    with settings.override(schedule="ws_stages", **overrides):
+        return plan(region, target="cuda")
+
+
+@pytest.mark.parametrize("form", sorted(FORMS))
+@pytest.mark.parametrize("name", ["multi_stage", "ln_postnorm", "rmsnorm", "softmax", "mblr"])
+@pytest.mark.parametrize("N", [768, 1024, 3072])
+def test_the_generated_epilogue_computes_the_region(name, N, form):
+    """Strips of 3, 4 and 12 tiles, 2 strips; a strip's tiles and one more as programs (5 at
+    least), so that some programs hold two tiles and some one, and the last tile is shared
+    where the form shares it; two launches on the same counters."""
+    region = region_of(SUITE[name].fn, SUITE[name].inputs(256, 64, N, dtype=bf, device="cpu"))
+    p = ws_plan(region, **FORMS[form])
+    assert not isinstance(p, NotFused), p.reason
+    for c in emulate.check(p, *operands(region), programs=max(5, N // 256 + 1), launches=2):
+        assert c.ok, f"{name} N={N} {form}: {c}"
+
+
+@hsettings(max_examples=max(EXAMPLES // 4, 10))
+@given(programs(), st.sampled_from([256, 768, 1024]), st.sampled_from(sorted(FORMS)))
+def test_random_epilogues_the_generator_takes_are_what_it_computes(program, N, form):
+    """Random epilogues with row reductions (test_property's generator), bf16, 256 rows: the
+    generator either refuses with its reason or writes a kernel whose epilogue gives the
+    float64 reference."""
+    import dataclasses
+    PROPERTY_COUNTS["random epilogues (ws_stages emulated)"] += 1
+    program = dataclasses.replace(program, dtype=bf, M=256, K=64, N=N, axis=-1)
+    fn = build(program)
+    g = torch.Generator().manual_seed(program.seed)
+    args = (torch.randn(256, 64, generator=g).to(bf), torch.randn(64, N, generator=g).to(bf),
+            *[torch.randn(*s, generator=g).to(bf) if s else torch.tensor(1.5, dtype=bf)
+              for s in program.side_shapes()])
+    found = find_regions(capture(fn, args))
+    if len(found) != 1 or found[0].region.kind != "gemm_epilogue":
+        return
+    p = ws_plan(found[0].region, **FORMS[form])
+    if isinstance(p, NotFused):
+        assert p.reason.startswith(("ws_stages: ", "forced schedule 'ws_stages'")), p.reason
+        return
+    PROPERTY_COUNTS["random epilogues (ws_stages emulated): generated"] += 1
+    for c in emulate.check(p, *operands(p.region, program.seed), programs=N // 256 + 1):
+        assert c.ok, f"{program} {form}: {c}"
+
+
+def test_the_emulation_catches_a_wrong_statistic_and_a_wrong_arrival_count():
+    """Two deliberately broken sources: every tile of a strip publishing its partials into
+    the first tile's slot (an indexing slip: wrong statistics), and a shared tile's part
+    arriving as a whole tile (the strip's counter off)."""
+    region = region_of(SUITE["ln_postnorm"].fn, SUITE["ln_postnorm"].inputs(256, 64, 1024, dtype=bf, device="cpu"))
+    p = ws_plan(region)
+    text = source_text(p, "k")
+    assert text.count("* TILES_N + tn) * BM") == 2
+    (c,) = emulate.check(p, *operands(region), source=text.replace("* TILES_N + tn) * BM", "* TILES_N + 0) * BM"))
+    assert not c.ok
+    shared = ws_plan(region, ws_tail=96)
+    text = source_text(shared, "k")
+    assert "(BM - 96) // MC, BM // MC,\n" in text and "1, False, M, N" in text
+    broken = text.replace("1, False, M, N", "2, False, M, N")  # the mainloop warps' share
+    with pytest.raises(RuntimeError, match="counter|did not finish"):
+        emulate.run(shared, *operands(region), programs=5, source=broken, timeout=5)
