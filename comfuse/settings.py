@@ -110,6 +110,10 @@ class Settings:
     # passes rather than keep it in the hand-off buffer (the keep's shared-memory stores put two
     # barriers of the epilogue's warps in each chunk; experimental, for measuring that).
     ws_keep: bool
+    # COMFUSE_WS_ROW_OUTPUTS=1: ws_stages kernels also take regions with per-row [M] outputs
+    # (LayerNorm's saved mean and rstd in a training graph), written by each strip's first tile
+    # (experimental: checked on the CPU by the emulation, not yet run on a GPU).
+    ws_row_outputs: bool
     # COMFUSE_AUTOTUNE: "auto" (time the candidate plans and the unfused ops on the first
     # call on a GPU, keep the fastest, remember it on disk), "1" (also under the
     # interpreter, for tests), "0" (use the planner's choice).
@@ -150,7 +154,7 @@ class Settings:
 
 CODEGEN_SETTINGS = ("row_budget", "schedule", "mainloop", "prefetch", "overlap", "persistent", "ws_merge",
                     "ws_lanes", "ws_tma_store", "ws_tail",
-                    "ws_res_tma", "ws_lookahead", "ws_keep")
+                    "ws_res_tma", "ws_lookahead", "ws_keep", "ws_row_outputs")
 
 _overrides: dict[str, object] = {}
 
@@ -205,6 +209,7 @@ def _read() -> Settings:
         ws_res_tma=_flag("COMFUSE_WS_RES_TMA", False),
         ws_lookahead=_flag("COMFUSE_WS_LOOKAHEAD", False),
         ws_keep=_flag("COMFUSE_WS_KEEP", True),
+        ws_row_outputs=_flag("COMFUSE_WS_ROW_OUTPUTS", False),
         persistent=_flag("COMFUSE_PERSISTENT", False),
         fuel=_int("COMFUSE_FUEL", -1),
         unfused_mode=os.environ.get("COMFUSE_UNFUSED_MODE", "best"),

@@ -464,3 +464,31 @@ def test_generated_kernel_with_nothing_kept_matches_the_reference(name, res, sha
     residual read again, or already in the buffer with COMFUSE_WS_RES_TMA) rather than read it
     kept in the hand-off buffer."""
     forced_schedule_matches(name, shape, "ws_stages", 20, ws_keep=False, ws_res_tma=res)
+
+
+@pytest.mark.parametrize("tail", [0, 96], ids=["whole_tiles", "tail96"])
+@pytest.mark.parametrize("name", ["ln_saving_statistics", "softmax_and_max"])
+@pytest.mark.parametrize("shape", [(8192, 1024, 1024), (2048, 1024, 3072)], ids=["paper", "N3072"])
+def test_generated_kernel_with_per_row_outputs_matches_the_reference(name, shape, tail):
+    """COMFUSE_WS_ROW_OUTPUTS=1: per-row [M] outputs (a training forward's saved LayerNorm
+    statistics; a row max) beside the [M, N] one, written by each strip's first tile; checked
+    on the CPU by the emulation (test_stages_emulate.py), here on the GPU."""
+    from test_stages_emulate import ROW_OUTPUTS
+    fn, vectors = ROW_OUTPUTS[name]
+    M, K, N = shape
+    args = (torch.randn(M, K, device="cuda").to(torch.bfloat16),
+            (torch.randn(K, N, device="cuda") / K ** 0.5).to(torch.bfloat16),
+            *[torch.randn(N, device="cuda").to(torch.bfloat16) for _ in range(vectors)])
+    with comfuse.settings.override(autotune="0", schedule="ws_stages", ws_row_outputs=True, ws_tail=tail), \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore", comfuse.ComfuseWarning)
+        compiled = comfuse.compile(fn, args)
+        out = compiled(*args)
+        (r,) = compiled.report.regions
+        assert r.fused and r.schedule == "ws_stages", str(compiled.report)
+        assert_matches_reference(fn, args, out)
+        first = [o.clone() for o in as_tuple(out)]
+        for _ in range(20):
+            out = compiled(*args)
+        torch.cuda.synchronize()
+        assert all(torch.equal(o, f) for o, f in zip(as_tuple(out), first))

@@ -28,7 +28,25 @@ FORMS = {  # name -> the settings of one form of the generated kernel
     "32lanes-tail64": dict(ws_lanes=32, ws_tail=64), "res_tma": dict(ws_res_tma=True),
     "res_tma-tail96": dict(ws_res_tma=True, ws_tail=96), "lookahead-tail96": dict(ws_lookahead=True, ws_tail=96),
     "nothing_kept": dict(ws_keep=False), "tma_store": dict(ws_tma_store=True),
+    "row_outputs-tail96": dict(ws_row_outputs=True, ws_tail=96),
 }
+
+
+def ln_saving_statistics(x, w, b, g, be):
+    """LayerNorm as a training graph's forward leaves it: the output, and the per-row mean and
+    rstd saved for the backward."""
+    v = x @ w + b
+    mean = v.float().mean(-1, keepdim=True)
+    rstd = torch.rsqrt(((v.float() - mean) ** 2).mean(-1, keepdim=True) + 1e-5)
+    return ((v.float() - mean) * rstd * g + be).to(v.dtype), mean, rstd
+
+
+def softmax_and_max(x, w):
+    v = x @ w
+    return torch.softmax(v.float(), -1).to(v.dtype), v.amax(-1)
+
+
+ROW_OUTPUTS = {"ln_saving_statistics": (ln_saving_statistics, 3), "softmax_and_max": (softmax_and_max, 0)}
 
 
 def region_of(fn, args):
@@ -89,6 +107,24 @@ def test_random_epilogues_the_generator_takes_are_what_it_computes(program, N, f
     PROPERTY_COUNTS["random epilogues (ws_stages emulated): generated"] += 1
     for c in emulate.check(p, *operands(p.region, program.seed), programs=N // 256 + 1):
         assert c.ok, f"{program} {form}: {c}"
+
+
+@pytest.mark.parametrize("name", sorted(ROW_OUTPUTS))
+@pytest.mark.parametrize("form", ["merged", "tail96", "exchange_per_stage"])
+def test_per_row_outputs_with_their_setting(name, form):
+    """Per-row [M] outputs (COMFUSE_WS_ROW_OUTPUTS=1; refused without it), written by each
+    strip's first tile, beside the [M, N] one."""
+    fn, vectors = ROW_OUTPUTS[name]
+    N = 1024
+    args = (torch.randn(256, 64).to(bf), (torch.randn(64, N) / 8).to(bf), *[torch.randn(N).to(bf)] * vectors)
+    region = region_of(fn, args[:2 + vectors] if vectors else args[:2])
+    assert any(o.axes == frozenset("M") for o in region.outputs)
+    refused = ws_plan(region, **FORMS[form])
+    assert isinstance(refused, NotFused) and "COMFUSE_WS_ROW_OUTPUTS=1" in refused.reason
+    p = ws_plan(region, ws_row_outputs=True, **FORMS[form])
+    assert not isinstance(p, NotFused), p.reason
+    for c in emulate.check(p, *operands(region), programs=5, launches=2):
+        assert c.ok, f"{name} {form}: {c}"
 
 
 def test_the_emulation_catches_a_wrong_statistic_and_a_wrong_arrival_count():

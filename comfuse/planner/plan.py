@@ -423,13 +423,13 @@ def stages_options(settings) -> dict:
     COMFUSE_WS_LANES names one."""
     return dict(merge=settings.ws_merge, lanes=settings.ws_lanes or 8, tma_store=settings.ws_tma_store,
                 tail=settings.ws_tail, res_tma=settings.ws_res_tma, lookahead=settings.ws_lookahead,
-                keep=settings.ws_keep)
+                keep=settings.ws_keep, row_outputs=settings.ws_row_outputs)
 
 
 def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple, target: str,
                          sm_count: int, merge: bool = False, lanes: int = 32,
                          tma_store: bool = False, tail: int = 0, res_tma: bool = False,
-                         lookahead: bool = False, keep: bool = True) -> Plan | NotFused:
+                         lookahead: bool = False, keep: bool = True, row_outputs: bool = False) -> Plan | NotFused:
     """The ws_stages plan for ``region`` (row form), or why the generated Gluon kernel does
     not apply; ``merge``: moment and online-softmax pairs share an exchange (COMFUSE_WS_MERGE, on
     by default)."""
@@ -451,7 +451,7 @@ def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple,
         return no("the kernel multiplies bf16 operands")
     if g.a.major != "K" or g.b.major not in ("N", "K"):
         return no("the kernel loads A row-major and B with a unit-stride dimension (TMA)")
-    why = fits(s.M, s.N, s.K) or blocker(region, stages)
+    why = fits(s.M, s.N, s.K) or blocker(region, stages, row_outputs)
     if why:
         return no(why)
     tiles = s.N // 256

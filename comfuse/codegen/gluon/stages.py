@@ -100,8 +100,9 @@ def merge_pairs(region: Region) -> tuple:
     return tuple(out)
 
 
-def blocker(region: Region, stages) -> str:
-    """'' when the generator can write this region, else why not."""
+def blocker(region: Region, stages, row_outputs: bool = False) -> str:
+    """'' when the generator can write this region, else why not; ``row_outputs``: per-row [M]
+    outputs too (COMFUSE_WS_ROW_OUTPUTS, experimental)."""
     g = region.gemm
     if region.kind != "gemm_epilogue" or g.batched:
         return "one unbatched GEMM and its epilogue"
@@ -122,10 +123,13 @@ def blocker(region: Region, stages) -> str:
         if not inp.dtype.is_floating_point or "B" in inp.axes:
             return f"side input {inp.name}: floating point, axes within [M, N]"
     for out in region.outputs:
-        # (per-row outputs are generated, written by each strip's first tile, but have not run
-        # on a GPU yet: refused until they have)
-        if not out.dtype.is_floating_point or out.axes != frozenset("MN"):
-            return f"output {out.name}: floating point [M, N] only (per-row outputs not yet checked on a GPU)"
+        # (per-row outputs are generated, written by each strip's first tile, and checked on the
+        # CPU (emulate.py), but have not run on a GPU yet: refused unless asked for)
+        if not out.dtype.is_floating_point or out.axes not in (frozenset("MN"), frozenset("M")):
+            return f"output {out.name}: floating point, [M, N] or [M]"
+        if out.axes == frozenset("M") and not row_outputs:
+            return (f"output {out.name}: floating point [M, N] only (per-row outputs not yet checked on a GPU; "
+                    "COMFUSE_WS_ROW_OUTPUTS=1 takes them)")
     if not region.reductions():
         return "no reduction (the tile schedules need no exchange)"
     reds = [len(s.reductions) for s in stages if s.reductions]
