@@ -66,21 +66,29 @@ def forced_schedule_matches(name, shape, schedule, repeats, **settings):
     float64 reference, ``repeats`` more calls bit-identical, and new tensors of the same layout
     (the direct launch) equal to the reference too."""
     wl = SUITE[name]
-    args = wl.inputs(*shape, dtype=torch.bfloat16, device="cuda")
+    fresh = wl.inputs(*shape, dtype=torch.bfloat16, device="cuda", seed=1)
+    forced_fn_matches(wl.fn, wl.inputs(*shape, dtype=torch.bfloat16, device="cuda"), schedule, repeats, fresh,
+                      **settings)
+
+
+def forced_fn_matches(fn, args, schedule, repeats, fresh=None, **settings):
+    """``fn`` with ``schedule`` forced (autotuning off): one region, fused as forced, equal to
+    the float64 reference, ``repeats`` more calls bit-identical in every output, and ``fresh``
+    (new tensors of the same layout: the direct launch) equal to the reference too."""
     with comfuse.settings.override(autotune="0", schedule=schedule, **settings), warnings.catch_warnings():
         warnings.simplefilter("ignore", comfuse.ComfuseWarning)
-        compiled = comfuse.compile(wl.fn, args)
+        compiled = comfuse.compile(fn, args)
         out = compiled(*args)
         (r,) = compiled.report.regions
         assert r.fused and r.schedule == schedule, str(compiled.report)
-        assert_matches_reference(wl.fn, args, out)
-        first = as_tuple(out)[0].clone()
+        assert_matches_reference(fn, args, out)
+        first = [o.clone() for o in as_tuple(out)]
         for _ in range(repeats):
             out = compiled(*args)
         torch.cuda.synchronize()
-        assert torch.equal(as_tuple(out)[0], first)
-        fresh = wl.inputs(*shape, dtype=torch.bfloat16, device="cuda", seed=1)
-        assert_matches_reference(wl.fn, fresh, compiled(*fresh))
+        assert all(torch.equal(o, f) for o, f in zip(as_tuple(out), first))
+        if fresh is not None:
+            assert_matches_reference(fn, fresh, compiled(*fresh))
 
 
 def test_warp_specialised_template_takes_nn_linear_weights():
@@ -479,16 +487,5 @@ def test_generated_kernel_with_per_row_outputs_matches_the_reference(name, shape
     args = (torch.randn(M, K, device="cuda").to(torch.bfloat16),
             (torch.randn(K, N, device="cuda") / K ** 0.5).to(torch.bfloat16),
             *[torch.randn(N, device="cuda").to(torch.bfloat16) for _ in range(vectors)])
-    with comfuse.settings.override(autotune="0", schedule="ws_stages", ws_row_outputs=True, ws_tail=tail), \
-            warnings.catch_warnings():
-        warnings.simplefilter("ignore", comfuse.ComfuseWarning)
-        compiled = comfuse.compile(fn, args)
-        out = compiled(*args)
-        (r,) = compiled.report.regions
-        assert r.fused and r.schedule == "ws_stages", str(compiled.report)
-        assert_matches_reference(fn, args, out)
-        first = [o.clone() for o in as_tuple(out)]
-        for _ in range(20):
-            out = compiled(*args)
-        torch.cuda.synchronize()
-        assert all(torch.equal(o, f) for o, f in zip(as_tuple(out), first))
+    fresh = tuple(torch.randn_like(a, dtype=torch.float32).to(a.dtype) for a in args)
+    forced_fn_matches(fn, args, "ws_stages", 20, fresh, ws_row_outputs=True, ws_tail=tail)
