@@ -1,8 +1,9 @@
-"""The generated ws_stages kernel's epilogue run on the CPU (codegen/gluon/emulate.py): its
-per-tile function's text, executed over torch tensors, against the IR's float64 reference,
-for the suite's row reductions in every form the generator writes, on random epilogues, and
-two broken sources the emulation must catch. (The kernel itself runs on sm_90 GPUs only; its
-GPU tests are in test_gpu.py.)"""
+"""The warp-specialised Gluon kernels run on the CPU (codegen/gluon/emulate.py): the generated
+ws_stages module's and the hand-written ws_strip template's own functions, executed over torch
+tensors, against the IR's float64 reference: the suite's row reductions in every form the
+generator writes and both residual forms of the template, B as [K, N] and as nn.Linear's
+[N, K], random epilogues, and two broken sources the emulation must catch. (The kernels
+themselves run on sm_90 GPUs only; their GPU tests are in test_gpu.py.)"""
 from __future__ import annotations
 
 import hypothesis.strategies as st
@@ -81,6 +82,38 @@ def test_the_generated_epilogue_computes_the_region(name, N, form):
     assert not isinstance(p, NotFused), p.reason
     for c in emulate.check(p, *operands(region), programs=max(5, N // 256 + 1), launches=2):
         assert c.ok, f"{name} N={N} {form}: {c}"
+
+
+@pytest.mark.parametrize("prefetch", [False, True], ids=["residual_by_chunk", "residual_by_tma"])
+@pytest.mark.parametrize("name", ["ln_postnorm", "rmsnorm", "softmax", "mblr"])
+@pytest.mark.parametrize("N", [768, 1024, 3072])
+def test_the_template_computes_the_region(name, N, prefetch):
+    """The hand-written template (ws_strip): its residual read by the epilogue chunk by chunk
+    (RES 1) or TMA-loaded into the hand-off buffer during the mainloop (RES 2; prefetch)."""
+    region = region_of(SUITE[name].fn, SUITE[name].inputs(256, 64, N, dtype=bf, device="cpu"))
+    with settings.override(schedule="ws_strip", prefetch=prefetch):
+        p = plan(region, target="cuda")
+    assert not isinstance(p, NotFused), p.reason
+    for c in emulate.check(p, *operands(region), programs=max(5, N // 256 + 1), launches=2):
+        assert c.ok, f"{name} N={N} prefetch={prefetch}: {c}"
+
+
+@pytest.mark.parametrize("schedule", ["ws_stages", "ws_strip"])
+def test_both_kernels_take_nn_linear_weights(schedule):
+    """B K-major ([N, K], nn.Linear's weight): the mainloop's B_KMAJOR form."""
+    import torch.nn.functional as F
+
+    def fn(x, w, b, r, g, be):
+        return F.layer_norm(F.linear(x, w, b) + r, (768, ), g, be, 1e-5)
+    args = (torch.randn(256, 64).to(bf), torch.randn(768, 64).to(bf), torch.randn(768).to(bf),
+            torch.randn(256, 768).to(bf), torch.randn(768).to(bf), torch.randn(768).to(bf))
+    region = region_of(fn, args)
+    assert region.gemm.b.major == "K"
+    with settings.override(schedule=schedule):
+        p = plan(region, target="cuda")
+    assert not isinstance(p, NotFused), p.reason
+    for c in emulate.check(p, *operands(region), programs=4, launches=2):
+        assert c.ok, f"{schedule}: {c}"
 
 
 @hsettings(max_examples=max(EXAMPLES // 4, 10))

@@ -226,18 +226,48 @@ class _Program(threading.local):
     programs = 1
 
 
-def _module_env(module, gl: _Gl, bars: _Barriers, prog: _Program, acc: torch.Tensor):
-    """The generated module's globals with Gluon and strip.py's hand-written partitions bound to
-    the emulation: the mainloop partition hands off ``acc``'s tiles (the fp32 product), adding
-    the buffer's residual first where it holds one (RES 2), rounded to bf16."""
+class _Emulation:
+    """One launch's machinery: the lock, the cancel flag, the ``gl`` stand-in, the barriers and
+    each thread's program id."""
+
+    def __init__(self):
+        self.lock, self.cancelled = threading.Lock(), threading.Event()
+        self.gl, self.bars, self.prog = _Gl(self.lock, self.cancelled), _Barriers(self.cancelled), _Program()
+
+
+def _tile_coords(t, num_tiles, TILES_N, GROUP_M):
+    """(row block, column tile) of tile t, as strip._tile_coords orders them (the stand-in
+    mainloop's own copy: a disagreement with the epilogue's shows as wrong results)."""
+    if GROUP_M == 0:
+        return t // TILES_N, t % TILES_N
+    per_group = GROUP_M * TILES_N
+    first = (t // per_group) * GROUP_M
+    rows = min(num_tiles // TILES_N - first, GROUP_M)
+    return first + (t % per_group) % rows, (t % per_group) // rows
+
+
+STANDINS = ("_mma_partition", "_load_residual", "_mark", "exp_fast", "exp2_fast", "tanh_fast")
+
+
+def _module_env(module, em: _Emulation):
+    """The module's globals with Gluon bound to the emulation and its gluon.jit functions
+    rebound over them, but for strip.py's hand-written mainloop partition and residual load
+    (``STANDINS``): the mainloop hands off each tile of the fp32 product of A and B (from their
+    descriptors), adding the buffer's residual first where it holds one (RES 2), in bf16."""
+    gl, bars, prog = em.gl, em.bars, em.prog
+    products = {}
 
     def mma_partition(a_desc, b_desc, a_bufs, b_bufs, ready, tile_smem, tile_ready, tile_free, num_tiles, k_steps,
                       trace_ptr, TRACE, RES, B_KMAJOR, TILES_N, GROUP_M, BM_, BN_, BK, num_warps):
-        if GROUP_M:
-            raise NotImplementedError("emulate: grouped tile order")
+        key = (id(a_desc), id(b_desc))
+        with em.lock:
+            if key not in products:
+                b = b_desc.t.float()
+                products[key] = a_desc.t.float() @ (b.t() if B_KMAJOR else b)
+        acc = products[key]
         for n, t in enumerate(range(prog.pid, int(num_tiles), prog.programs)):
-            r, c = (t // TILES_N) * BM_, (t % TILES_N) * BN_
-            tile = acc[r:r + BM_, c:c + BN_]
+            pid_m, pid_n = _tile_coords(t, int(num_tiles), TILES_N, GROUP_M)
+            tile = acc[pid_m * BM_:(pid_m + 1) * BM_, pid_n * BN_:(pid_n + 1) * BN_]
             if RES == 2:  # the buffer holds this tile's residual
                 bars.wait(tile_free, n & 1)
                 tile = tile + tile_smem.t.float()
@@ -278,98 +308,147 @@ def _module_env(module, gl: _Gl, bars: _Barriers, prog: _Program, acc: torch.Ten
     gl.cdiv = lambda a, b: (a + b - 1) // b
     gl.allocate_shared_memory = lambda dtype, shape, layout=None: _Smem(torch.zeros([int(v) for v in shape],
                                                                                      dtype=dtype))
+    gl.zeros = lambda shape, dtype, layout=None: torch.zeros([int(v) for v in shape], dtype=dtype)
     gl.SwizzledSharedLayout = gl.BlockedLayout
     gl.warp_specialize = warp_specialize
-    env = dict(vars(module), gl=gl, tma=_Tma, fence_async_shared=lambda: None,
-               mbarrier=types.SimpleNamespace(init=bars.init, arrive=bars.arrive, wait=bars.wait,
-                                              MBarrierLayout=lambda: None),
-               exp_fast=torch.exp, tanh_fast=torch.tanh, _mark=lambda *a: None,
-               _mma_partition=mma_partition, _load_residual=load_residual)
+    env = dict(vars(module))
     for key, value in vars(module).items():
-        if hasattr(value, "fn") and getattr(value.fn, "__module__", None) == module.__name__:
+        if hasattr(value, "fn") and getattr(value.fn, "__module__", None) == module.__name__ and key not in STANDINS:
             env[key] = rebind(value)
+    env.update(gl=gl, tma=_Tma, fence_async_shared=lambda: None,
+               mbarrier=types.SimpleNamespace(init=bars.init, arrive=bars.arrive, wait=bars.wait,
+                                              expect=lambda *a, **k: None, MBarrierLayout=lambda: None),
+               exp_fast=torch.exp, exp2_fast=torch.exp2, tanh_fast=torch.tanh, _mark=lambda *a: None,
+               _mma_partition=mma_partition, _load_residual=load_residual, LOG2E=1.4426950408889634)
     return env
+
+
+def _launch(em: _Emulation, kernel, args, options, programs: int, timeout: float) -> None:
+    """One launch: each program a thread (all at once, as the persistent grid's co-residency
+    has them); the first error raised once all have stopped."""
+    errors = []
+    em.cancelled.clear()
+
+    def program(pid):
+        em.prog.pid, em.prog.programs = pid, programs
+        try:
+            kernel(*args, **options)
+        except BaseException as e:  # (reported after the join; the other programs given up)
+            errors.append(e)
+            em.cancelled.set()
+    threads = [threading.Thread(target=program, args=(p, ), daemon=True) for p in range(programs)]
+    for th in threads:
+        th.start()
+    deadline = time.monotonic() + timeout
+    for th in threads:
+        th.join(timeout=max(deadline - time.monotonic(), 0.0))
+    hung = any(th.is_alive() for th in threads)
+    em.cancelled.set()  # (the threads still waiting leave)
+    for th in threads:
+        th.join()
+    if hung:
+        raise RuntimeError("emulate.run: the launch did not finish (an exchange or a barrier waits forever)")
+    errors = [e for e in errors if not isinstance(e, _Cancelled)] or errors
+    if errors:
+        raise errors[0]
+
+
+def _grid(M: int, N: int, programs: int) -> int:
+    if M % BM or N % BN:
+        raise ValueError(f"emulate.run: M a multiple of {BM}, N of {BN} (got {M}x{N})")
+    tiles_n = N // BN
+    programs = min(programs, (M // BM) * tiles_n)
+    if programs < tiles_n:
+        raise ValueError(f"emulate.run: {programs} programs cannot hold a strip of {tiles_n} tiles at once")
+    return programs
+
+
+def _b_operand(plan, b3):
+    """B as the kernels take it: [N, K] where the region's B is K-major (nn.Linear's weight)."""
+    return b3[0].t() if plan.region.gemm.b.major == "K" else b3[0]
 
 
 def run(plan, a3: torch.Tensor, b3: torch.Tensor, ins, outs=None, programs: int = 132, launches: int = 1,
         name: str = "k", timeout: float = 120.0, source: str | None = None):
-    """Run ``plan``'s generated kernel (a ws_stages plan, row form, unbatched) on CPU tensors in
-    canonical 3-D layout, each of its ``programs`` programs (the persistent grid; at least a
-    strip's tiles, which must be resident at once) a thread and each program's two partitions
-    a thread; returns the outputs in canonical 3-D layout (written into ``outs`` when given).
-    The kernel function, its partitions and its per-tile function are the generated text's own;
-    the mainloop partition and the residual's TMA load (strip.py's, hand-written) are stand-ins
-    (``_module_env``). ``launches``: how many times to run it with the same counters (they only
-    grow); ``timeout``: seconds a launch may take before it is taken to wait forever;
-    ``source``: the module's text in place of the plan's (tests of the emulation itself)."""
+    """Run ``plan``'s kernel on CPU tensors in canonical 3-D layout: a ws_stages plan's
+    generated kernel, or a ws_strip plan's template (strip.py's ``strip_kernel``); row form,
+    unbatched. Each of the persistent grid's ``programs`` programs (at least a strip's tiles,
+    which must be resident at once) is a thread, and each program's two partitions are threads.
+    The kernel function, its partitions and its per-tile function are the module's own; the
+    mainloop partition and the residual's TMA load are stand-ins (``_module_env``). Returns the
+    outputs in canonical 3-D layout (written into ``outs`` when given). ``launches``: how many
+    times to run it with the same counters (they only grow; each strip's is checked after each
+    launch); ``timeout``: seconds a launch may take before it is taken to wait forever;
+    ``source``: a ws_stages module's text in place of the plan's (tests of the emulation)."""
+    region = plan.region
+    if plan.schedule not in ("ws_stages", "ws_strip") or plan.transposed or region.gemm.batched:
+        raise ValueError("emulate.run: a ws_stages or ws_strip plan, row form, unbatched")
+    s = region.sizes
+    programs = _grid(s.M, s.N, programs)
+    if outs is None:
+        outs = [torch.empty(canonical_shape(region, o.axes), dtype=o.dtype) for o in region.outputs]
+    em = _Emulation()
+    kernel, args, options, counters, arrivals = (_stages if plan.schedule == "ws_stages" else _strip)(
+        plan, em, a3, b3, ins, outs, name, source)
+    for launch in range(launches):
+        _launch(em, kernel, args, options, programs, timeout)
+        expected = (launch + 1) * arrivals
+        if any(int(c) != expected for c in counters):
+            raise RuntimeError(f"emulate.run: the strips' counters are {counters.tolist()}, not {expected} each")
+    return outs
+
+
+def _stages(plan, em, a3, b3, ins, outs, name, source):
+    """(kernel, arguments, constexprs, counters, arrivals a strip a launch) of a ws_stages plan."""
     from . import stages
     from ...runtime import cache, stages_kernel
     region = plan.region
-    if plan.schedule != "ws_stages" or plan.transposed or region.gemm.batched:
-        raise ValueError("emulate.run: a ws_stages plan, row form, unbatched")
-    s = region.sizes
-    M, N, K = s.M, s.N, s.K
-    if M % BM or N % BN:
-        raise ValueError(f"emulate.run: M a multiple of {BM}, N of {BN} (got {M}x{N})")
-    tiles_n = N // BN
-    num_tiles = (M // BM) * tiles_n
-    programs = min(programs, num_tiles)
-    if programs < tiles_n:
-        raise ValueError(f"emulate.run: {programs} programs cannot hold a strip of {tiles_n} tiles at once")
+    M, N, K = region.sizes.M, region.sizes.N, region.sizes.K
     text = source if source is not None else stages_kernel.source_text(plan, name)
     module = cache.load_source(f"{name}_emulated_{abs(hash(text)) % 10**12}", text)
-    lock, cancelled = threading.Lock(), threading.Event()
-    gl, bars, prog = _Gl(lock, cancelled), _Barriers(cancelled), _Program()
-    acc = a3[0].float() @ b3[0].float()
-    env = _module_env(module, gl, bars, prog, acc)
-    kernel = env[name]
-
+    kernel = _module_env(module, em)[name]
     residual = stages.tma_residual(region) if plan.res_tma else None
     flat_in = [t[0].contiguous().reshape(-1) if spec.axes == frozenset("MN") else t.reshape(-1).contiguous()
                for t, spec in zip(ins, region.inputs)]
-    if outs is None:
-        outs = [torch.empty(canonical_shape(region, o.axes), dtype=o.dtype) for o in region.outputs]
     flat_out = [o.view(-1) for o in outs]
-    args = [_Desc(a3[0], (BM, 64)), _Desc(b3[0], (64, BN)), *[_Ptr(t) for t in flat_in + flat_out]]
+    args = [_Desc(a3[0], (BM, 64)), _Desc(_b_operand(plan, b3), (64, BN)), *[_Ptr(t) for t in flat_in + flat_out]]
     if residual is not None:  # r_desc
         args.append(_Desc(flat_in[residual].view(M, N), (BM, BN)))
     if plan.tma_store:  # o_desc: the [M, N] output
         args.append(_Desc(outs[-1][0], (BM, BN)))
     ws = torch.zeros(stages.workspace_numel(M, N, plan.stages, plan.moments), dtype=torch.float32)
     counters = torch.zeros(M // BM, dtype=torch.int64)
+    args += [_Ptr(ws), _Ptr(counters), M, N, K, None]
     options = {k: v for k, v in stages_kernel.StagesKernel.options(types.SimpleNamespace(plan=plan), N).items()
                if k != "maxnreg"}
     E = len(stages.layout_of(plan.stages, plan.moments).exchanges)
-    for launch in range(launches):
-        errors = []
-        cancelled.clear()
+    return kernel, args, options, counters, E * 2 * (N // BN)
 
-        def program(pid):
-            prog.pid, prog.programs = pid, programs
-            try:
-                kernel(*args, _Ptr(ws), _Ptr(counters), M, N, K, None, **options)
-            except BaseException as e:  # (reported after the join; the other programs given up)
-                errors.append(e)
-                cancelled.set()
-        threads = [threading.Thread(target=program, args=(p, ), daemon=True) for p in range(programs)]
-        for th in threads:
-            th.start()
-        deadline = time.monotonic() + timeout
-        for th in threads:
-            th.join(timeout=max(deadline - time.monotonic(), 0.0))
-        hung = any(th.is_alive() for th in threads)
-        cancelled.set()  # (the threads still waiting leave)
-        for th in threads:
-            th.join()
-        if hung:
-            raise RuntimeError("emulate.run: the launch did not finish (an exchange or a barrier waits forever)")
-        errors = [e for e in errors if not isinstance(e, _Cancelled)] or errors
-        if errors:
-            raise errors[0]
-        expected = (launch + 1) * E * 2 * tiles_n
-        if any(int(c) != expected for c in counters):
-            raise RuntimeError(f"emulate.run: the strips' counters are {counters.tolist()}, not {expected} each")
-    return outs
+
+def _strip(plan, em, a3, b3, ins, outs, name, source):
+    """(kernel, arguments, constexprs, counters, arrivals a strip a launch) of a ws_strip plan:
+    the template's roles as runtime/strip_kernel.py fills them."""
+    from . import strip
+    from ...runtime import strip_kernel
+    if source is not None:
+        raise ValueError("emulate.run: the template's source is strip.py's")
+    kernel = _module_env(strip, em)["strip_kernel"]
+    a, b, out, bias, residual, gamma, beta = strip_kernel.StripKernel.operands(
+        types.SimpleNamespace(plan=plan), a3, b3, ins, outs)
+    cfg = strip_kernel.config(plan)
+    M, N, K = out.shape[0], out.shape[1], a.shape[1]
+
+    def ptr(t):
+        return _Ptr((out if t is None else t).reshape(-1))
+    args = [_Desc(a, (BM, 64)), _Desc(b, (BN, 64) if cfg.b_kmajor else (64, BN)),
+            _Desc(residual if residual is not None else out, (BM, BN)), ptr(bias), ptr(residual), ptr(gamma),
+            ptr(beta), ptr(out), ptr(None)]
+    ws = torch.zeros(strip.workspace_numel(M, N, cfg.kind), dtype=torch.float32)
+    counters = torch.zeros(M // BM, dtype=torch.int64)
+    args += [_Ptr(ws), _Ptr(counters), M, N, K, plan.template.eps, None]
+    options = dict(cfg.constexprs(N // BN), num_warps=8)
+    arrivals = N // BN if cfg.kind in (strip.KIND_LAYERNORM, strip.KIND_RMSNORM, strip.KIND_SOFTMAX) else 0
+    return kernel, args, options, counters, arrivals
 
 
 def check(plan, a3, b3, ins, **kw) -> list:
