@@ -56,12 +56,24 @@ def region_of(fn, args):
 
 
 def operands(region, seed=0):
-    """Random bf16 operands in canonical 3-D layout (the weight scaled as a layer's)."""
+    """Random bf16 operands in canonical 3-D layout (the weight scaled as a layer's); integer
+    inputs (a loss's targets) in [0, N), every fifth -100 (ignored); boolean ones (which rows
+    count) mostly true."""
     g = torch.Generator().manual_seed(seed)
     s = region.sizes
     a3 = torch.randn(1, s.M, s.K, generator=g).to(bf)
     b3 = (torch.randn(1, s.K, s.N, generator=g) / s.K ** 0.5).to(bf)
-    ins = [torch.randn(canonical_shape(region, i.axes), generator=g).to(i.dtype) for i in region.inputs]
+    ins = []
+    for i in region.inputs:
+        shape = canonical_shape(region, i.axes)
+        if i.dtype.is_floating_point:
+            ins.append(torch.randn(shape, generator=g).to(i.dtype))
+        elif i.dtype == torch.bool:
+            ins.append(torch.rand(shape, generator=g) > 0.2)
+        else:
+            t = torch.randint(0, s.N, shape, generator=g)
+            t.view(-1)[::5] = -100
+            ins.append(t)
     return a3, b3, ins
 
 
@@ -96,6 +108,24 @@ def test_the_template_computes_the_region(name, N, prefetch):
     assert not isinstance(p, NotFused), p.reason
     for c in emulate.check(p, *operands(region), programs=max(5, N // 256 + 1), launches=2):
         assert c.ok, f"{name} N={N} prefetch={prefetch}: {c}"
+
+
+@pytest.mark.parametrize("N", [1024, 2560])
+@pytest.mark.parametrize("name", ["linear_ce", "lse"])
+def test_the_terminal_template_and_its_combine_compute_the_loss(name, N):
+    """The template's terminal kind (ws_split: each tile's log-sum-exp per row and the logit at
+    the row's target, in grouped tile order) and the combine kernel after it (Triton's
+    interpreter), for cross-entropy (ignored targets included) and the log-sum-exp."""
+    import torch.nn.functional as F
+    fns = {"linear_ce": lambda x, w, t: F.cross_entropy(x @ w, t, reduction="none"),
+           "lse": lambda x, w, t: torch.logsumexp(x @ w, -1)}
+    args = (torch.randn(256, 64).to(bf), torch.randn(64, N).to(bf), torch.randint(0, N, (256, )))
+    region = region_of(fns[name], args)
+    with settings.override(schedule="ws_split"):
+        p = plan(region, target="cuda")
+    assert not isinstance(p, NotFused), p.reason
+    for c in emulate.check(p, *operands(region), programs=7):
+        assert c.ok, f"{name} N={N}: {c}"
 
 
 @pytest.mark.parametrize("schedule", ["ws_stages", "ws_strip"])

@@ -69,9 +69,13 @@ class _Smem:
 
 
 def _tensor(x, like=None):
+    """A Python scalar as a tensor of ``like``'s dtype (a float with an int tensor: float32), or
+    int64 / float32 beside another scalar."""
     if isinstance(x, torch.Tensor):
         return x
-    return torch.tensor(x, dtype=like.dtype if isinstance(like, torch.Tensor) else torch.float32)
+    if isinstance(like, torch.Tensor) and not (isinstance(x, float) and not like.is_floating_point()):
+        return torch.tensor(x, dtype=like.dtype)
+    return torch.tensor(x, dtype=torch.int64 if isinstance(x, (bool, int)) else torch.float32)
 
 
 class _Gl:
@@ -289,8 +293,9 @@ def _module_env(module, em: _Emulation):
             prog.pid, prog.programs = pid, programs
             try:
                 fn(*args)
-            except BaseException as e:  # (raised in the program's thread)
+            except BaseException as e:  # (raised in the program's thread; the other partition leaves)
                 errors.append(e)
+                em.cancelled.set()
         threads = [threading.Thread(target=start, args=part, daemon=True) for part in partitions]
         for th in threads:
             th.start()
@@ -353,12 +358,12 @@ def _launch(em: _Emulation, kernel, args, options, programs: int, timeout: float
         raise errors[0]
 
 
-def _grid(M: int, N: int, programs: int) -> int:
+def _grid(M: int, N: int, programs: int, strips: bool = True) -> int:
     if M % BM or N % BN:
         raise ValueError(f"emulate.run: M a multiple of {BM}, N of {BN} (got {M}x{N})")
     tiles_n = N // BN
     programs = min(programs, (M // BM) * tiles_n)
-    if programs < tiles_n:
+    if strips and programs < tiles_n:
         raise ValueError(f"emulate.run: {programs} programs cannot hold a strip of {tiles_n} tiles at once")
     return programs
 
@@ -381,20 +386,23 @@ def run(plan, a3: torch.Tensor, b3: torch.Tensor, ins, outs=None, programs: int 
     launch); ``timeout``: seconds a launch may take before it is taken to wait forever;
     ``source``: a ws_stages module's text in place of the plan's (tests of the emulation)."""
     region = plan.region
-    if plan.schedule not in ("ws_stages", "ws_strip") or plan.transposed or region.gemm.batched:
-        raise ValueError("emulate.run: a ws_stages or ws_strip plan, row form, unbatched")
+    builders = {"ws_stages": _stages, "ws_strip": _strip, "ws_split": _split}
+    if plan.schedule not in builders or plan.transposed or region.gemm.batched:
+        raise ValueError("emulate.run: a ws_stages, ws_strip or ws_split plan, row form, unbatched")
     s = region.sizes
-    programs = _grid(s.M, s.N, programs)
+    programs = _grid(s.M, s.N, programs, strips=plan.schedule != "ws_split")
     if outs is None:
         outs = [torch.empty(canonical_shape(region, o.axes), dtype=o.dtype) for o in region.outputs]
     em = _Emulation()
-    kernel, args, options, counters, arrivals = (_stages if plan.schedule == "ws_stages" else _strip)(
-        plan, em, a3, b3, ins, outs, name, source)
+    kernel, args, options, counters, arrivals, finish = builders[plan.schedule](plan, em, a3, b3, ins, outs, name,
+                                                                                source)
     for launch in range(launches):
         _launch(em, kernel, args, options, programs, timeout)
         expected = (launch + 1) * arrivals
         if any(int(c) != expected for c in counters):
             raise RuntimeError(f"emulate.run: the strips' counters are {counters.tolist()}, not {expected} each")
+        if finish is not None:
+            finish()
     return outs
 
 
@@ -422,7 +430,7 @@ def _stages(plan, em, a3, b3, ins, outs, name, source):
     options = {k: v for k, v in stages_kernel.StagesKernel.options(types.SimpleNamespace(plan=plan), N).items()
                if k != "maxnreg"}
     E = len(stages.layout_of(plan.stages, plan.moments).exchanges)
-    return kernel, args, options, counters, E * 2 * (N // BN)
+    return kernel, args, options, counters, E * 2 * (N // BN), None
 
 
 def _strip(plan, em, a3, b3, ins, outs, name, source):
@@ -448,7 +456,31 @@ def _strip(plan, em, a3, b3, ins, outs, name, source):
     args += [_Ptr(ws), _Ptr(counters), M, N, K, plan.template.eps, None]
     options = dict(cfg.constexprs(N // BN), num_warps=8)
     arrivals = N // BN if cfg.kind in (strip.KIND_LAYERNORM, strip.KIND_RMSNORM, strip.KIND_SOFTMAX) else 0
-    return kernel, args, options, counters, arrivals
+    return kernel, args, options, counters, arrivals, None
+
+
+def _split(plan, em, a3, b3, ins, outs, name, source):
+    """The same for a ws_split plan: the template's terminal kind (KIND_LSE, grouped tile
+    order) leaves each tile's log-sum-exp per row and the logits at the targets in the
+    workspace (NaN where it writes nothing), then the generated Triton combine kernel (Triton's
+    interpreter on the CPU) turns them into the outputs, as runtime/strip_kernel.LseKernel does."""
+    from . import strip
+    from ...runtime.kernel import build
+    if source is not None:
+        raise ValueError("emulate.run: the template's source is strip.py's")
+    lse = build(plan)
+    kernel = _module_env(strip, em)["strip_kernel"]
+    a, b, targets = lse.operands(a3, b3, ins)
+    cfg = lse.config()
+    M, K = a.shape
+    N = b.shape[0] if cfg.b_kmajor else b.shape[1]
+    dummy = torch.empty(BM, BN, dtype=torch.bfloat16)
+    ws = torch.full((strip.workspace_numel(M, N, strip.KIND_LSE), ), float("nan"))
+    counters = torch.zeros(M // BM, dtype=torch.int64)
+    args = [_Desc(a, (BM, 64)), _Desc(b, (BN, 64) if cfg.b_kmajor else (64, BN)), _Desc(dummy, (BM, BN)),
+            *[_Ptr(dummy.view(-1))] * 5, _Ptr(targets), _Ptr(ws), _Ptr(counters), M, N, K, 1e-5, None]
+    options = dict(cfg.constexprs(N // BN), num_warps=8)
+    return kernel, args, options, counters, 0, lambda: lse.combine(a3, b3, ins, outs, ws)
 
 
 def check(plan, a3, b3, ins, **kw) -> list:
