@@ -96,6 +96,22 @@ def test_the_generated_epilogue_computes_the_region(name, N, form):
         assert c.ok, f"{name} N={N} {form}: {c}"
 
 
+@pytest.mark.parametrize("name", ["log1p", "expm1"])
+def test_log1p_and_expm1_keep_small_values_exact(name):
+    """log1p and expm1 in the generated kernel (strip.py's Kahan forms, as the Triton
+    kernels' helpers), on small values (about 1e-3 and below)."""
+    def fn(x, w):
+        v = (x @ w) * 1e-3
+        return torch.softmax((torch.log1p(v.abs()) if name == "log1p" else torch.expm1(v)) * 1e3, -1)
+    args = (torch.randn(256, 64).to(bf), torch.randn(64, 1024).to(bf))
+    region = region_of(fn, args)
+    p = ws_plan(region)
+    assert not isinstance(p, NotFused), p.reason
+    assert f"{name}(" in source_text(p, "k")
+    for c in emulate.check(p, *operands(region), programs=4):
+        assert c.ok, f"{name}: {c}"
+
+
 @pytest.mark.parametrize("prefetch", [False, True], ids=["residual_by_chunk", "residual_by_tma"])
 @pytest.mark.parametrize("name", ["ln_postnorm", "rmsnorm", "softmax", "mblr"])
 @pytest.mark.parametrize("N", [768, 1024, 3072])

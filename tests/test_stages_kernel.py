@@ -112,6 +112,8 @@ def test_generated_kernels_compile_for_sm90():
         cases["ln_linear"] = (lambda x, w, b: F.layer_norm(F.linear(x, w, b), (768,)),
                               (torch.randn(256, 64, dtype=bf), torch.randn(768, 64, dtype=bf),
                                torch.randn(768, dtype=bf)))
+        cases["log1p_softmax"] = (lambda x, w: torch.softmax(torch.log1p((x @ w).abs()), -1),
+                                  (torch.randn(256, 64, dtype=bf), torch.randn(64, 1024, dtype=bf)))
         out = {}
         for name, (fn, args) in [*cases.items(), ("multi_stage_merged", cases["multi_stage"]),
                                  ("ln_postnorm_merged", cases["ln_postnorm"]),

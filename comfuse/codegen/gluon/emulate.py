@@ -317,8 +317,8 @@ def _module_env(module, em: _Emulation):
     gl.SwizzledSharedLayout = gl.BlockedLayout
     gl.warp_specialize = warp_specialize
     env = dict(vars(module))
-    for key, value in vars(module).items():
-        if hasattr(value, "fn") and getattr(value.fn, "__module__", None) == module.__name__ and key not in STANDINS:
+    for key, value in vars(module).items():  # (the module's own and those it imports from strip.py)
+        if hasattr(value, "fn") and key not in STANDINS:
             env[key] = rebind(value)
     env.update(gl=gl, tma=_Tma, fence_async_shared=lambda: None,
                mbarrier=types.SimpleNamespace(init=bars.init, arrive=bars.arrive, wait=bars.wait,

@@ -46,6 +46,7 @@ from ..triton.emit import _INFIX, _literal
 
 # one source: the Gluon text of each op, "{0}" its operand (binary ops: emit.py's _INFIX)
 _UNARY = {Op.ABS: "gl.abs({0})", Op.EXP: "exp_fast({0})", Op.LOG: "gl.log({0})", Op.SQRT: "gl.sqrt({0})",
+          Op.LOG1P: "log1p({0})", Op.EXPM1: "expm1({0})",
           Op.RSQRT: "gl.rsqrt({0})", Op.ERF: "gl.erf({0})", Op.SIN: "gl.sin({0})", Op.COS: "gl.cos({0})",
           Op.TANH: "tanh_fast({0})", Op.NEG: "-{0}", Op.RECIPROCAL: "1.0 / {0}", Op.RELU: "gl.maximum({0}, 0.0)",
           Op.SIGMOID: "1.0 / (1.0 + exp_fast(-{0}))", Op.NOT: "{0} == 0"}
@@ -692,7 +693,7 @@ class _Module:
             "from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma",
             "",
             "from comfuse.codegen.gluon.strip import TILE_LAYOUT, _load_residual, _mark, _mma_partition, exp_fast, "
-            "tanh_fast",
+            "expm1, log1p, tanh_fast",
             "", "", ""])
         return header
 

@@ -122,6 +122,24 @@ def tanh_fast(x):
 
 
 @gluon.jit
+def log1p(x):
+    """log(1 + x) in fp32, exact for small x (Kahan: log(u) * x / (u - 1) with u = 1 + x
+    corrects u's rounding), as codegen/triton/helpers.log1p."""
+    u = 1.0 + x
+    r = gl.where(u == 1.0, x, gl.log(u) * (x / (u - 1.0)))
+    return gl.where(u == float("inf"), u, r)
+
+
+@gluon.jit
+def expm1(x):
+    """exp(x) - 1 in fp32, exact for small x, as codegen/triton/helpers.expm1."""
+    u = gl.exp(x)
+    r = gl.where(u == 1.0, x, (u - 1.0) * (x / gl.log(u)))
+    r = gl.where(u - 1.0 == -1.0, -1.0, r)
+    return gl.where(u == float("inf"), u, r)
+
+
+@gluon.jit
 def _mark(trace_ptr, n, slot: gl.constexpr, TRACE: gl.constexpr):
     """TRACE: the global timer (ns) at this point of this program's n-th tile, to
     trace[program, n, slot]: a timeline of where each partition's time goes."""
