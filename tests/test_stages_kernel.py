@@ -51,7 +51,7 @@ def test_the_generator_refuses_with_the_reason():
     assert "whole 128x256x64 tiles" in suite_plan("ln_postnorm", M=200).reason
     x, w = torch.randn(256, 64, dtype=bf), torch.randn(64, 512, dtype=bf)
     p = forced(lambda x, w: torch.softmax(torch.log1p((x @ w).abs()), -1), x, w)
-    assert isinstance(p, NotFused) and "no Gluon form for log1p" in p.reason
+    assert not isinstance(p, NotFused)  # (every op of the IR a user's graph can hold has a Gluon form)
     p = forced(lambda x, w: (x @ w).relu(), x, w)
     assert isinstance(p, NotFused)
     t = torch.randint(0, 512, (256, ))
