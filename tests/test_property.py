@@ -209,6 +209,24 @@ LOSSES = {
 PREFIX = ["relu", "tanh", "gelu", "add_row", "mul_row", "add_full", "scale", "abs", "exp_tanh"]
 
 
+LOSS_STEPS = {"relu": lambda v, r, f: torch.relu(v), "tanh": lambda v, r, f: torch.tanh(v),
+              "gelu": lambda v, r, f: F.gelu(v), "add_row": lambda v, r, f: v + r,
+              "mul_row": lambda v, r, f: v * r, "add_full": lambda v, r, f: v + f,
+              "scale": lambda v, r, f: v * 1.7, "abs": lambda v, r, f: v.abs(),
+              "exp_tanh": lambda v, r, f: torch.exp(torch.tanh(v))}
+assert set(LOSS_STEPS) == set(PREFIX)
+
+
+def loss_program(case):
+    """fn(x, w, row, full, t): the case's prefix of steps over x @ w, then its loss."""
+    def fn(x, w, row, full, t):
+        v = x @ w
+        for step in case["prefix"]:
+            v = LOSS_STEPS[step](v, row, full)
+        return LOSSES[case["loss"]](v, t)
+    return fn
+
+
 @st.composite
 def losses(draw):
     return dict(dtype=draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16])),
@@ -233,15 +251,7 @@ def test_random_losses_the_terminal_template_accepts_are_what_it_computes(case):
     bf = torch.bfloat16
     args = (torch.randn(M, K, dtype=bf), torch.randn(K, N, dtype=bf), torch.randn(N, dtype=bf),
             torch.randn(M, N, dtype=bf), torch.randint(0, N, (M, )))
-    steps = {"relu": torch.relu, "tanh": torch.tanh, "gelu": F.gelu, "add_row": lambda v: v + args[2],
-             "mul_row": lambda v: v * args[2], "add_full": lambda v: v + args[3], "scale": lambda v: v * 1.7,
-             "abs": torch.abs, "exp_tanh": lambda v: torch.exp(torch.tanh(v))}
-
-    def fn(x, w, row, full, t):
-        v = x @ w
-        for s in case["prefix"]:
-            v = steps[s](v)
-        return LOSSES[case["loss"]](v, t)
+    fn = loss_program(case)
     found = find_regions(capture(fn, args))
     if len(found) != 1 or found[0].region.kind != "gemm_epilogue":
         return
@@ -267,17 +277,7 @@ def test_random_per_row_losses_run_split(case):
     row, full = torch.randn(N, generator=g), torch.randn(M, N, generator=g)
     t = torch.randint(0, N, (M,), generator=g)
     args = tuple(a.to(dtype=dt, device=DEVICE) for a in (x, w, row, full)) + (t.to(DEVICE),)
-    steps = {"relu": lambda v, r, f: torch.relu(v), "tanh": lambda v, r, f: torch.tanh(v),
-             "gelu": lambda v, r, f: F.gelu(v), "add_row": lambda v, r, f: v + r,
-             "mul_row": lambda v, r, f: v * r, "add_full": lambda v, r, f: v + f,
-             "scale": lambda v, r, f: v * 1.7, "abs": lambda v, r, f: v.abs(),
-             "exp_tanh": lambda v, r, f: torch.exp(torch.tanh(v))}
-
-    def fn(x, w, row, full, t):
-        v = x @ w
-        for s in case["prefix"]:
-            v = steps[s](v, row, full)
-        return LOSSES[case["loss"]](v, t)
+    fn = loss_program(case)
     with warnings.catch_warnings(), comfuse.settings.override(schedule="split"):
         warnings.simplefilter("ignore", comfuse.ComfuseWarning)
         compiled = comfuse.compile(fn, args)

@@ -21,7 +21,7 @@ from comfuse.planner import plan
 from comfuse.planner.plan import NotFused
 from comfuse.runtime.stages_kernel import source_text
 
-from test_property import EXAMPLES, PROPERTY_COUNTS, build, programs
+from test_property import EXAMPLES, PROPERTY_COUNTS, build, loss_program, losses, programs
 
 bf = torch.bfloat16
 FORMS = {  # name -> the settings of one form of the generated kernel
@@ -204,6 +204,32 @@ def test_per_row_outputs_with_their_setting(name, form):
     assert not isinstance(p, NotFused), p.reason
     for c in emulate.check(p, *operands(region), programs=5, launches=2):
         assert c.ok, f"{name} {form}: {c}"
+
+
+@hsettings(max_examples=max(EXAMPLES // 4, 10))
+@given(losses().map(lambda c: dict(c, loss=("lse", "cross_entropy", c["loss"])[c["seed"] % 3])))
+def test_random_losses_the_terminal_template_takes_are_what_it_computes(case):
+    """Random losses over x @ W (test_property's generator, two thirds of them the
+    log-sum-exp or cross-entropy the terminal kind computes; bf16, whole tiles) through the
+    emulated terminal kind and its combine: each one the matcher accepts gives the float64
+    reference; the others are refused with the reason."""
+    PROPERTY_COUNTS["random losses (ws_split emulated)"] += 1
+    N = 256 * (1 + case["seed"] % 3)
+    g = torch.Generator().manual_seed(case["seed"])
+    args = (torch.randn(128, 64, generator=g).to(bf), torch.randn(64, N, generator=g).to(bf),
+            torch.randn(N, generator=g).to(bf), torch.randn(128, N, generator=g).to(bf),
+            torch.randint(0, N, (128, ), generator=g))
+    found = find_regions(capture(loss_program(case), args))
+    if len(found) != 1 or found[0].region.kind != "gemm_epilogue":
+        return
+    with settings.override(schedule="ws_split"):
+        p = plan(found[0].region, target="cuda")
+    if isinstance(p, NotFused):
+        assert p.reason.startswith("ws_split: "), p.reason
+        return
+    PROPERTY_COUNTS["random losses (ws_split emulated): accepted"] += 1
+    for c in emulate.check(p, *operands(p.region, case["seed"]), programs=3):
+        assert c.ok, f"{case}: {c}"
 
 
 def test_the_emulation_catches_a_wrong_statistic_and_a_wrong_arrival_count():
