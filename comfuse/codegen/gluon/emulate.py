@@ -1,21 +1,23 @@
-"""The generated ws_stages kernel's epilogue, run on the CPU: its per-tile function
-(``{name}_tile``, the source ``stages.emit`` writes) executed by Python over torch tensors,
-so that CI checks the generated text's arithmetic (exchanges, merged moments, the value kept
-in the buffer, the shared last tile's chunk ranges and arrival shares, the residual added at
-the hand-off, loads a chunk ahead) against the IR's float64 reference. Gluon kernels do not
-run in Triton's interpreter; this runs the same function body with its ``gl`` calls bound to
-the small emulation below.
+"""The warp-specialised Gluon kernels run on the CPU: the generated ws_stages module
+(``stages.emit``'s text) and the hand-written template (strip.py's ``strip_kernel``, also its
+terminal kind for ws_split) executed by Python over torch tensors, so that CI checks their
+arithmetic and their strip exchanges against the IR's float64 reference. Gluon kernels do not
+run in Triton's interpreter; this runs the kernels' own function bodies (each ``gluon.jit``
+function's Python code) with ``gl``, ``mbarrier`` and ``tma`` bound to the small stand-ins
+below.
 
-What is emulated: each group of warps that runs a tile's epilogue (the epilogue partition's
-4, and with ``Plan.tail`` the mainloop's 8 on the program's last tile) is one Python thread,
-its chunk a [rows, BN] tensor (layouts do not matter: every thread's elements are computed at
-once, so ``gl.thread_barrier`` is a no-op); shared memory (the hand-off buffer, the
-statistics) and global memory (inputs, outputs, the strips' partials and arrival counters)
-are torch tensors; ``gl.atomic_add`` is atomic under a lock, and the exchange's spin loop
-yields while it waits, so all tiles of a strip run at once as the persistent grid's
-co-residency guarantees. What is not: the mainloop (TMA, wgmma), replaced by an fp32 matrix
-product rounded to bf16 at the hand-off as the mainloop rounds it (plus the residual first,
-where the plan adds it there), and the order of floating-point sums inside a row.
+What is emulated: each program of the persistent grid is a Python thread, and so is each of
+its partitions (``gl.warp_specialize``); a partition's values are whole [rows, columns]
+tensors (layouts do not matter: all of a group's threads compute at once, so
+``gl.thread_barrier`` is a no-op); shared memory (the hand-off buffer, the statistics) and
+global memory (inputs, outputs, the strips' partials and arrival counters) are torch
+tensors; mbarriers count arrivals and phases; ``gl.atomic_add`` is atomic under a lock, and a
+spin loop's polls yield, so all programs of a strip run at once, as the persistent grid's
+co-residency guarantees. What is not: the mainloop partition and the residual's TMA load
+(strip.py's ``_mma_partition`` and ``_load_residual``), replaced by the fp32 product of A and
+B handed off in bf16 (the buffer's residual added first where the plan adds it there);
+layouts, so bit-level disagreements between groups that sum in different orders; the order
+of floating-point sums; and time.
 """
 from __future__ import annotations
 
@@ -28,7 +30,6 @@ import torch
 from ...ir import canonical_shape
 
 BM, BN = 128, 256
-EPI_WARPS, MMA_WARPS = 4, 8
 
 
 class _Ptr:
@@ -79,7 +80,8 @@ def _tensor(x, like=None):
 
 
 class _Gl:
-    """The part of ``triton.experimental.gluon.language`` a per-tile function uses."""
+    """The part of ``triton.experimental.gluon.language`` the kernels use (``_module_env`` adds
+    the program ids, allocation and ``warp_specialize``)."""
 
     float32, bfloat16, float16, int32, int64 = torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64
     constexpr = object
