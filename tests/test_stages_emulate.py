@@ -19,11 +19,16 @@ from comfuse.frontend.regions import find_regions
 from comfuse.ir import canonical_shape
 from comfuse.planner import plan
 from comfuse.planner.plan import NotFused
+from comfuse.runtime.kernel import can_run_on
 from comfuse.runtime.stages_kernel import source_text
 
 from test_property import EXAMPLES, PROPERTY_COUNTS, build, loss_program, losses, programs
 
 bf = torch.bfloat16
+# (ws_split's combine is a Triton kernel: on the CPU it needs Triton's interpreter, which is
+# off on a machine with a GPU)
+needs_interpreter = pytest.mark.skipif(bool(can_run_on(torch.device("cpu"))),
+                                       reason="the combine kernel runs on CPU tensors through Triton's interpreter")
 FORMS = {  # name -> the settings of one form of the generated kernel
     "merged": {}, "exchange_per_stage": dict(ws_merge=False), "tail96": dict(ws_tail=96),
     "32lanes-tail64": dict(ws_lanes=32, ws_tail=64), "res_tma": dict(ws_res_tma=True),
@@ -126,6 +131,7 @@ def test_the_template_computes_the_region(name, N, prefetch):
         assert c.ok, f"{name} N={N} prefetch={prefetch}: {c}"
 
 
+@needs_interpreter
 @pytest.mark.parametrize("N", [1024, 2560])
 @pytest.mark.parametrize("name", ["linear_ce", "lse"])
 def test_the_terminal_template_and_its_combine_compute_the_loss(name, N):
@@ -206,6 +212,7 @@ def test_per_row_outputs_with_their_setting(name, form):
         assert c.ok, f"{name} {form}: {c}"
 
 
+@needs_interpreter
 @hsettings(max_examples=max(EXAMPLES // 4, 10))
 @given(losses().map(lambda c: dict(c, loss=("lse", "cross_entropy", c["loss"])[c["seed"] % 3])))
 def test_random_losses_the_terminal_template_takes_are_what_it_computes(case):
