@@ -222,12 +222,16 @@ def _read() -> Settings:
     return Settings(**values)
 
 
-@contextlib.contextmanager
-def override(**values: object) -> Iterator[Settings]:
-    """Temporarily set settings: ``with override(strict=True): ...``."""
+def _known(values) -> None:
     unknown = set(values) - {f.name for f in dataclasses.fields(Settings)}
     if unknown:
         raise TypeError(f"unknown comfuse settings: {sorted(unknown)}")
+
+
+@contextlib.contextmanager
+def override(**values: object) -> Iterator[Settings]:
+    """Temporarily set settings: ``with override(strict=True): ...``."""
+    _known(values)
     if isinstance(values.get("cache_dir"), str):  # (a path as text, as COMFUSE_CACHE_DIR gives it)
         values["cache_dir"] = Path(values["cache_dir"])
     saved = dict(_overrides)
@@ -243,9 +247,7 @@ def pinned(fn, **values: object):
     """``fn`` with ``values`` in force at every call, not only while it was made: settings are
     read at each call (a compiled function built under ``override(autotune="0")`` autotunes at
     its first call outside it), so a benchmark's forced form must carry them."""
-    unknown = set(values) - {f.name for f in dataclasses.fields(Settings)}
-    if unknown:  # (here, not at the first call)
-        raise TypeError(f"unknown comfuse settings: {sorted(unknown)}")
+    _known(values)  # (here, not at the first call)
 
     def run(*args, **kwargs):
         with override(**values):

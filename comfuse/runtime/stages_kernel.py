@@ -113,12 +113,7 @@ class StagesKernel:
         return (min(_sm_count(dev), (M // strip.BM) * (N // strip.BN)), ), self.options(N)
 
     def options(self, N: int) -> dict:
-        """Every constexpr of the generated kernel (launch_direct's own launcher takes them
-        all; a missing one sends each call through the JIT's binding) and the launch options."""
-        from ..codegen.gluon import strip
-        return dict(B_KMAJOR=self.plan.region.gemm.b.major == "K", BN=strip.BN, TILES_N=N // strip.BN,
-                    TILES_P2=strip._pow2(N // strip.BN), STAGES=3, CHUNK=CHUNK, EPI_WARPS=4, EPI_REGS=152,
-                    LANES_N=self.plan.lanes, VEC=strip.BN // self.plan.lanes, TRACE=False, num_warps=8, maxnreg=168)
+        return options(self.plan, N)
 
     def trace(self, a3, b3, ins, outs):
         """One launch through Triton's JIT with the kernel's timers on: (trace, grid, tiles),
@@ -149,6 +144,15 @@ class StagesKernel:
         self.fn[grid](*args, **dict(options, TRACE=True))
         torch.cuda.synchronize(a.device)
         return buf, grid[0], tiles
+
+
+def options(plan: Plan, N: int) -> dict:
+    """Every constexpr of a plan's generated kernel (launch_direct's own launcher takes them
+    all; a missing one sends each call through the JIT's binding) and the launch options."""
+    from ..codegen.gluon import strip
+    return dict(B_KMAJOR=plan.region.gemm.b.major == "K", BN=strip.BN, TILES_N=N // strip.BN,
+                TILES_P2=strip._pow2(N // strip.BN), STAGES=3, CHUNK=CHUNK, EPI_WARPS=4, EPI_REGS=152,
+                LANES_N=plan.lanes, VEC=strip.BN // plan.lanes, TRACE=False, num_warps=8, maxnreg=168)
 
 
 def source_text(plan: Plan, name: str) -> str:

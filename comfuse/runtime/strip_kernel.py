@@ -25,6 +25,18 @@ def config(plan: Plan):
                              b_kmajor=plan.region.gemm.b.major == "K")
 
 
+def operands(plan: Plan, a3, b3, ins, outs) -> tuple:
+    """(a, b, out, bias, residual, gamma, beta): the template's 2-D and 1-D views of a call's
+    tensors (None for a role the template does not take)."""
+    t = plan.template
+    out = outs[0][0]
+
+    def vec(i):
+        return None if i is None else ins[i].reshape(-1).contiguous()
+    return (a3[0], b3[0].t() if plan.region.gemm.b.major == "K" else b3[0], out, vec(t.bias),
+            None if t.residual is None else ins[t.residual].reshape(out.shape), vec(t.gamma), vec(t.beta))
+
+
 def _tma_ready(t: torch.Tensor, what: str) -> torch.Tensor:
     if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:-1]):
         raise UnsupportedLayout(f"ws_strip: {what} needs unit inner stride and 16-byte aligned rows; "
@@ -45,15 +57,7 @@ class StripKernel:
         return str(Path(strip.__file__))
 
     def operands(self, a3, b3, ins, outs) -> tuple:
-        """(a, b, out, bias, residual, gamma, beta): the template's 2-D and 1-D views of a call's
-        tensors (None for a role the template does not take)."""
-        t = self.plan.template
-        out = outs[0][0]
-
-        def vec(i):
-            return None if i is None else ins[i].reshape(-1).contiguous()
-        return (a3[0], b3[0].t() if self.plan.region.gemm.b.major == "K" else b3[0], out, vec(t.bias),
-                None if t.residual is None else ins[t.residual].reshape(out.shape), vec(t.gamma), vec(t.beta))
+        return operands(self.plan, a3, b3, ins, outs)
 
     def launch(self, a3: torch.Tensor, b3: torch.Tensor, ins: list, outs: list) -> None:
         """The first call per layout of the tensors (shapes, strides, 16-byte alignment) checks

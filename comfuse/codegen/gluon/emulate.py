@@ -429,8 +429,7 @@ def _stages(plan, em, a3, b3, ins, outs, name, source):
     ws = torch.zeros(stages.workspace_numel(M, N, plan.stages, plan.moments), dtype=torch.float32)
     counters = torch.zeros(M // BM, dtype=torch.int64)
     args += [_Ptr(ws), _Ptr(counters), M, N, K, None]
-    options = {k: v for k, v in stages_kernel.StagesKernel.options(types.SimpleNamespace(plan=plan), N).items()
-               if k != "maxnreg"}
+    options = {k: v for k, v in stages_kernel.options(plan, N).items() if k != "maxnreg"}
     E = len(stages.layout_of(plan.stages, plan.moments).exchanges)
     return kernel, args, options, counters, E * 2 * (N // BN), None
 
@@ -443,8 +442,7 @@ def _strip(plan, em, a3, b3, ins, outs, name, source):
     if source is not None:
         raise ValueError("emulate.run: the template's source is strip.py's")
     kernel = _module_env(strip, em)["strip_kernel"]
-    a, b, out, bias, residual, gamma, beta = strip_kernel.StripKernel.operands(
-        types.SimpleNamespace(plan=plan), a3, b3, ins, outs)
+    a, b, out, bias, residual, gamma, beta = strip_kernel.operands(plan, a3, b3, ins, outs)
     cfg = strip_kernel.config(plan)
     M, N, K = out.shape[0], out.shape[1], a.shape[1]
 
