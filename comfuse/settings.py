@@ -100,7 +100,8 @@ class Settings:
     # COMFUSE_WS_RES_TMA=1: a ws_stages kernel whose region adds a bf16 [M, N] input to the
     # GEMM's tile (a residual; codegen/gluon/stages.tma_residual) TMA-loads it into the hand-off
     # buffer while the next tile's mainloop runs, which adds it before the hand-off, rather than
-    # each pass reading it from global memory (experimental, not an autotuning candidate).
+    # each pass reading it from global memory (alone not faster on the H200; with nothing kept
+    # and the last tile shared, an autotuning candidate since the eighteenth session).
     ws_res_tma: bool
     # COMFUSE_WS_LOOKAHEAD=1: each chunk of a ws_stages epilogue's passes issues the next
     # chunk's loads (the tile's rows from the buffer, [M, N] inputs from global memory) before
@@ -108,11 +109,17 @@ class Settings:
     ws_lookahead: bool
     # COMFUSE_WS_KEEP=0: a merged ws_stages kernel recomputes an exchange's value in the later
     # passes rather than keep it in the hand-off buffer (the keep's shared-memory stores put two
-    # barriers of the epilogue's warps in each chunk; experimental, for measuring that).
+    # barriers of the epilogue's warps in each chunk; H200, eighteenth session: slower where the
+    # later pass reads the residual again, faster with the residual by TMA).
     ws_keep: bool
+    # COMFUSE_WS_L2_PREFETCH=1: a ws_stages epilogue prefetches into L2 the [M, N] inputs' rows
+    # of its program's next tile (a residual) while it works on this one, so that its first
+    # pass's loads hit L2 rather than wait on DRAM (experimental: correct on the H200 and 1-2 %
+    # slower, eighteenth session; the loads' waits did not shrink).
+    ws_l2_prefetch: bool
     # COMFUSE_WS_ROW_OUTPUTS=1: ws_stages kernels also take regions with per-row [M] outputs
     # (LayerNorm's saved mean and rstd in a training graph), written by each strip's first tile
-    # (experimental: checked on the CPU by the emulation, not yet run on a GPU).
+    # (experimental: correct on the H200 since the eighteenth session, not yet timed).
     ws_row_outputs: bool
     # COMFUSE_AUTOTUNE: "auto" (time the candidate plans and the unfused ops on the first
     # call on a GPU, keep the fastest, remember it on disk), "1" (also under the
@@ -154,7 +161,7 @@ class Settings:
 
 CODEGEN_SETTINGS = ("row_budget", "schedule", "mainloop", "prefetch", "overlap", "persistent", "ws_merge",
                     "ws_lanes", "ws_tma_store", "ws_tail",
-                    "ws_res_tma", "ws_lookahead", "ws_keep", "ws_row_outputs")
+                    "ws_res_tma", "ws_lookahead", "ws_keep", "ws_l2_prefetch", "ws_row_outputs")
 
 _overrides: dict[str, object] = {}
 
@@ -209,6 +216,7 @@ def _read() -> Settings:
         ws_res_tma=_flag("COMFUSE_WS_RES_TMA", False),
         ws_lookahead=_flag("COMFUSE_WS_LOOKAHEAD", False),
         ws_keep=_flag("COMFUSE_WS_KEEP", True),
+        ws_l2_prefetch=_flag("COMFUSE_WS_L2_PREFETCH", False),
         ws_row_outputs=_flag("COMFUSE_WS_ROW_OUTPUTS", False),
         persistent=_flag("COMFUSE_PERSISTENT", False),
         fuel=_int("COMFUSE_FUEL", -1),

@@ -122,13 +122,14 @@ def test_generated_kernels_compile_for_sm90():
                                  ("multi_stage_merged_tail", cases["multi_stage"]),
                                  ("ln_postnorm_merged_res", cases["ln_postnorm"]),
                                  ("ln_postnorm_merged_ahead", cases["ln_postnorm"]),
-                                 ("ln_postnorm_merged_res_nokeep", cases["ln_postnorm"])]:
+                                 ("ln_postnorm_merged_res_nokeep", cases["ln_postnorm"]),
+                                 ("ln_postnorm_merged_l2", cases["ln_postnorm"])]:
             (cand,) = find_regions(capture(fn, args))
             with settings.override(schedule="ws_stages", ws_merge="_merged" in name, ws_tma_store=name.endswith("_tma"),
                                    ws_tail=96 if name.endswith("_tail") else 0,
                                    ws_lanes=8 if "_merged" in name else 32,  # (plain LayerNorm at 8 lanes: 400 bytes)
                                    ws_res_tma="_res" in name, ws_lookahead=name.endswith("_ahead"),
-                                   ws_keep=not name.endswith("_nokeep")):
+                                   ws_keep=not name.endswith("_nokeep"), ws_l2_prefetch=name.endswith("_l2")):
                 p = plan(cand.region, target="cuda")
             k = compile_sm90(p)
             regs = sorted(set(int(v) for v in re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+);",
@@ -257,17 +258,34 @@ def test_the_last_tile_shared_with_the_mainloop_warps():
         stages.emit(p.region, p.stages, "k", "", tma_store=True, tail=96)
 
 
+def test_a_residual_adds_a_candidate_with_it_by_tma_and_nothing_kept():
+    """Where the region's residual can be TMA-loaded into the hand-off buffer (LayerNorm
+    post-norm), autotuning also times 8 lanes with the residual by TMA, nothing kept and the
+    last tile shared (on the H200 the fastest form at 8192x1024x1024 and 16384x2048x8192); not
+    where the region has no residual, nor where a setting names the residual's form."""
+    offered = [q for q in candidates(suite_plan("ln_postnorm", merge=True).region, target="cuda")
+               if q.schedule == "ws_stages"]
+    assert [(q.lanes, q.tail, q.res_tma, q.keep) for q in offered] == \
+        [(8, 0, False, True), (32, 0, False, True), (8, 96, False, True), (8, 96, True, False)]
+    assert "the residual by TMA" in offered[-1].describe() and "nothing kept" in offered[-1].describe()
+    assert not any(q.res_tma for q in candidates(suite_plan("rmsnorm", merge=True).region, target="cuda"))
+    with settings.override(ws_res_tma=True):
+        assert len([q for q in candidates(suite_plan("ln_postnorm", merge=True).region, target="cuda")
+                    if q.schedule == "ws_stages"]) == 3
+
+
 def test_the_residual_by_tma_into_the_hand_off_buffer():
     """COMFUSE_WS_RES_TMA=1 (experimental): a bf16 [M, N] input added to the tile (through adds
     of broadcast values) and read nowhere else is TMA-loaded into the hand-off buffer as soon
     as the epilogue frees it, and the mainloop adds it before the hand-off; the passes read it
-    as 0. Not offered without the setting, nor where the tile or the input has another use."""
+    as 0. Without the setting, offered only with nothing kept and the last tile shared (the
+    candidate of the test above); not where the tile or the input has another use."""
     from comfuse.codegen.gluon.stages import tma_residual
     from comfuse.runtime.stages_kernel import source_text
     ln = suite_plan("ln_postnorm", merge=True)
     j = [i.name for i in ln.region.inputs].index("r_1")
     assert tma_residual(ln.region) == j and not ln.res_tma
-    assert not [q for q in candidates(ln.region, target="cuda") if q.res_tma]
+    assert [(q.keep, q.tail) for q in candidates(ln.region, target="cuda") if q.res_tma] == [(False, 96)]
     for name in ("rmsnorm", "softmax", "mblr", "multi_stage"):
         assert tma_residual(suite_plan(name).region) is None
     x, w, r = torch.randn(256, 64, dtype=bf), torch.randn(64, 1024, dtype=bf), torch.randn(256, 1024, dtype=bf)
@@ -312,6 +330,29 @@ def test_loads_a_chunk_ahead_only_with_its_setting():
     assert "nxt1 = gl.load(in1_ptr + (row + CHUNK)[:, None] * N + col[None, :])" in text  # the residual
     assert "v3 = cur1.to(gl.float32)" in text
     assert "if t + gl.num_programs(0) >= num_tiles:" in text and "2 - last" not in text
+
+
+def test_next_tiles_inputs_prefetched_into_l2_only_with_its_setting():
+    """COMFUSE_WS_L2_PREFETCH=1 (experimental; on the H200 1-2 % slower, eighteenth session):
+    the epilogue partition prefetches the first tile's [M, N] inputs into L2, then at each tile
+    the next tile's, before it waits for the hand-off. Not where the region has no such input,
+    nor for the residual the TMA engine loads into the buffer."""
+    from comfuse.runtime.stages_kernel import source_text
+    plain = suite_plan("ln_postnorm", merge=True)
+    assert not plain.l2_prefetch and "_prefetch_l2(in" not in source_text(plain, "k")
+    assert not any(q.l2_prefetch for q in candidates(plain.region, target="cuda") if q.schedule == "ws_stages")
+    with settings.override(ws_l2_prefetch=True):
+        p = suite_plan("ln_postnorm", merge=True)
+        assert not suite_plan("softmax", merge=True).l2_prefetch
+        with settings.override(ws_res_tma=True):
+            assert not suite_plan("ln_postnorm", merge=True).l2_prefetch
+    assert p.l2_prefetch and "prefetched into L2 a tile ahead" in p.describe()
+    text = source_text(p, "k")
+    first = text.index("_prefetch_l2(in1_ptr, gl.program_id(0), num_tiles")  # in1: the residual
+    loop = text.index("for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):")
+    ahead = text.index("_prefetch_l2(in1_ptr, t + gl.num_programs(0), num_tiles", loop)
+    assert first < loop < ahead < text.index("mbarrier.wait(tile_ready, n & 1)", loop)
+    assert text.count("_prefetch_l2(in") == 2
 
 
 def test_nothing_kept_in_the_buffer_with_its_setting():

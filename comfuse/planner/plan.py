@@ -74,6 +74,9 @@ class Plan:
     # where they need nothing else of the tile (codegen/gluon/stages._Writer.keepable; False:
     # recomputed, COMFUSE_WS_KEEP=0, experimental)
     keep: bool = True
+    # ws_stages: the [M, N] inputs' rows of the program's next tile prefetched into L2 by the
+    # epilogue partition (COMFUSE_WS_L2_PREFETCH, experimental)
+    l2_prefetch: bool = False
 
     def describe(self) -> str:
         if self.schedule == "ws_stages":
@@ -88,7 +91,8 @@ class Plan:
                     f"{f'; the mainloop warps take the last {self.tail} rows of the last tile' if self.tail else ''}"
                     f"{'; the residual by TMA into the hand-off buffer, added by the mainloop' if self.res_tma else ''}"
                     f"{'; each chunk loads the next ahead' if self.lookahead else ''}"
-                    f"{'; nothing kept in the buffer' if self.moments and not self.keep else ''}")
+                    f"{'; nothing kept in the buffer' if self.moments and not self.keep else ''}"
+                    f"{'; [M, N] inputs prefetched into L2 a tile ahead' if self.l2_prefetch else ''}")
         if self.schedule == "ws_split":
             return (f"ws_split: warp-specialised Gluon template computing the {self.template.describe()}; "
                     f"persistent grid of {self.block_m}x{self.block_n}x{self.block_k} tiles in grouped order, TMA "
@@ -423,13 +427,14 @@ def stages_options(settings) -> dict:
     COMFUSE_WS_LANES names one."""
     return dict(merge=settings.ws_merge, lanes=settings.ws_lanes or 8, tma_store=settings.ws_tma_store,
                 tail=settings.ws_tail, res_tma=settings.ws_res_tma, lookahead=settings.ws_lookahead,
-                keep=settings.ws_keep, row_outputs=settings.ws_row_outputs)
+                keep=settings.ws_keep, row_outputs=settings.ws_row_outputs, l2_prefetch=settings.ws_l2_prefetch)
 
 
 def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple, target: str,
                          sm_count: int, merge: bool = False, lanes: int = 32,
                          tma_store: bool = False, tail: int = 0, res_tma: bool = False,
-                         lookahead: bool = False, keep: bool = True, row_outputs: bool = False) -> Plan | NotFused:
+                         lookahead: bool = False, keep: bool = True, row_outputs: bool = False,
+                         l2_prefetch: bool = False) -> Plan | NotFused:
     """The ws_stages plan for ``region`` (row form), or why the generated Gluon kernel does
     not apply; ``merge``: moment and online-softmax pairs share an exchange (COMFUSE_WS_MERGE, on
     by default)."""
@@ -458,10 +463,14 @@ def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple,
     if tiles > sm_count:
         return no(f"a strip of {tiles} tiles cannot be resident at once on {sm_count} SMs")
     pairs = merge_pairs(region) if merge else ()
+    res_tma = res_tma and tma_residual(region) is not None
+    # (an [M, N] input to prefetch: any but the residual the TMA engine loads into the buffer)
+    fetched = [j for j, i in enumerate(region.inputs) if i.axes == frozenset("MN")
+               and not (res_tma and j == tma_residual(region))]
     return Plan(region, False, "ws_stages", stages, 128, 256, 64, 8, 8, 3, forms, tiles_n=tiles, mainloop="tma",
                 persistent=True, exchanges=len(layout_of(stages, pairs).exchanges), moments=pairs, lanes=lanes,
                 tma_store=tma_store and not tma_storable(region) and not tail, tail=tail,
-                res_tma=res_tma and tma_residual(region) is not None, lookahead=lookahead, keep=keep)
+                res_tma=res_tma, lookahead=lookahead, keep=keep, l2_prefetch=l2_prefetch and bool(fetched))
 
 
 def template_offers(region: Region, sm_count: int = 132) -> list:
@@ -480,6 +489,7 @@ def template_offers(region: Region, sm_count: int = 132) -> list:
 def candidates(region: Region, target: str = "cuda", settings=None, sm_count: int = 132) -> list:
     """The plans worth timing for ``region``: the planner's choice first, then every other
     feasible schedule and a few tile shapes. Empty when nothing fits (``plan`` says why)."""
+    from ..codegen.gluon.stages import tma_residual
     settings = settings or settings_mod.get()
     first = plan(region, target, settings, sm_count)
     if isinstance(first, NotFused):
@@ -566,6 +576,12 @@ def candidates(region: Region, target: str = "cuda", settings=None, sm_count: in
                 # RMSNorm 1.364x -> 1.372x; LayerNorm 16384x2048x8192 1.332x -> 1.260x; at
                 # 8192x4096x4096 0.5-1.2 % slower: a candidate, not the default)
                 out.append(dataclasses.replace(gen, tail=96))
+                if not settings.ws_res_tma and gen.moments and tma_residual(first.region) is not None:
+                    # and, with a residual, that with the residual by TMA into the hand-off buffer
+                    # and nothing kept in it (H200, eighteenth session, sustained, x cuBLAS's GEMM:
+                    # LayerNorm 8192x1024x1024 1.939x -> 1.810x, 16384x2048x8192 1.255x -> 1.200x;
+                    # 8192x4096x4096 1.092x -> 1.135x, where the plain kernel's 1.068x wins)
+                    out.append(dataclasses.replace(gen, tail=96, res_tma=True, keep=False, l2_prefetch=False))
         if first.schedule == "split":  # a loss over wide rows: the template's terminal kind
             lse = lse_template_plan(first.region, first.transposed, first.stages, first.forms, target)
             if isinstance(lse, Plan):

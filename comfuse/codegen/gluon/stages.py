@@ -124,12 +124,12 @@ def blocker(region: Region, stages, row_outputs: bool = False) -> str:
         if not inp.dtype.is_floating_point or "B" in inp.axes:
             return f"side input {inp.name}: floating point, axes within [M, N]"
     for out in region.outputs:
-        # (per-row outputs are generated, written by each strip's first tile, and checked on the
-        # CPU (emulate.py), but have not run on a GPU yet: refused unless asked for)
+        # (per-row outputs are generated, written by each strip's first tile, checked on the CPU
+        # (emulate.py) and on the H200, but not yet timed: refused unless asked for)
         if not out.dtype.is_floating_point or out.axes not in (frozenset("MN"), frozenset("M")):
             return f"output {out.name}: floating point, [M, N] or [M]"
         if out.axes == frozenset("M") and not row_outputs:
-            return (f"output {out.name}: floating point [M, N] only (per-row outputs not yet checked on a GPU; "
+            return (f"output {out.name}: floating point [M, N] only (per-row outputs not yet timed; "
                     "COMFUSE_WS_ROW_OUTPUTS=1 takes them)")
     if not region.reductions():
         return "no reduction (the tile schedules need no exchange)"
@@ -316,7 +316,8 @@ def tma_storable(region: Region) -> str:
 
 
 def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool = False,
-         tma_store: bool = False, tail: int = 0, residual=None, lookahead: bool = False) -> str:
+         tma_store: bool = False, tail: int = 0, residual=None, lookahead: bool = False,
+         l2_prefetch: bool = False) -> str:
     """The generated module's source: ``{name}`` (the kernel), ``{name}_epilogue`` (its
     partition) and ``{name}_tile`` (one tile's epilogue, by a group of warps over some of its
     chunks); ``pairs``: the merged exchanges (``merge_pairs``); ``keep``: an exchange's value,
@@ -328,7 +329,9 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
     the index of the [M, N] input (``tma_residual``) that the epilogue partition TMA-loads into
     the buffer as soon as it frees it, and the mainloop adds into the next tile (None: none);
     ``lookahead``: each chunk of a pass issues the next chunk's loads before its own work
-    (``_Module.chunk_head``)."""
+    (``_Module.chunk_head``); ``l2_prefetch``: the epilogue partition prefetches into L2 the
+    [M, N] inputs' rows of its program's next tile before it waits for this one
+    (strip._prefetch_l2)."""
     if tail and tma_store:
         raise ValueError("ws_stages: a shared last tile is written by each thread, not by one TMA store")
     if tail % 32 or not 0 <= tail <= 128:
@@ -344,7 +347,7 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
     ins = [f"in{j}_ptr" for j in range(len(region.inputs))]
     outs = [f"out{k}_ptr" for k in range(len(region.outputs))]
     ptrs = ", ".join(ins + outs + (["r_desc"] if residual is not None else []) + (["o_desc"] if tma_store else []))
-    m = _Module(region, lay, w, name, ptrs, keep, tma_store, tail, residual, lookahead)
+    m = _Module(region, lay, w, name, ptrs, keep, tma_store, tail, residual, lookahead, l2_prefetch)
     m.tile()
     m.epilogue()
     if tail:
@@ -366,6 +369,7 @@ class _Module:
     tail: int
     residual: object  # the [M, N] input the mainloop adds into the tile (tma_residual), or None
     lookahead: bool = False  # each chunk issues the next one's loads first (chunk_head)
+    l2_prefetch: bool = False  # the next tile's [M, N] inputs into L2 (epilogue)
 
     @property
     def E(self) -> int:
@@ -575,8 +579,16 @@ class _Module:
         if residual is not None:
             L(f"# the first tile's {region.inputs[residual].name} into the buffer; the mainloop adds it to its tile", 1)
             L("_load_residual(r_desc, tile_smem, tile_free, gl.program_id(0), num_tiles, TILES_N, BM, BN)", 1)
+        fetched = [j for j, inp in enumerate(region.inputs) if self.l2_prefetch and inp.axes == frozenset("MN")
+                   and j != residual]
+        for j in fetched:
+            L(f"_prefetch_l2(in{j}_ptr, gl.program_id(0), num_tiles, N, TILES_N, BM, BN, EPI_WARPS)  "
+              f"# the first tile's {region.inputs[j].name} into L2", 1)
         L("n = 0", 1)
         L("for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):", 1)
+        for j in fetched:  # (a tile's work ahead of its loads: they hit L2 rather than wait on DRAM)
+            L(f"_prefetch_l2(in{j}_ptr, t + gl.num_programs(0), num_tiles, N, TILES_N, BM, BN, EPI_WARPS)  "
+              f"# the next tile's {region.inputs[j].name}", 2)
         L("mbarrier.wait(tile_ready, n & 1)", 2)
         L("_mark(trace_ptr, n, 4, TRACE)", 2)
         if tail:
@@ -692,8 +704,8 @@ class _Module:
             "from triton.experimental.gluon import language as gl",
             "from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma",
             "",
-            "from comfuse.codegen.gluon.strip import TILE_LAYOUT, _load_residual, _mark, _mma_partition, exp_fast, "
-            "expm1, log1p, tanh_fast",
+            "from comfuse.codegen.gluon.strip import TILE_LAYOUT, _load_residual, _mark, _mma_partition, _prefetch_l2, "
+            "exp_fast, expm1, log1p, tanh_fast",
             "", "", ""])
         return header
 
