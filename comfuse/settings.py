@@ -117,6 +117,11 @@ class Settings:
     # pass's loads hit L2 rather than wait on DRAM (experimental: correct on the H200 and 1-2 %
     # slower, eighteenth session; the loads' waits did not shrink).
     ws_l2_prefetch: bool
+    # COMFUSE_WS_VEC=8: a ws_stages epilogue's thread takes 8 adjacent columns of a row at a time
+    # (a row's 8 lanes then cover 128 adjacent bytes: no shared-memory bank conflicts on the
+    # swizzled tile, whole sectors in global memory) rather than all its 256 / lanes columns
+    # adjacent (0; Nsight Compute, eighteenth session: 4x the tile reads' ideal wavefronts).
+    ws_vec: int
     # COMFUSE_WS_ROW_OUTPUTS=1: ws_stages kernels also take regions with per-row [M] outputs
     # (LayerNorm's saved mean and rstd in a training graph), written by each strip's first tile
     # (experimental: correct on the H200 since the eighteenth session, not yet timed).
@@ -161,7 +166,7 @@ class Settings:
 
 CODEGEN_SETTINGS = ("row_budget", "schedule", "mainloop", "prefetch", "overlap", "persistent", "ws_merge",
                     "ws_lanes", "ws_tma_store", "ws_tail",
-                    "ws_res_tma", "ws_lookahead", "ws_keep", "ws_l2_prefetch", "ws_row_outputs")
+                    "ws_res_tma", "ws_lookahead", "ws_keep", "ws_l2_prefetch", "ws_vec", "ws_row_outputs")
 
 _overrides: dict[str, object] = {}
 
@@ -217,6 +222,7 @@ def _read() -> Settings:
         ws_lookahead=_flag("COMFUSE_WS_LOOKAHEAD", False),
         ws_keep=_flag("COMFUSE_WS_KEEP", True),
         ws_l2_prefetch=_flag("COMFUSE_WS_L2_PREFETCH", False),
+        ws_vec=_int("COMFUSE_WS_VEC", 0),
         ws_row_outputs=_flag("COMFUSE_WS_ROW_OUTPUTS", False),
         persistent=_flag("COMFUSE_PERSISTENT", False),
         fuel=_int("COMFUSE_FUEL", -1),

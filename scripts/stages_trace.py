@@ -74,8 +74,8 @@ def variant_of(spec: str):
     """(label, settings, grid_options) for a variant "LANES[a][v][t][r][p][c][k][l][hROWS]": the epilogue's
     rows over LANES lanes of a warp (COMFUSE_WS_LANES); "a": the grid a multiple of the strip's
     tiles (every strip in one round of the persistent loop), not one program per SM; "v": each
-    lane 8 adjacent columns at a time (VEC = 8; a warp's lanes cover a row's 128 bytes at once)
-    rather than all its 256 / LANES columns adjacent; "t": the output tile by one TMA store
+    lane 8 adjacent columns at a time (COMFUSE_WS_VEC=8; a row's lanes cover 128 adjacent bytes at
+    once) rather than all its 256 / LANES columns adjacent; "t": the output tile by one TMA store
     (COMFUSE_WS_TMA_STORE); "r": the residual by TMA into the hand-off buffer, added by the
     mainloop (COMFUSE_WS_RES_TMA); "hROWS": the last ROWS rows of each program's last tile by
     the mainloop's warps (COMFUSE_WS_TAIL); "p": each chunk's loads a chunk ahead
@@ -91,8 +91,6 @@ def variant_of(spec: str):
         grid, options = _orig(self, dev, M, N)
         if "a" in flags:
             grid = ((grid[0] // (N // 256)) * (N // 256), )
-        if "v" in flags:
-            options = dict(options, VEC=8)
         if "c" in flags:
             options = dict(options, CHUNK=32)
         return grid, options
@@ -104,7 +102,8 @@ def variant_of(spec: str):
     if "c" in flags and tail:
         raise SystemExit(f"variant {spec!r}: 32-row chunks (c) with a shared tail (h) not offered")
     return label, dict(ws_lanes=lanes, ws_tma_store="t" in flags, ws_res_tma="r" in flags, ws_tail=tail,
-                       ws_lookahead="p" in flags, ws_keep="k" not in flags, ws_l2_prefetch="l" in flags), grid_options
+                       ws_lookahead="p" in flags, ws_keep="k" not in flags, ws_l2_prefetch="l" in flags,
+                       ws_vec=8 if "v" in flags else 0), grid_options
 
 
 def main() -> None:

@@ -487,6 +487,16 @@ def test_generated_kernel_with_l2_prefetch_matches_the_reference(shape, tail):
     forced_schedule_matches("ln_postnorm", shape, "ws_stages", 20, ws_l2_prefetch=True, ws_tail=tail)
 
 
+@pytest.mark.parametrize("name, form", [("softmax", {}), ("multi_stage", {}), ("ln_postnorm", {}),
+                                        ("ln_postnorm", dict(ws_res_tma=True, ws_keep=False, ws_tail=96))],
+                         ids=["softmax", "multi_stage", "ln_postnorm", "ln_postnorm-res_tma-nothing_kept-tail96"])
+@pytest.mark.parametrize("shape", [(8192, 1024, 1024), (2048, 1024, 3072)], ids=["paper", "N3072"])
+def test_generated_kernel_with_8_adjacent_columns_a_lane_matches_the_reference(name, shape, form):
+    """COMFUSE_WS_VEC=8 (8 lanes a row): each epilogue thread 8 adjacent columns at a time, in
+    the plain form and in autotuning's fourth candidate for a residual."""
+    forced_schedule_matches(name, shape, "ws_stages", 20, ws_lanes=8, ws_vec=8, **form)
+
+
 @pytest.mark.parametrize("name", ["log1p", "expm1"])
 def test_generated_kernel_with_log1p_and_expm1_matches_the_reference(name):
     """log1p and expm1 in the generated kernel (strip.py's Gluon forms of Kahan's

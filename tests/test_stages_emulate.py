@@ -38,6 +38,7 @@ FORMS = {  # name -> the settings of one form of the generated kernel
     "l2_prefetch-tail96": dict(ws_l2_prefetch=True, ws_tail=96),
     # (autotuning's fourth candidate where the region has a residual)
     "res_tma-nothing_kept-tail96": dict(ws_res_tma=True, ws_keep=False, ws_tail=96),
+    "vec8-res_tma-nothing_kept-tail96": dict(ws_vec=8, ws_res_tma=True, ws_keep=False, ws_tail=96),
 }
 
 

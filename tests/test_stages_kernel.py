@@ -123,13 +123,15 @@ def test_generated_kernels_compile_for_sm90():
                                  ("ln_postnorm_merged_res", cases["ln_postnorm"]),
                                  ("ln_postnorm_merged_ahead", cases["ln_postnorm"]),
                                  ("ln_postnorm_merged_res_nokeep", cases["ln_postnorm"]),
-                                 ("ln_postnorm_merged_l2", cases["ln_postnorm"])]:
+                                 ("ln_postnorm_merged_l2", cases["ln_postnorm"]),
+                                 ("ln_postnorm_merged_res_nokeep_tail_vec8", cases["ln_postnorm"]),
+                                 ("softmax_merged_vec8", cases["softmax"])]:
             (cand,) = find_regions(capture(fn, args))
             with settings.override(schedule="ws_stages", ws_merge="_merged" in name, ws_tma_store=name.endswith("_tma"),
-                                   ws_tail=96 if name.endswith("_tail") else 0,
+                                   ws_tail=96 if "_tail" in name else 0, ws_vec=8 if "_vec8" in name else 0,
                                    ws_lanes=8 if "_merged" in name else 32,  # (plain LayerNorm at 8 lanes: 400 bytes)
                                    ws_res_tma="_res" in name, ws_lookahead=name.endswith("_ahead"),
-                                   ws_keep=not name.endswith("_nokeep"), ws_l2_prefetch=name.endswith("_l2")):
+                                   ws_keep="_nokeep" not in name, ws_l2_prefetch=name.endswith("_l2")):
                 p = plan(cand.region, target="cuda")
             k = compile_sm90(p)
             regs = sorted(set(int(v) for v in re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+);",
@@ -353,6 +355,25 @@ def test_next_tiles_inputs_prefetched_into_l2_only_with_its_setting():
     ahead = text.index("_prefetch_l2(in1_ptr, t + gl.num_programs(0), num_tiles", loop)
     assert first < loop < ahead < text.index("mbarrier.wait(tile_ready, n & 1)", loop)
     assert text.count("_prefetch_l2(in") == 2
+
+
+def test_eight_adjacent_columns_a_lane_with_its_setting():
+    """COMFUSE_WS_VEC=8: each thread of the epilogue takes 8 adjacent columns of a row at a time
+    (the VEC constexpr at launch, the plan's own kernel name); the same as the default at 32
+    lanes (8 columns a lane there anyway); other widths refused."""
+    from comfuse.runtime.kernel import kernel_name
+    from comfuse.runtime.stages_kernel import options
+    plain = suite_plan("softmax", merge=True)
+    assert plain.vec == 0 and options(plain, 1024)["VEC"] == 32
+    with settings.override(ws_vec=8):
+        p = suite_plan("softmax", merge=True)
+        with settings.override(ws_lanes=32):
+            assert suite_plan("softmax", merge=True).vec == 0
+        with settings.override(ws_vec=4):
+            refused = suite_plan("softmax")
+    assert p.vec == 8 and options(p, 1024)["VEC"] == 8 and "8 adjacent columns a lane" in p.describe()
+    assert kernel_name(p) != kernel_name(plain)
+    assert isinstance(refused, NotFused) and "COMFUSE_WS_VEC=4" in refused.reason
 
 
 def test_nothing_kept_in_the_buffer_with_its_setting():

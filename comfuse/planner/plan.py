@@ -77,6 +77,9 @@ class Plan:
     # ws_stages: the [M, N] inputs' rows of the program's next tile prefetched into L2 by the
     # epilogue partition (COMFUSE_WS_L2_PREFETCH, experimental)
     l2_prefetch: bool = False
+    # ws_stages: adjacent columns a thread of the epilogue takes at a time (0: all its
+    # 256 / lanes; COMFUSE_WS_VEC)
+    vec: int = 0
 
     def describe(self) -> str:
         if self.schedule == "ws_stages":
@@ -92,7 +95,8 @@ class Plan:
                     f"{'; the residual by TMA into the hand-off buffer, added by the mainloop' if self.res_tma else ''}"
                     f"{'; each chunk loads the next ahead' if self.lookahead else ''}"
                     f"{'; nothing kept in the buffer' if self.moments and not self.keep else ''}"
-                    f"{'; [M, N] inputs prefetched into L2 a tile ahead' if self.l2_prefetch else ''}")
+                    f"{'; [M, N] inputs prefetched into L2 a tile ahead' if self.l2_prefetch else ''}"
+                    f"{f'; {self.vec} adjacent columns a lane at a time' if self.vec else ''}")
         if self.schedule == "ws_split":
             return (f"ws_split: warp-specialised Gluon template computing the {self.template.describe()}; "
                     f"persistent grid of {self.block_m}x{self.block_n}x{self.block_k} tiles in grouped order, TMA "
@@ -427,14 +431,15 @@ def stages_options(settings) -> dict:
     COMFUSE_WS_LANES names one."""
     return dict(merge=settings.ws_merge, lanes=settings.ws_lanes or 8, tma_store=settings.ws_tma_store,
                 tail=settings.ws_tail, res_tma=settings.ws_res_tma, lookahead=settings.ws_lookahead,
-                keep=settings.ws_keep, row_outputs=settings.ws_row_outputs, l2_prefetch=settings.ws_l2_prefetch)
+                keep=settings.ws_keep, row_outputs=settings.ws_row_outputs, l2_prefetch=settings.ws_l2_prefetch,
+                vec=settings.ws_vec)
 
 
 def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple, target: str,
                          sm_count: int, merge: bool = False, lanes: int = 32,
                          tma_store: bool = False, tail: int = 0, res_tma: bool = False,
                          lookahead: bool = False, keep: bool = True, row_outputs: bool = False,
-                         l2_prefetch: bool = False) -> Plan | NotFused:
+                         l2_prefetch: bool = False, vec: int = 0) -> Plan | NotFused:
     """The ws_stages plan for ``region`` (row form), or why the generated Gluon kernel does
     not apply; ``merge``: moment and online-softmax pairs share an exchange (COMFUSE_WS_MERGE, on
     by default)."""
@@ -449,6 +454,8 @@ def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple,
         return no(f"COMFUSE_WS_LANES={lanes}: the epilogue lays a row over 32 or 8 lanes")
     if tail % 32 or not 0 <= tail <= 128:
         return no(f"COMFUSE_WS_TAIL={tail}: rows of the last tile, a multiple of 32 up to 128")
+    if vec not in (0, 8):
+        return no(f"COMFUSE_WS_VEC={vec}: 8 adjacent columns a lane at a time, or 0 (all of a lane's)")
     if transposed:
         return no("the kernel reduces along N only")
     g, s = region.gemm, region.sizes
@@ -470,7 +477,8 @@ def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple,
     return Plan(region, False, "ws_stages", stages, 128, 256, 64, 8, 8, 3, forms, tiles_n=tiles, mainloop="tma",
                 persistent=True, exchanges=len(layout_of(stages, pairs).exchanges), moments=pairs, lanes=lanes,
                 tma_store=tma_store and not tma_storable(region) and not tail, tail=tail,
-                res_tma=res_tma, lookahead=lookahead, keep=keep, l2_prefetch=l2_prefetch and bool(fetched))
+                res_tma=res_tma, lookahead=lookahead, keep=keep, l2_prefetch=l2_prefetch and bool(fetched),
+                vec=0 if vec == 256 // lanes else vec)
 
 
 def template_offers(region: Region, sm_count: int = 132) -> list:

@@ -152,7 +152,7 @@ def options(plan: Plan, N: int) -> dict:
     from ..codegen.gluon import strip
     return dict(B_KMAJOR=plan.region.gemm.b.major == "K", BN=strip.BN, TILES_N=N // strip.BN,
                 TILES_P2=strip._pow2(N // strip.BN), STAGES=3, CHUNK=CHUNK, EPI_WARPS=4, EPI_REGS=152,
-                LANES_N=plan.lanes, VEC=strip.BN // plan.lanes, TRACE=False, num_warps=8, maxnreg=168)
+                LANES_N=plan.lanes, VEC=plan.vec or strip.BN // plan.lanes, TRACE=False, num_warps=8, maxnreg=168)
 
 
 def source_text(plan: Plan, name: str) -> str:
@@ -204,7 +204,7 @@ def compile_sm90(plan: Plan, name: str = "", chunk: int = CHUNK, vec: int = 0, t
     tiles = plan.region.sizes.N // strip.BN
     constexprs = dict(B_KMAJOR=kmajor, BN=strip.BN, TILES_N=tiles, TILES_P2=strip._pow2(tiles), STAGES=3,
                       CHUNK=chunk, EPI_WARPS=epi_warps, EPI_REGS=epi_regs, LANES_N=plan.lanes,
-                      VEC=vec or strip.BN // plan.lanes,
+                      VEC=vec or plan.vec or strip.BN // plan.lanes,
                       TRACE=trace, num_warps=8)
     sig.update({k: "constexpr" for k in constexprs})
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(2, len(sig) - len(constexprs))}
