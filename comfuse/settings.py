@@ -122,6 +122,11 @@ class Settings:
     # swizzled tile, whole sectors in global memory) rather than all its 256 / lanes columns
     # adjacent (0; Nsight Compute, eighteenth session: 4x the tile reads' ideal wavefronts).
     ws_vec: int
+    # COMFUSE_WS_NARROW=1: a ws_stages epilogue computes the region's bf16 / fp16 adds and
+    # products whose operands come in that type (the tile's bias and residual adds) in it, as
+    # eager rounds them, rather than unpack them into fp32 (a third of LayerNorm's epilogue
+    # instructions unpack bf16; experimental, not yet run on a GPU).
+    ws_narrow: bool
     # COMFUSE_WS_ROW_OUTPUTS=1: ws_stages kernels also take regions with per-row [M] outputs
     # (LayerNorm's saved mean and rstd in a training graph), written by each strip's first tile
     # (experimental: correct on the H200 since the eighteenth session, not yet timed).
@@ -166,7 +171,7 @@ class Settings:
 
 CODEGEN_SETTINGS = ("row_budget", "schedule", "mainloop", "prefetch", "overlap", "persistent", "ws_merge",
                     "ws_lanes", "ws_tma_store", "ws_tail",
-                    "ws_res_tma", "ws_lookahead", "ws_keep", "ws_l2_prefetch", "ws_vec", "ws_row_outputs")
+                    "ws_res_tma", "ws_lookahead", "ws_keep", "ws_l2_prefetch", "ws_vec", "ws_narrow", "ws_row_outputs")
 
 _overrides: dict[str, object] = {}
 
@@ -223,6 +228,7 @@ def _read() -> Settings:
         ws_keep=_flag("COMFUSE_WS_KEEP", True),
         ws_l2_prefetch=_flag("COMFUSE_WS_L2_PREFETCH", False),
         ws_vec=_int("COMFUSE_WS_VEC", 0),
+        ws_narrow=_flag("COMFUSE_WS_NARROW", False),
         ws_row_outputs=_flag("COMFUSE_WS_ROW_OUTPUTS", False),
         persistent=_flag("COMFUSE_PERSISTENT", False),
         fuel=_int("COMFUSE_FUEL", -1),

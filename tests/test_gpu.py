@@ -497,6 +497,15 @@ def test_generated_kernel_with_8_adjacent_columns_a_lane_matches_the_reference(n
     forced_schedule_matches(name, shape, "ws_stages", 20, ws_lanes=8, ws_vec=8, **form)
 
 
+@pytest.mark.parametrize("name, form", [("ln_postnorm", {}), ("mblr", {}), ("ln_postnorm", dict(ws_tail=96)),
+                                        ("ln_postnorm", dict(ws_res_tma=True, ws_keep=False, ws_tail=96))],
+                         ids=["ln_postnorm", "mblr", "ln_postnorm-tail96", "ln_postnorm-res_tma-nothing_kept-tail96"])
+@pytest.mark.parametrize("shape", [(8192, 1024, 1024), (2048, 1024, 3072)], ids=["paper", "N3072"])
+def test_generated_kernel_with_sixteen_bit_adds_matches_the_reference(name, shape, form):
+    """COMFUSE_WS_NARROW=1: the bias and residual adds in bf16 (HADD2), the rest in fp32."""
+    forced_schedule_matches(name, shape, "ws_stages", 20, ws_lanes=8, ws_narrow=True, **form)
+
+
 @pytest.mark.parametrize("name", ["log1p", "expm1"])
 def test_generated_kernel_with_log1p_and_expm1_matches_the_reference(name):
     """log1p and expm1 in the generated kernel (strip.py's Gluon forms of Kahan's

@@ -39,6 +39,8 @@ FORMS = {  # name -> the settings of one form of the generated kernel
     # (autotuning's fourth candidate where the region has a residual)
     "res_tma-nothing_kept-tail96": dict(ws_res_tma=True, ws_keep=False, ws_tail=96),
     "vec8-res_tma-nothing_kept-tail96": dict(ws_vec=8, ws_res_tma=True, ws_keep=False, ws_tail=96),
+    "narrow": dict(ws_narrow=True), "narrow-lookahead-tail96": dict(ws_narrow=True, ws_lookahead=True, ws_tail=96),
+    "narrow-res_tma-nothing_kept-tail96": dict(ws_narrow=True, ws_res_tma=True, ws_keep=False, ws_tail=96),
 }
 
 

@@ -13,6 +13,7 @@ from comfuse import settings
 from comfuse.bench.workloads import SUITE
 from comfuse.frontend.capture import capture
 from comfuse.frontend.regions import find_regions
+from comfuse.ir import Op
 from comfuse.planner import plan
 from comfuse.planner.plan import NotFused, candidates
 
@@ -125,13 +126,15 @@ def test_generated_kernels_compile_for_sm90():
                                  ("ln_postnorm_merged_res_nokeep", cases["ln_postnorm"]),
                                  ("ln_postnorm_merged_l2", cases["ln_postnorm"]),
                                  ("ln_postnorm_merged_res_nokeep_tail_vec8", cases["ln_postnorm"]),
-                                 ("softmax_merged_vec8", cases["softmax"])]:
+                                 ("softmax_merged_vec8", cases["softmax"]),
+                                 ("ln_postnorm_merged_narrow", cases["ln_postnorm"])]:
             (cand,) = find_regions(capture(fn, args))
             with settings.override(schedule="ws_stages", ws_merge="_merged" in name, ws_tma_store=name.endswith("_tma"),
                                    ws_tail=96 if "_tail" in name else 0, ws_vec=8 if "_vec8" in name else 0,
                                    ws_lanes=8 if "_merged" in name else 32,  # (plain LayerNorm at 8 lanes: 400 bytes)
                                    ws_res_tma="_res" in name, ws_lookahead=name.endswith("_ahead"),
-                                   ws_keep="_nokeep" not in name, ws_l2_prefetch=name.endswith("_l2")):
+                                   ws_keep="_nokeep" not in name, ws_l2_prefetch=name.endswith("_l2"),
+                                   ws_narrow=name.endswith("_narrow")):
                 p = plan(cand.region, target="cuda")
             k = compile_sm90(p)
             regs = sorted(set(int(v) for v in re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+);",
@@ -374,6 +377,29 @@ def test_eight_adjacent_columns_a_lane_with_its_setting():
     assert p.vec == 8 and options(p, 1024)["VEC"] == 8 and "8 adjacent columns a lane" in p.describe()
     assert kernel_name(p) != kernel_name(plain)
     assert isinstance(refused, NotFused) and "COMFUSE_WS_VEC=4" in refused.reason
+
+
+def test_sixteen_bit_adds_in_sixteen_bits_with_their_setting():
+    """COMFUSE_WS_NARROW=1 (experimental): LayerNorm's bias and residual adds, typed bf16 with
+    bf16 operands (the tile as the buffer holds it, the inputs as stored), are computed in
+    bf16; fp32 from there on. Not the add whose operand the mainloop already put in the tile
+    (the residual by TMA), nor where nothing is 16-bit (softmax)."""
+    from comfuse.codegen.gluon.stages import narrow_nodes
+    from comfuse.runtime.stages_kernel import source_text
+    plain = suite_plan("ln_postnorm", merge=True)
+    assert not plain.narrow and "acc_h" not in source_text(plain, "k")
+    with settings.override(ws_narrow=True):
+        p = suite_plan("ln_postnorm", merge=True)
+        assert not suite_plan("softmax", merge=True).narrow
+    r = p.region
+    j = [i.name for i in r.inputs].index("r_1")
+    bias_add, res_add = (i for i, n in enumerate(r.nodes) if n.op is Op.ADD and n.dtype == bf)
+    assert narrow_nodes(r) == {bias_add, res_add} and narrow_nodes(r, in_buffer=j) == {bias_add}
+    assert p.narrow and "16-bit adds and products in 16 bits" in p.describe()
+    text = source_text(p, "k")
+    assert "acc_h = tile_smem.slice(c * CHUNK, CHUNK, dim=0).load(layout)" in text
+    assert f"h{bias_add} = acc_h + vh0[None, :]" in text and f"h{res_add} = h{bias_add} + h{res_add - 1}" in text
+    assert f"v{res_add} = h{res_add}.to(gl.float32)" in text
 
 
 def test_nothing_kept_in_the_buffer_with_its_setting():

@@ -72,6 +72,38 @@ class Layout:
         return max((len(e) for e in self.exchanges), default=1)
 
 
+def _short(dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, str(dtype))
+
+
+NARROW_OPS = (Op.ADD, Op.SUB, Op.MUL)
+
+
+def narrow_nodes(region: Region, in_buffer=None) -> frozenset:
+    """The nodes the generated kernel can compute in their own 16-bit type (bf16, fp16) rather
+    than in fp32: adds, subtractions and products typed bf16 / fp16 whose operands all come in
+    that type, the GEMM's tile as the buffer holds it (bf16), inputs of that type (not one the
+    mainloop adds into the tile, ``in_buffer``), or such nodes. Eager rounds each of them to
+    that type; computed there (add.bf16 etc., paired by ptxas into HADD2 / HFMA2) they skip the
+    unpacking into fp32 and the repacking, one rounding a node as eager's (fp32 arithmetic of
+    the 16-bit operands, then rounded) up to its rare double roundings."""
+    out = set()
+    for i, node in enumerate(region.nodes):
+        if node.op not in NARROW_OPS or node.dtype not in (torch.bfloat16, torch.float16):
+            continue
+
+        def comes_narrow(s: int) -> bool:
+            src = region.nodes[s]
+            if src.op is Op.ACC:
+                return node.dtype == torch.bfloat16
+            if src.op is Op.INPUT:
+                return region.inputs[src.arg].dtype == node.dtype and src.arg != in_buffer
+            return s in out and src.dtype == node.dtype
+        if all(comes_narrow(s) for s in node.src):
+            out.add(i)
+    return frozenset(out)
+
+
 def _is_tile(region: Region, i: int) -> bool:
     """Whether node i is the GEMM's tile itself (through floating-point casts)."""
     while region.nodes[i].op is Op.CAST and region.nodes[i].arg.is_floating_point:
@@ -166,6 +198,7 @@ class _Writer:
         self.stored = None  # the node the hand-off buffer holds in place of the GEMM's tile, if any
         self.in_buffer = None  # the [M, N] input the mainloop adds into the tile (``tma_residual``), if any
         self.loaded: dict = {}  # [M, N] input -> the variable holding this chunk's values, loaded ahead
+        self.narrow: frozenset = frozenset()  # nodes computed in their own 16-bit type (``narrow_nodes``)
 
     def line(self, text: str, indent: int) -> None:
         self.lines.append("    " * indent + text)
@@ -246,6 +279,26 @@ class _Writer:
             return f"gl.where({x[0]}, {x[1]}, {x[2]})"
         raise NotImplementedError(op)  # pragma: no cover  (blocker refuses it)
 
+    def raw(self, i: int) -> str:
+        """Node i's value in its own 16-bit type, for a narrow node's operand: the tile as the
+        buffer holds it (bf16), an input as loaded, a narrow node's ``h`` variable."""
+        node = self.region.nodes[i]
+        if i == self.stored or node.op is Op.ACC:
+            return "acc_h"
+        if node.op is Op.INPUT and self.region.inputs[node.arg].axes == frozenset("N"):
+            return f"vh{node.arg}[None, :]"  # (loaded once a tile)
+        return f"h{i}"
+
+    def _raw_load(self, i: int) -> str:
+        """A scalar, [M] or [M, N] input's chunk as loaded (a narrow node's operand)."""
+        arg = self.region.nodes[i].arg
+        axes = self.region.inputs[arg].axes
+        if axes == frozenset("M"):
+            return f"gl.load(in{arg}_ptr + row)[:, None]"
+        if not axes:
+            return f"gl.load(in{arg}_ptr)"
+        return self.loaded.get(arg) or f"gl.load(in{arg}_ptr + row[:, None] * N + col[None, :])"
+
     def values(self, nodes, indent: int) -> None:
         for i in nodes:
             node = self.region.nodes[i]
@@ -253,6 +306,17 @@ class _Writer:
                 continue
             if i == self.stored:
                 self.line(f"v{i} = acc  # %{i} {node.op.value}, kept in the hand-off buffer", indent)
+                continue
+            if node.op is Op.INPUT and self.region.inputs[node.arg].axes != frozenset("N") and \
+                    any(i in self.region.nodes[j].src for j in self.narrow):
+                self.line(f"h{i} = {self._raw_load(i)}  # %{i} input, as stored", indent)
+                self.line(f"v{i} = h{i}.to(gl.float32)", indent)
+                continue
+            if i in self.narrow:  # in bf16 (or fp16) as eager rounds it; fp32 for what else reads it
+                a, b = (self.raw(s) for s in node.src)
+                self.line(f"h{i} = {a} {_INFIX[node.op]} {b}  # %{i} {node.op.value}, in {_short(node.dtype)}",
+                          indent)
+                self.line(f"v{i} = h{i}.to(gl.float32)", indent)
                 continue
             self.line(f"v{i} = {self.expr(i)}  # %{i} {node.op.value}", indent)
 
@@ -317,7 +381,7 @@ def tma_storable(region: Region) -> str:
 
 def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool = False,
          tma_store: bool = False, tail: int = 0, residual=None, lookahead: bool = False,
-         l2_prefetch: bool = False) -> str:
+         l2_prefetch: bool = False, narrow: bool = False) -> str:
     """The generated module's source: ``{name}`` (the kernel), ``{name}_epilogue`` (its
     partition) and ``{name}_tile`` (one tile's epilogue, by a group of warps over some of its
     chunks); ``pairs``: the merged exchanges (``merge_pairs``); ``keep``: an exchange's value,
@@ -331,7 +395,8 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
     ``lookahead``: each chunk of a pass issues the next chunk's loads before its own work
     (``_Module.chunk_head``); ``l2_prefetch``: the epilogue partition prefetches into L2 the
     [M, N] inputs' rows of its program's next tile before it waits for this one
-    (strip._prefetch_l2)."""
+    (strip._prefetch_l2); ``narrow``: the 16-bit-typed adds and products whose operands come in
+    that type computed in it (``narrow_nodes``), not in fp32."""
     if tail and tma_store:
         raise ValueError("ws_stages: a shared last tile is written by each thread, not by one TMA store")
     if tail % 32 or not 0 <= tail <= 128:
@@ -342,6 +407,8 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
         if tma_residual(region) != residual:
             raise ValueError(f"ws_stages: input {residual} cannot be added into the tile before the hand-off")
         w.in_buffer = residual
+    if narrow:
+        w.narrow = narrow_nodes(region, w.in_buffer)
     keep = keep and all(o.dtype in (torch.bfloat16, torch.float16) for o in region.outputs)
     tma_store = tma_store and not tma_storable(region)
     ins = [f"in{j}_ptr" for j in range(len(region.inputs))]
@@ -421,9 +488,15 @@ class _Module:
         L("strip = t // TILES_N", 1)
         L("tn = t % TILES_N", 1)
         L("col = tn * BN + cols", 1)
+        narrow_reads = {region.nodes[s].arg for i in self.w.narrow for s in region.nodes[i].src
+                        if region.nodes[s].op is Op.INPUT}
         for j, inp in enumerate(region.inputs):
             if inp.axes == frozenset("N"):
-                L(f"vec{j} = gl.load(in{j}_ptr + col).to(gl.float32)  # {inp.name}", 1)
+                if j in narrow_reads:
+                    L(f"vh{j} = gl.load(in{j}_ptr + col)  # {inp.name}, as stored", 1)
+                    L(f"vec{j} = vh{j}.to(gl.float32)", 1)
+                else:
+                    L(f"vec{j} = gl.load(in{j}_ptr + col).to(gl.float32)  # {inp.name}", 1)
         for e, reds in enumerate(lay.exchanges):
             self.exchange(e, reds)
         self.outputs()
@@ -443,7 +516,11 @@ class _Module:
         L("row = strip * BM + c * CHUNK + rows", 3)
         if not self.lookahead:
             w.loaded = {}
-            L("acc = tile_smem.slice(c * CHUNK, CHUNK, dim=0).load(layout).to(gl.float32)", 3)
+            if w.narrow:  # (the tile as the buffer holds it, for the narrow nodes; fp32 for the rest)
+                L("acc_h = tile_smem.slice(c * CHUNK, CHUNK, dim=0).load(layout)", 3)
+                L("acc = acc_h.to(gl.float32)", 3)
+            else:
+                L("acc = tile_smem.slice(c * CHUNK, CHUNK, dim=0).load(layout).to(gl.float32)", 3)
             return
 
         def issue(at: str, rows: str, indent: int) -> None:
@@ -454,6 +531,8 @@ class _Module:
         L("if c == c_lo:  # (the first chunk's loads)", 3)
         issue("c * CHUNK", "row", 4)
         L("acc = nxt.to(gl.float32)", 3)
+        if w.narrow:
+            L("acc_h = nxt", 3)
         for j in reads:
             L(f"cur{j} = nxt{j}", 3)
         L("if c + 1 < c_hi:  # the next chunk's loads, under this chunk's work", 3)
