@@ -190,3 +190,26 @@ def resources(cubin: bytes) -> dict:
         f.flush()
         text = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True).stdout
     return {k.lower(): int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", text)}
+
+
+def partitions(cubin: bytes) -> list:
+    """The SASS of a warp-specialised kernel cut at its ``USETMAXREG`` instructions (each
+    partition of ``gl.warp_specialize`` sets its own register count first): a list of
+    (registers set, or None before the first; instructions up to the next cut), read with
+    the nvdisasm that Triton ships; empty when the tool is missing. The epilogue partition of
+    a generated ws_stages kernel is the one at 152 registers."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    if not tool.exists():
+        return []
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(tool), "-c", f.name], capture_output=True, text=True).stdout
+    out, regs, count = [], None, 0
+    for ins in re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", text):
+        if "USETMAXREG" in ins:
+            out.append((regs, count))
+            found = re.search(r"0x([0-9a-f]+)\s*$", ins)
+            regs, count = int(found.group(1), 16) if found else None, 0
+        count += 1
+    return out + [(regs, count)]
