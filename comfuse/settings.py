@@ -127,6 +127,10 @@ class Settings:
     # eager rounds them, rather than unpack them into fp32 (a third of LayerNorm's epilogue
     # instructions unpack bf16; experimental, not yet run on a GPU).
     ws_narrow: bool
+    # COMFUSE_WS_EXP_FMA=1: a ws_stages epilogue computes exp(x - a row's max) as
+    # 2^(x log2(e) - max log2(e)), one FFMA an element rather than an FADD and an FMUL
+    # (softmax's epilogue: 13 % of its instructions; experimental, not yet run on a GPU).
+    ws_exp_fma: bool
     # COMFUSE_WS_ROW_OUTPUTS=1: ws_stages kernels also take regions with per-row [M] outputs
     # (LayerNorm's saved mean and rstd in a training graph), written by each strip's first tile
     # (experimental: correct on the H200 since the eighteenth session, not yet timed).
@@ -171,7 +175,7 @@ class Settings:
 
 CODEGEN_SETTINGS = ("row_budget", "schedule", "mainloop", "prefetch", "overlap", "persistent", "ws_merge",
                     "ws_lanes", "ws_tma_store", "ws_tail",
-                    "ws_res_tma", "ws_lookahead", "ws_keep", "ws_l2_prefetch", "ws_vec", "ws_narrow", "ws_row_outputs")
+                    "ws_res_tma", "ws_lookahead", "ws_keep", "ws_l2_prefetch", "ws_vec", "ws_narrow", "ws_exp_fma", "ws_row_outputs")
 
 _overrides: dict[str, object] = {}
 
@@ -229,6 +233,7 @@ def _read() -> Settings:
         ws_l2_prefetch=_flag("COMFUSE_WS_L2_PREFETCH", False),
         ws_vec=_int("COMFUSE_WS_VEC", 0),
         ws_narrow=_flag("COMFUSE_WS_NARROW", False),
+        ws_exp_fma=_flag("COMFUSE_WS_EXP_FMA", False),
         ws_row_outputs=_flag("COMFUSE_WS_ROW_OUTPUTS", False),
         persistent=_flag("COMFUSE_PERSISTENT", False),
         fuel=_int("COMFUSE_FUEL", -1),

@@ -71,7 +71,7 @@ def timeline(trace, grid: int, tiles: int, E: int) -> str:
 
 
 def variant_of(spec: str):
-    """(label, settings, grid_options) for a variant "LANES[a][v][t][r][p][c][k][l][n][hROWS]": the epilogue's
+    """(label, settings, grid_options) for a variant "LANES[a][v][t][r][p][c][k][l][n][e][hROWS]": the epilogue's
     rows over LANES lanes of a warp (COMFUSE_WS_LANES); "a": the grid a multiple of the strip's
     tiles (every strip in one round of the persistent loop), not one program per SM; "v": each
     lane 8 adjacent columns at a time (COMFUSE_WS_VEC=8; a row's lanes cover 128 adjacent bytes at
@@ -82,10 +82,10 @@ def variant_of(spec: str):
     (COMFUSE_WS_LOOKAHEAD); "c": 32-row chunks (CHUNK = 32, not 16); "k": nothing kept in the
     hand-off buffer between passes (COMFUSE_WS_KEEP=0); "l": the next tile's [M, N] inputs
     prefetched into L2 (COMFUSE_WS_L2_PREFETCH); "n": 16-bit adds of 16-bit operands in 16 bits
-    (COMFUSE_WS_NARROW)."""
-    m = re.fullmatch(r"(\d+)([avtrpckln]*)(?:h(\d+))?", spec)
+    (COMFUSE_WS_NARROW); "e": exp(x - a row's max) by one FFMA (COMFUSE_WS_EXP_FMA)."""
+    m = re.fullmatch(r"(\d+)([avtrpcklne]*)(?:h(\d+))?", spec)
     if not m:
-        raise SystemExit(f"variant {spec!r}: LANES[a][v][t][r][p][c][k][l][n][hROWS], e.g. 8 or 32t or 8rph96")
+        raise SystemExit(f"variant {spec!r}: LANES[a][v][t][r][p][c][k][l][n][e][hROWS], e.g. 8 or 32t or 8rph96")
     lanes, flags, tail = int(m[1]), m[2], int(m[3] or 0)
 
     def grid_options(self, dev, M, N, _orig=stages_kernel.StagesKernel.grid_options):
@@ -100,12 +100,14 @@ def variant_of(spec: str):
         (", residual by TMA" if "r" in flags else "") + (", loads a chunk ahead" if "p" in flags else "") + \
         (", 32-row chunks" if "c" in flags else "") + (", nothing kept" if "k" in flags else "") + \
         (", L2 prefetch" if "l" in flags else "") + \
-        (", 16-bit adds in 16 bits" if "n" in flags else "") + (f", last {tail} rows by the mainloop warps" if tail else "")
+        (", 16-bit adds in 16 bits" if "n" in flags else "") + \
+        (", exp by one FFMA" if "e" in flags else "") + (f", last {tail} rows by the mainloop warps" if tail else "")
     if "c" in flags and tail:
         raise SystemExit(f"variant {spec!r}: 32-row chunks (c) with a shared tail (h) not offered")
     return label, dict(ws_lanes=lanes, ws_tma_store="t" in flags, ws_res_tma="r" in flags, ws_tail=tail,
                        ws_lookahead="p" in flags, ws_keep="k" not in flags, ws_l2_prefetch="l" in flags,
-                       ws_vec=8 if "v" in flags else 0, ws_narrow="n" in flags), grid_options
+                       ws_vec=8 if "v" in flags else 0, ws_narrow="n" in flags,
+                       ws_exp_fma="e" in flags), grid_options
 
 
 def main() -> None:
@@ -119,7 +121,7 @@ def main() -> None:
                     help="LANES_N (lanes of a warp along a row), 'a': the grid a multiple of the strip, "
                          "'v': 8 adjacent columns a lane, 't': the output by one TMA store, 'r': the residual by "
                          "TMA, 'p': loads a chunk ahead, 'c': 32-row chunks, 'k': nothing kept, 'l': L2 prefetch, "
-                         "'n': 16-bit adds in 16 bits, "
+                         "'n': 16-bit adds in 16 bits, 'e': exp by one FFMA, "
                          "'hROWS': the last ROWS rows of a program's last tile by the mainloop warps")
     args = ap.parse_args()
     args.variants = args.variants.split(",")

@@ -506,6 +506,15 @@ def test_generated_kernel_with_sixteen_bit_adds_matches_the_reference(name, shap
     forced_schedule_matches(name, shape, "ws_stages", 20, ws_lanes=8, ws_narrow=True, **form)
 
 
+@pytest.mark.parametrize("name, form", [("softmax", {}), ("multi_stage", {}), ("softmax", dict(ws_tail=96)),
+                                        ("softmax", dict(ws_merge=False))],
+                         ids=["softmax", "multi_stage", "softmax-tail96", "softmax-exchange_per_stage"])
+@pytest.mark.parametrize("shape", [(8192, 1024, 1024), (2048, 1024, 3072)], ids=["paper", "N3072"])
+def test_generated_kernel_with_exp_by_one_fma_matches_the_reference(name, shape, form):
+    """COMFUSE_WS_EXP_FMA=1: exp(x - the row max) as 2^(x log2(e) - max log2(e))."""
+    forced_schedule_matches(name, shape, "ws_stages", 20, ws_lanes=8, ws_exp_fma=True, **form)
+
+
 @pytest.mark.parametrize("name", ["log1p", "expm1"])
 def test_generated_kernel_with_log1p_and_expm1_matches_the_reference(name):
     """log1p and expm1 in the generated kernel (strip.py's Gluon forms of Kahan's

@@ -41,6 +41,8 @@ FORMS = {  # name -> the settings of one form of the generated kernel
     "vec8-res_tma-nothing_kept-tail96": dict(ws_vec=8, ws_res_tma=True, ws_keep=False, ws_tail=96),
     "narrow": dict(ws_narrow=True), "narrow-lookahead-tail96": dict(ws_narrow=True, ws_lookahead=True, ws_tail=96),
     "narrow-res_tma-nothing_kept-tail96": dict(ws_narrow=True, ws_res_tma=True, ws_keep=False, ws_tail=96),
+    "exp_fma": dict(ws_exp_fma=True), "exp_fma-exchange_per_stage-tail96": dict(ws_exp_fma=True, ws_merge=False,
+                                                                                ws_tail=96),
 }
 
 

@@ -129,14 +129,16 @@ def test_generated_kernels_compile_for_sm90():
                                  ("ln_postnorm_merged_l2", cases["ln_postnorm"]),
                                  ("ln_postnorm_merged_res_nokeep_tail_vec8", cases["ln_postnorm"]),
                                  ("softmax_merged_vec8", cases["softmax"]),
-                                 ("ln_postnorm_merged_narrow", cases["ln_postnorm"])]:
+                                 ("ln_postnorm_merged_narrow", cases["ln_postnorm"]),
+                                 ("softmax_merged", cases["softmax"]),
+                                 ("softmax_merged_expfma", cases["softmax"])]:
             (cand,) = find_regions(capture(fn, args))
             with settings.override(schedule="ws_stages", ws_merge="_merged" in name, ws_tma_store=name.endswith("_tma"),
                                    ws_tail=96 if "_tail" in name else 0, ws_vec=8 if "_vec8" in name else 0,
                                    ws_lanes=8 if "_merged" in name else 32,  # (plain LayerNorm at 8 lanes: 400 bytes)
                                    ws_res_tma="_res" in name, ws_lookahead=name.endswith("_ahead"),
                                    ws_keep="_nokeep" not in name, ws_l2_prefetch=name.endswith("_l2"),
-                                   ws_narrow=name.endswith("_narrow")):
+                                   ws_narrow=name.endswith("_narrow"), ws_exp_fma=name.endswith("_expfma")):
                 p = plan(cand.region, target="cuda")
             k = compile_sm90(p)
             regs = sorted(set(int(v) for v in re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+);",
@@ -153,6 +155,10 @@ def test_generated_kernels_compile_for_sm90():
     plain, narrow = result["ln_postnorm_merged"]["epilogue"], result["ln_postnorm_merged_narrow"]["epilogue"]
     if plain and narrow:
         assert narrow[0] < 0.85 * plain[0], (plain, narrow)
+    # exp(x - max) by one FFMA: softmax's a tenth shorter (3 827 -> 3 331)
+    plain, fma = result["softmax_merged"]["epilogue"], result["softmax_merged_expfma"]["epilogue"]
+    if plain and fma:
+        assert fma[0] < 0.9 * plain[0], (plain, fma)
     for name, info in result.items():
         assert info["smem"] <= 227 * 1024, (name, info)
         assert 152 in info["setmaxnreg"], (name, info)
@@ -408,6 +414,21 @@ def test_sixteen_bit_adds_in_sixteen_bits_with_their_setting():
     assert "acc_h = tile_smem.slice(c * CHUNK, CHUNK, dim=0).load(layout)" in text
     assert f"h{bias_add} = acc_h + vh0[None, :]" in text and f"h{res_add} = h{bias_add} + h{res_add - 1}" in text
     assert f"v{res_add} = h{res_add}.to(gl.float32)" in text
+
+
+def test_exp_of_x_minus_the_row_max_by_one_fma_with_its_setting():
+    """COMFUSE_WS_EXP_FMA=1 (experimental): exp(x - a row's max), in the output pass and in the
+    merged exchange's online partial, as 2^(x log2(e) - max log2(e)); not where the region
+    has no exp (RMSNorm)."""
+    from comfuse.runtime.stages_kernel import source_text
+    plain = suite_plan("softmax", merge=True)
+    assert not plain.exp_fma and " * 1.4426950408889634 - " not in source_text(plain, "k")
+    with settings.override(ws_exp_fma=True):
+        p = suite_plan("softmax", merge=True)
+        assert not suite_plan("rmsnorm", merge=True).exp_fma
+    assert p.exp_fma and "exp(x - row max) by one FFMA" in p.describe()
+    text = source_text(p, "k")
+    assert text.count(" * 1.4426950408889634 - ") == 2 and "exp_fast(v" not in text
 
 
 def test_nothing_kept_in_the_buffer_with_its_setting():

@@ -83,6 +83,9 @@ class Plan:
     # ws_stages: 16-bit-typed adds and products of 16-bit operands computed in that type
     # (codegen/gluon/stages.narrow_nodes; COMFUSE_WS_NARROW, experimental)
     narrow: bool = False
+    # ws_stages: exp(x - a row's value) as one FFMA and an ex2 an element (COMFUSE_WS_EXP_FMA,
+    # experimental)
+    exp_fma: bool = False
 
     def describe(self) -> str:
         if self.schedule == "ws_stages":
@@ -100,7 +103,8 @@ class Plan:
                     f"{'; nothing kept in the buffer' if self.moments and not self.keep else ''}"
                     f"{'; [M, N] inputs prefetched into L2 a tile ahead' if self.l2_prefetch else ''}"
                     f"{f'; {self.vec} adjacent columns a lane at a time' if self.vec else ''}"
-                    f"{'; 16-bit adds and products in 16 bits' if self.narrow else ''}")
+                    f"{'; 16-bit adds and products in 16 bits' if self.narrow else ''}"
+                    f"{'; exp(x - row max) by one FFMA' if self.exp_fma else ''}")
         if self.schedule == "ws_split":
             return (f"ws_split: warp-specialised Gluon template computing the {self.template.describe()}; "
                     f"persistent grid of {self.block_m}x{self.block_n}x{self.block_k} tiles in grouped order, TMA "
@@ -436,14 +440,15 @@ def stages_options(settings) -> dict:
     return dict(merge=settings.ws_merge, lanes=settings.ws_lanes or 8, tma_store=settings.ws_tma_store,
                 tail=settings.ws_tail, res_tma=settings.ws_res_tma, lookahead=settings.ws_lookahead,
                 keep=settings.ws_keep, row_outputs=settings.ws_row_outputs, l2_prefetch=settings.ws_l2_prefetch,
-                vec=settings.ws_vec, narrow=settings.ws_narrow)
+                vec=settings.ws_vec, narrow=settings.ws_narrow, exp_fma=settings.ws_exp_fma)
 
 
 def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple, target: str,
                          sm_count: int, merge: bool = False, lanes: int = 32,
                          tma_store: bool = False, tail: int = 0, res_tma: bool = False,
                          lookahead: bool = False, keep: bool = True, row_outputs: bool = False,
-                         l2_prefetch: bool = False, vec: int = 0, narrow: bool = False) -> Plan | NotFused:
+                         l2_prefetch: bool = False, vec: int = 0, narrow: bool = False,
+                         exp_fma: bool = False) -> Plan | NotFused:
     """The ws_stages plan for ``region`` (row form), or why the generated Gluon kernel does
     not apply; ``merge``: moment and online-softmax pairs share an exchange (COMFUSE_WS_MERGE, on
     by default)."""
@@ -483,7 +488,8 @@ def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple,
                 tma_store=tma_store and not tma_storable(region) and not tail, tail=tail,
                 res_tma=res_tma, lookahead=lookahead, keep=keep, l2_prefetch=l2_prefetch and bool(fetched),
                 vec=0 if vec == 256 // lanes else vec,
-                narrow=narrow and bool(narrow_nodes(region, tma_residual(region) if res_tma else None)))
+                narrow=narrow and bool(narrow_nodes(region, tma_residual(region) if res_tma else None)),
+                exp_fma=exp_fma and any(n.op is Op.EXP for n in region.nodes))
 
 
 def template_offers(region: Region, sm_count: int = 132) -> list:

@@ -199,6 +199,7 @@ class _Writer:
         self.in_buffer = None  # the [M, N] input the mainloop adds into the tile (``tma_residual``), if any
         self.loaded: dict = {}  # [M, N] input -> the variable holding this chunk's values, loaded ahead
         self.narrow: frozenset = frozenset()  # nodes computed in their own 16-bit type (``narrow_nodes``)
+        self.exp_fma = False  # exp(x - row value) as one FFMA and an ex2 (``exp_of``)
 
     def line(self, text: str, indent: int) -> None:
         self.lines.append("    " * indent + text)
@@ -231,9 +232,22 @@ class _Writer:
         finally:
             self.stored = saved
 
+    def exp_of(self, a: str, b: str) -> str:
+        """exp(a - b), where b is a per-row (or constant) value: with ``exp_fma``, 2^(a log2(e) -
+        b log2(e)), the row's product once and one FFMA an element (an FADD and an FMUL
+        otherwise); the same up to the rounding of b log2(e)."""
+        if self.exp_fma:
+            return f"exp2_fast({a} * 1.4426950408889634 - {b} * 1.4426950408889634)"
+        return f"exp_fast({a} - {b})"
+
     def expr(self, i: int) -> str:
         node = self.region.nodes[i]
         op, x = node.op, [self.ref(s) for s in node.src]
+        if self.exp_fma and op is Op.EXP and self.region.nodes[node.src[0]].op is Op.SUB \
+                and node.axes == frozenset("MN"):
+            a, b = self.region.nodes[node.src[0]].src
+            if self.region.nodes[b].axes <= frozenset("M") and i not in self.narrow:
+                return self.exp_of(self.ref(a), self.ref(b))
         if op in REDUCE:  # a statistic of an earlier exchange
             return f"stat_smem.index({self.lay.slot[i][2]}).slice(c * CHUNK, CHUNK).load(row_l)[:, None]"
         if op is Op.ACC:
@@ -381,7 +395,7 @@ def tma_storable(region: Region) -> str:
 
 def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool = False,
          tma_store: bool = False, tail: int = 0, residual=None, lookahead: bool = False,
-         l2_prefetch: bool = False, narrow: bool = False) -> str:
+         l2_prefetch: bool = False, narrow: bool = False, exp_fma: bool = False) -> str:
     """The generated module's source: ``{name}`` (the kernel), ``{name}_epilogue`` (its
     partition) and ``{name}_tile`` (one tile's epilogue, by a group of warps over some of its
     chunks); ``pairs``: the merged exchanges (``merge_pairs``); ``keep``: an exchange's value,
@@ -396,7 +410,8 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
     (``_Module.chunk_head``); ``l2_prefetch``: the epilogue partition prefetches into L2 the
     [M, N] inputs' rows of its program's next tile before it waits for this one
     (strip._prefetch_l2); ``narrow``: the 16-bit-typed adds and products whose operands come in
-    that type computed in it (``narrow_nodes``), not in fp32."""
+    that type computed in it (``narrow_nodes``), not in fp32; ``exp_fma``: exp(x - a row's
+    value) as one FFMA and an ex2 an element (``_Writer.exp_of``)."""
     if tail and tma_store:
         raise ValueError("ws_stages: a shared last tile is written by each thread, not by one TMA store")
     if tail % 32 or not 0 <= tail <= 128:
@@ -409,6 +424,7 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
         w.in_buffer = residual
     if narrow:
         w.narrow = narrow_nodes(region, w.in_buffer)
+    w.exp_fma = exp_fma
     keep = keep and all(o.dtype in (torch.bfloat16, torch.float16) for o in region.outputs)
     tma_store = tma_store and not tma_storable(region)
     ins = [f"in{j}_ptr" for j in range(len(region.inputs))]
@@ -564,7 +580,7 @@ class _Module:
                 kind, r1 = lay.second[r]
                 x = w.ref(region.nodes[r1].src[0])
                 if kind == "lse":
-                    L(f"gl.store({slot}, gl.sum(exp_fast({x} - gl.max({x}, axis=1)[:, None]), axis=1))  # %{r} "
+                    L(f"gl.store({slot}, gl.sum({w.exp_of(x, f'gl.max({x}, axis=1)[:, None]')}, axis=1))  # %{r} "
                       f"(online, with %{r1})", 3)
                 else:
                     L(f"dev = {x} - (gl.sum({x}, axis=1) / BN)[:, None]", 3)
@@ -784,7 +800,7 @@ class _Module:
             "from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma",
             "",
             "from comfuse.codegen.gluon.strip import TILE_LAYOUT, _load_residual, _mark, _mma_partition, _prefetch_l2, "
-            "exp_fast, expm1, log1p, tanh_fast",
+            "exp2_fast, exp_fast, expm1, log1p, tanh_fast",
             "", "", ""])
         return header
 
