@@ -65,7 +65,8 @@ class Plan:
     # COMFUSE_WS_TAIL; 96 at 8 lanes an autotuning candidate)
     tail: int = 0
     # ws_stages: the region's residual (codegen/gluon/stages.tma_residual) TMA-loaded into the
-    # hand-off buffer and added by the mainloop partition (COMFUSE_WS_RES_TMA, experimental)
+    # hand-off buffer and added by the mainloop partition (COMFUSE_WS_RES_TMA; without it, an
+    # autotuning candidate with nothing kept and the last tile shared: ``candidates``)
     res_tma: bool = False
     # ws_stages: each chunk of an epilogue pass issues the next chunk's loads before its own
     # work (COMFUSE_WS_LOOKAHEAD, experimental)
