@@ -33,7 +33,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workload", default="ln_postnorm")
     ap.add_argument("--shape", default="8192x1024x1024", help="MxKxN")
-    ap.add_argument("--variant", default="8", help="a stages_trace.py variant: LANES[a][v][t][r][p][c][k][hROWS]")
+    ap.add_argument("--variant", default="8", help="a stages_trace.py variant (its FORM), e.g. 8 or 8rkh96")
     ap.add_argument("--calls", type=int, default=1)
     args = ap.parse_args()
     wl = SUITE[args.workload]

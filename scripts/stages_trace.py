@@ -70,23 +70,34 @@ def timeline(trace, grid: int, tiles: int, E: int) -> str:
     return "\n".join(lines)
 
 
+# A variant's letters after its lane count, in the order they are written: (label, the
+# settings they set). "a" and "c" change the launch rather than a setting (variant_of).
+FLAGS = {
+    "a": ("grid a strip multiple", {}),  # every strip in one round of the persistent loop
+    "v": ("8 adjacent columns a lane", dict(ws_vec=8)),  # a row's lanes over 128 adjacent bytes
+    "t": ("TMA store", dict(ws_tma_store=True)),  # the output tile by one TMA store
+    "r": ("residual by TMA", dict(ws_res_tma=True)),  # into the hand-off buffer, added by the mainloop
+    "p": ("loads a chunk ahead", dict(ws_lookahead=True)),
+    "c": ("32-row chunks", {}),  # CHUNK = 32, not 16
+    "k": ("nothing kept", dict(ws_keep=False)),  # in the hand-off buffer between passes
+    "l": ("L2 prefetch", dict(ws_l2_prefetch=True)),  # the next tile's [M, N] inputs
+    "n": ("16-bit adds in 16 bits", dict(ws_narrow=True)),
+    "e": ("exp by one FFMA", dict(ws_exp_fma=True)),  # exp(x - a row's max)
+}
+FORM = "LANES[" + "][".join(FLAGS) + "][hROWS]"
+
+
 def variant_of(spec: str):
-    """(label, settings, grid_options) for a variant "LANES[a][v][t][r][p][c][k][l][n][e][hROWS]": the epilogue's
-    rows over LANES lanes of a warp (COMFUSE_WS_LANES); "a": the grid a multiple of the strip's
-    tiles (every strip in one round of the persistent loop), not one program per SM; "v": each
-    lane 8 adjacent columns at a time (COMFUSE_WS_VEC=8; a row's lanes cover 128 adjacent bytes at
-    once) rather than all its 256 / LANES columns adjacent; "t": the output tile by one TMA store
-    (COMFUSE_WS_TMA_STORE); "r": the residual by TMA into the hand-off buffer, added by the
-    mainloop (COMFUSE_WS_RES_TMA); "hROWS": the last ROWS rows of each program's last tile by
-    the mainloop's warps (COMFUSE_WS_TAIL); "p": each chunk's loads a chunk ahead
-    (COMFUSE_WS_LOOKAHEAD); "c": 32-row chunks (CHUNK = 32, not 16); "k": nothing kept in the
-    hand-off buffer between passes (COMFUSE_WS_KEEP=0); "l": the next tile's [M, N] inputs
-    prefetched into L2 (COMFUSE_WS_L2_PREFETCH); "n": 16-bit adds of 16-bit operands in 16 bits
-    (COMFUSE_WS_NARROW); "e": exp(x - a row's max) by one FFMA (COMFUSE_WS_EXP_FMA)."""
-    m = re.fullmatch(r"(\d+)([avtrpcklne]*)(?:h(\d+))?", spec)
+    """(label, settings, grid_options) for a variant FORM: the epilogue's rows over LANES lanes
+    of a warp (COMFUSE_WS_LANES), the letters of FLAGS, and "hROWS": the last ROWS rows of each
+    program's last tile by the mainloop's warps (COMFUSE_WS_TAIL). "a": the grid a multiple of
+    the strip's tiles, not one program per SM; "c": 32-row chunks."""
+    m = re.fullmatch(rf"(\d+)([{''.join(FLAGS)}]*)(?:h(\d+))?", spec)
     if not m:
-        raise SystemExit(f"variant {spec!r}: LANES[a][v][t][r][p][c][k][l][n][e][hROWS], e.g. 8 or 32t or 8rph96")
+        raise SystemExit(f"variant {spec!r}: {FORM}, e.g. 8 or 32t or 8rph96")
     lanes, flags, tail = int(m[1]), m[2], int(m[3] or 0)
+    if "c" in flags and tail:
+        raise SystemExit(f"variant {spec!r}: 32-row chunks (c) with a shared tail (h) not offered")
 
     def grid_options(self, dev, M, N, _orig=stages_kernel.StagesKernel.grid_options):
         grid, options = _orig(self, dev, M, N)
@@ -95,19 +106,14 @@ def variant_of(spec: str):
         if "c" in flags:
             options = dict(options, CHUNK=32)
         return grid, options
-    label = f"{lanes} lanes a row" + (", grid a strip multiple" if "a" in flags else "") + \
-        (", 8 adjacent columns a lane" if "v" in flags else "") + (", TMA store" if "t" in flags else "") + \
-        (", residual by TMA" if "r" in flags else "") + (", loads a chunk ahead" if "p" in flags else "") + \
-        (", 32-row chunks" if "c" in flags else "") + (", nothing kept" if "k" in flags else "") + \
-        (", L2 prefetch" if "l" in flags else "") + \
-        (", 16-bit adds in 16 bits" if "n" in flags else "") + \
-        (", exp by one FFMA" if "e" in flags else "") + (f", last {tail} rows by the mainloop warps" if tail else "")
-    if "c" in flags and tail:
-        raise SystemExit(f"variant {spec!r}: 32-row chunks (c) with a shared tail (h) not offered")
-    return label, dict(ws_lanes=lanes, ws_tma_store="t" in flags, ws_res_tma="r" in flags, ws_tail=tail,
-                       ws_lookahead="p" in flags, ws_keep="k" not in flags, ws_l2_prefetch="l" in flags,
-                       ws_vec=8 if "v" in flags else 0, ws_narrow="n" in flags,
-                       ws_exp_fma="e" in flags), grid_options
+    settings = dict(ws_lanes=lanes, ws_tma_store=False, ws_res_tma=False, ws_tail=tail, ws_lookahead=False,
+                    ws_keep=True, ws_l2_prefetch=False, ws_vec=0, ws_narrow=False, ws_exp_fma=False)
+    for f in FLAGS:
+        if f in flags:
+            settings.update(FLAGS[f][1])
+    label = ", ".join([f"{lanes} lanes a row"] + [FLAGS[f][0] for f in FLAGS if f in flags] +
+                      ([f"last {tail} rows by the mainloop warps"] if tail else []))
+    return label, settings, grid_options
 
 
 def main() -> None:
@@ -118,11 +124,9 @@ def main() -> None:
     ap.add_argument("--after-graph", type=int, default=20,
                     help="also trace a launch queued right behind a CUDA graph of this many calls (0: not)")
     ap.add_argument("--variants", default="32,8,8v,32t",
-                    help="LANES_N (lanes of a warp along a row), 'a': the grid a multiple of the strip, "
-                         "'v': 8 adjacent columns a lane, 't': the output by one TMA store, 'r': the residual by "
-                         "TMA, 'p': loads a chunk ahead, 'c': 32-row chunks, 'k': nothing kept, 'l': L2 prefetch, "
-                         "'n': 16-bit adds in 16 bits, 'e': exp by one FFMA, "
-                         "'hROWS': the last ROWS rows of a program's last tile by the mainloop warps")
+                    help=f"{FORM}: LANES_N (lanes of a warp along a row), then the letters of "
+                         + ", ".join(f"'{f}': {label}" for f, (label, _) in FLAGS.items())
+                         + ", 'hROWS': the last ROWS rows of a program's last tile by the mainloop warps")
     args = ap.parse_args()
     args.variants = args.variants.split(",")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
