@@ -480,16 +480,17 @@ def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple,
     if tiles > sm_count:
         return no(f"a strip of {tiles} tiles cannot be resident at once on {sm_count} SMs")
     pairs = merge_pairs(region) if merge else ()
-    res_tma = res_tma and tma_residual(region) is not None
+    residual = tma_residual(region)
+    res_tma = res_tma and residual is not None
+    in_buffer = residual if res_tma else None
     # (an [M, N] input to prefetch: any but the residual the TMA engine loads into the buffer)
-    fetched = [j for j, i in enumerate(region.inputs) if i.axes == frozenset("MN")
-               and not (res_tma and j == tma_residual(region))]
+    fetched = [j for j, i in enumerate(region.inputs) if i.axes == frozenset("MN") and j != in_buffer]
     return Plan(region, False, "ws_stages", stages, 128, 256, 64, 8, 8, 3, forms, tiles_n=tiles, mainloop="tma",
                 persistent=True, exchanges=len(layout_of(stages, pairs).exchanges), moments=pairs, lanes=lanes,
                 tma_store=tma_store and not tma_storable(region) and not tail, tail=tail,
                 res_tma=res_tma, lookahead=lookahead, keep=keep, l2_prefetch=l2_prefetch and bool(fetched),
                 vec=0 if vec == 256 // lanes else vec,
-                narrow=narrow and bool(narrow_nodes(region, tma_residual(region) if res_tma else None)),
+                narrow=narrow and bool(narrow_nodes(region, in_buffer)),
                 exp_fma=exp_fma and any(n.op is Op.EXP for n in region.nodes))
 
 
@@ -509,7 +510,6 @@ def template_offers(region: Region, sm_count: int = 132) -> list:
 def candidates(region: Region, target: str = "cuda", settings=None, sm_count: int = 132) -> list:
     """The plans worth timing for ``region``: the planner's choice first, then every other
     feasible schedule and a few tile shapes. Empty when nothing fits (``plan`` says why)."""
-    from ..codegen.gluon.stages import tma_residual
     settings = settings or settings_mod.get()
     first = plan(region, target, settings, sm_count)
     if isinstance(first, NotFused):
@@ -596,12 +596,17 @@ def candidates(region: Region, target: str = "cuda", settings=None, sm_count: in
                 # RMSNorm 1.364x -> 1.372x; LayerNorm 16384x2048x8192 1.332x -> 1.260x; at
                 # 8192x4096x4096 0.5-1.2 % slower: a candidate, not the default)
                 out.append(dataclasses.replace(gen, tail=96))
-                if not settings.ws_res_tma and gen.moments and tma_residual(first.region) is not None:
-                    # and, with a residual, that with the residual by TMA into the hand-off buffer
-                    # and nothing kept in it (H200, eighteenth session, sustained, x cuBLAS's GEMM:
-                    # LayerNorm 8192x1024x1024 1.939x -> 1.810x, 16384x2048x8192 1.255x -> 1.200x;
-                    # 8192x4096x4096 1.092x -> 1.135x, where the plain kernel's 1.068x wins)
-                    out.append(dataclasses.replace(gen, tail=96, res_tma=True, keep=False, l2_prefetch=False))
+                # and, with a residual, that with the residual by TMA into the hand-off buffer and
+                # nothing kept in it (H200, eighteenth session, sustained, x cuBLAS's GEMM:
+                # LayerNorm 8192x1024x1024 1.939x -> 1.810x, 16384x2048x8192 1.255x -> 1.200x;
+                # 8192x4096x4096 1.092x -> 1.135x, where the plain kernel's 1.068x wins); planned
+                # as any ws_stages plan, so that its fields agree with the residual's form
+                if not settings.ws_res_tma and gen.moments:
+                    alt = stages_template_plan(first.region, first.transposed, first.stages, first.forms, target,
+                                               sm_count, **dict(stages_options(settings), tail=96, res_tma=True,
+                                                                keep=False, l2_prefetch=False))
+                    if isinstance(alt, Plan) and alt.res_tma:
+                        out.append(alt)
         if first.schedule == "split":  # a loss over wide rows: the template's terminal kind
             lse = lse_template_plan(first.region, first.transposed, first.stages, first.forms, target)
             if isinstance(lse, Plan):

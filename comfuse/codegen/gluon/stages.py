@@ -199,6 +199,7 @@ class _Writer:
         self.in_buffer = None  # the [M, N] input the mainloop adds into the tile (``tma_residual``), if any
         self.loaded: dict = {}  # [M, N] input -> the variable holding this chunk's values, loaded ahead
         self.narrow: frozenset = frozenset()  # nodes computed in their own 16-bit type (``narrow_nodes``)
+        self.narrow_operands: frozenset = frozenset()  # their operands (loaded as stored where inputs)
         self.exp_fma = False  # exp(x - row value) as one FFMA and an ex2 (``exp_of``)
 
     def line(self, text: str, indent: int) -> None:
@@ -322,7 +323,7 @@ class _Writer:
                 self.line(f"v{i} = acc  # %{i} {node.op.value}, kept in the hand-off buffer", indent)
                 continue
             if node.op is Op.INPUT and self.region.inputs[node.arg].axes != frozenset("N") and \
-                    any(i in self.region.nodes[j].src for j in self.narrow):
+                    i in self.narrow_operands:
                 self.line(f"h{i} = {self._raw_load(i)}  # %{i} input, as stored", indent)
                 self.line(f"v{i} = h{i}.to(gl.float32)", indent)
                 continue
@@ -424,6 +425,7 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
         w.in_buffer = residual
     if narrow:
         w.narrow = narrow_nodes(region, w.in_buffer)
+        w.narrow_operands = frozenset(s for i in w.narrow for s in region.nodes[i].src)
     w.exp_fma = exp_fma
     keep = keep and all(o.dtype in (torch.bfloat16, torch.float16) for o in region.outputs)
     tma_store = tma_store and not tma_storable(region)
@@ -504,8 +506,7 @@ class _Module:
         L("strip = t // TILES_N", 1)
         L("tn = t % TILES_N", 1)
         L("col = tn * BN + cols", 1)
-        narrow_reads = {region.nodes[s].arg for i in self.w.narrow for s in region.nodes[i].src
-                        if region.nodes[s].op is Op.INPUT}
+        narrow_reads = {region.nodes[s].arg for s in self.w.narrow_operands if region.nodes[s].op is Op.INPUT}
         for j, inp in enumerate(region.inputs):
             if inp.axes == frozenset("N"):
                 if j in narrow_reads:
