@@ -90,7 +90,8 @@ def main(argv=None) -> int:
     p_bench.add_argument("--graph", action="store_true",
                          help="time every candidate as CUDA-graph replays of one call: the GPU's time "
                               "without Python's launch path (which for ~40 us workloads on a busy host "
-                              "can double a time)")
+                              "can double a time); comfuse's autotuning then times graph replays too, "
+                              "unless COMFUSE_TUNE_TIMING is set")
     p_bench.add_argument("--report-only", action="store_true", help="rewrite the report of OUT/results.json")
     p_prof = sub.add_parser("profile", help="DRAM bytes of a fused kernel and its unfused pipeline (ncu)")
     p_prof.add_argument("workload", help="a workload of the bench suites, e.g. ln_postnorm")

@@ -117,19 +117,24 @@ class Settings:
     # pass's loads hit L2 rather than wait on DRAM (experimental: correct on the H200 and 1-2 %
     # slower, eighteenth session; the loads' waits did not shrink).
     ws_l2_prefetch: bool
-    # COMFUSE_WS_VEC=8: a ws_stages epilogue's thread takes 8 adjacent columns of a row at a time
-    # (a row's 8 lanes then cover 128 adjacent bytes: no shared-memory bank conflicts on the
-    # swizzled tile, whole sectors in global memory) rather than all its 256 / lanes columns
-    # adjacent (0; Nsight Compute, eighteenth session: 4x the tile reads' ideal wavefronts).
+    # COMFUSE_WS_VEC (8 by default): a ws_stages epilogue's thread at 8 lanes a row takes 8
+    # adjacent columns of a row at a time (a row's 8 lanes then cover 128 adjacent bytes: no
+    # shared-memory bank conflicts on the swizzled tile, whole sectors in global memory); 0: all
+    # its 256 / lanes columns adjacent (Nsight Compute, eighteenth session: 4x the tile reads'
+    # ideal wavefronts). H200, nineteenth session, sustained, x cuBLAS's GEMM at 8192x1024x1024:
+    # RMSNorm 1.367x -> 1.131x, softmax 1.580x -> 1.298x, multi-stage 2.364x -> 2.012x, mblr
+    # 1.763x -> 1.367x, LayerNorm (autotuning's fourth form) 1.821x -> 1.624x.
     ws_vec: int
     # COMFUSE_WS_NARROW=1: a ws_stages epilogue computes the region's bf16 / fp16 adds and
     # products whose operands come in that type (the tile's bias and residual adds) in it, as
     # eager rounds them, rather than unpack them into fp32 (a third of LayerNorm's epilogue
-    # instructions unpack bf16; experimental, not yet run on a GPU).
+    # instructions unpack bf16; experimental: correct on the H200, -2.5 % to +1.4 %, nineteenth
+    # session).
     ws_narrow: bool
     # COMFUSE_WS_EXP_FMA=1: a ws_stages epilogue computes exp(x - a row's max) as
     # 2^(x log2(e) - max log2(e)), one FFMA an element rather than an FADD and an FMUL
-    # (softmax's epilogue: 13 % of its instructions; experimental, not yet run on a GPU).
+    # (softmax's epilogue: 13 % of its instructions; experimental: correct on the H200, 0.5-4 %
+    # faster with COMFUSE_WS_VEC=0, nineteenth session; not yet timed alone with the default 8).
     ws_exp_fma: bool
     # COMFUSE_WS_ROW_OUTPUTS=1: ws_stages kernels also take regions with per-row [M] outputs
     # (LayerNorm's saved mean and rstd in a training graph), written by each strip's first tile
@@ -231,7 +236,7 @@ def _read() -> Settings:
         ws_lookahead=_flag("COMFUSE_WS_LOOKAHEAD", False),
         ws_keep=_flag("COMFUSE_WS_KEEP", True),
         ws_l2_prefetch=_flag("COMFUSE_WS_L2_PREFETCH", False),
-        ws_vec=_int("COMFUSE_WS_VEC", 0),
+        ws_vec=_int("COMFUSE_WS_VEC", 8),
         ws_narrow=_flag("COMFUSE_WS_NARROW", False),
         ws_exp_fma=_flag("COMFUSE_WS_EXP_FMA", False),
         ws_row_outputs=_flag("COMFUSE_WS_ROW_OUTPUTS", False),

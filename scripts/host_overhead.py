@@ -2,16 +2,19 @@
 RMSNorm's cooperative plans at 0.13-0.28 ms; the same kernels replayed from a CUDA graph run
 in 0.042-0.06 ms.)
 
-For RMSNorm at 8192x1024x1024 (bf16) and each cooperative candidate plan, prints:
+For each workload (``--workloads``, RMSNorm by default) at 8192x1024x1024 (bf16) and each
+candidate plan of the schedule (``--schedule``, cooperative by default), prints:
 the GPU time (CUDA-graph replay), the host time of one launch through ``run_kernel`` (300
 launches without synchronising, divided), and the time with both (``measure``). Then a
 cProfile of 300 launches of one pointer plan and one TMA plan (top entries by own time), and
 the host time of a whole ``comfuse.compile`` call and of a ``torch.compile`` call.
 
     python scripts/host_overhead.py            # on the GPU machine; writes $OUT/host_overhead.txt
+    python scripts/host_overhead.py --workloads rmsnorm,softmax --schedule ws_stages
 """
 from __future__ import annotations
 
+import argparse
 import cProfile
 import io
 import os
@@ -64,29 +67,35 @@ def profile(fn, out) -> None:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workloads", default="rmsnorm", help="suite workloads, comma-separated")
+    ap.add_argument("--schedule", default="cooperative", help="the candidate plans' schedule")
+    args = ap.parse_args()
     out_dir = Path(os.environ.get("OUT", "/tmp/comfuse-out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     log = open(out_dir / "host_overhead.txt", "w")
-    w = SUITE["rmsnorm"]
-    inputs = w.inputs(8192, 1024, 1024, dtype=torch.bfloat16, device="cuda")
-    region, ext = region_of(w.fn, inputs)
-    a, b = ext[region.operands[0]], ext[region.operands[1]]
     rows = []
-    profiled = set()
-    for plan in candidates(region.region, target="cuda"):
-        if plan.schedule != "cooperative":
-            continue
-        kernel = kernel_mod.build(plan)
-        region.run_kernel(ext, a, b, kernel, check=True)
-        call = lambda k=kernel: region.run_kernel(ext, a, b, k)  # noqa: E731
-        gpu = measure(graphed(call, warmup_calls=1)).median_ms * 1e3
-        both = measure(call).median_ms * 1e3
-        rows.append((plan.describe().split("; ", 2)[-1], gpu, host_us(call), both))
-        print(f"{rows[-1][0]:70s} gpu {gpu:6.1f} us  host {rows[-1][2]:6.1f} us  launch-timed {both:6.1f} us", flush=True)
-        if plan.mainloop not in profiled:
-            profiled.add(plan.mainloop)
-            log.write(f"\n## cProfile, {CALLS} launches: {rows[-1][0]}\n")
-            profile(call, log)
+    for name in args.workloads.split(","):
+        w = SUITE[name]
+        inputs = w.inputs(8192, 1024, 1024, dtype=torch.bfloat16, device="cuda")
+        region, ext = region_of(w.fn, inputs)
+        a, b = ext[region.operands[0]], ext[region.operands[1]]
+        profiled = set()
+        for plan in candidates(region.region, target="cuda"):
+            if plan.schedule != args.schedule:
+                continue
+            kernel = kernel_mod.build(plan)
+            region.run_kernel(ext, a, b, kernel, check=True)
+            call = lambda k=kernel, region=region, ext=ext, a=a, b=b: region.run_kernel(ext, a, b, k)  # noqa: E731
+            gpu = measure(graphed(call, warmup_calls=1)).median_ms * 1e3
+            both = measure(call).median_ms * 1e3
+            rows.append((f"{name}: " + plan.describe().split("; ", 2)[-1], gpu, host_us(call), both))
+            print(f"{rows[-1][0]:70s} gpu {gpu:6.1f} us  host {rows[-1][2]:6.1f} us  launch-timed {both:6.1f} us",
+                  flush=True)
+            if plan.mainloop not in profiled:
+                profiled.add(plan.mainloop)
+                log.write(f"\n## cProfile, {CALLS} launches: {rows[-1][0]}\n")
+                profile(call, log)
     with settings.override(autotune="0"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fused = comfuse.compile(w.fn, inputs)

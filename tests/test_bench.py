@@ -73,6 +73,18 @@ def test_markdown_says_how_repetitions_were_timed():
     assert "each repetition a Python call" in report.markdown(results)
     results["meta"]["graph"] = True  # comfuse bench --graph
     assert "CUDA-graph replay of one call" in report.markdown(results)
+    results["meta"]["tune_timing"] = "graph"
+    assert "autotuning timed its candidates by CUDA-graph replays" in report.markdown(results)
+
+
+def test_a_graph_timed_run_tunes_by_graph_replays_unless_told(monkeypatch):
+    """comfuse bench --graph on a GPU: autotuning times graph replays too (the launch-timed
+    choice counts Python's host time, which a replay does not pay); COMFUSE_TUNE_TIMING wins."""
+    monkeypatch.delenv("COMFUSE_TUNE_TIMING", raising=False)
+    assert runner._tune_timing(True, "cuda") == "graph"
+    assert runner._tune_timing(False, "cuda") == "launch" and runner._tune_timing(True, "cpu") == "launch"
+    monkeypatch.setenv("COMFUSE_TUNE_TIMING", "launch")
+    assert runner._tune_timing(True, "cuda") == "launch"
 
 
 def test_figures_and_files_are_written(tmp_path):

@@ -374,21 +374,24 @@ def test_next_tiles_inputs_prefetched_into_l2_only_with_its_setting():
     assert text.count("_prefetch_l2(in") == 2
 
 
-def test_eight_adjacent_columns_a_lane_with_its_setting():
-    """COMFUSE_WS_VEC=8: each thread of the epilogue takes 8 adjacent columns of a row at a time
-    (the VEC constexpr at launch, the plan's own kernel name); the same as the default at 32
-    lanes (8 columns a lane there anyway); other widths refused."""
+def test_eight_adjacent_columns_a_lane_by_default():
+    """COMFUSE_WS_VEC (8 by default): each thread of the epilogue takes 8 adjacent columns of a
+    row at a time (the VEC constexpr at launch, the plan's own kernel name); 0: all its 32
+    adjacent; at 32 lanes the two are the same kernel (8 columns a lane there anyway), and
+    autotuning's 32-lane alternative says so; other widths refused."""
     from comfuse.runtime.kernel import kernel_name
     from comfuse.runtime.stages_kernel import options
-    plain = suite_plan("softmax", merge=True)
-    assert plain.vec == 0 and options(plain, 1024)["VEC"] == 32
-    with settings.override(ws_vec=8):
-        p = suite_plan("softmax", merge=True)
-        with settings.override(ws_lanes=32):
-            assert suite_plan("softmax", merge=True).vec == 0
-        with settings.override(ws_vec=4):
-            refused = suite_plan("softmax")
+    p = suite_plan("softmax", merge=True)
     assert p.vec == 8 and options(p, 1024)["VEC"] == 8 and "8 adjacent columns a lane" in p.describe()
+    wide = [c for c in candidates(p.region, target="cuda") if c.schedule == "ws_stages" and c.lanes == 32]
+    assert wide and all(c.vec == 0 and options(c, 1024)["VEC"] == 8 for c in wide)
+    with settings.override(ws_vec=0):
+        plain = suite_plan("softmax", merge=True)
+    with settings.override(ws_lanes=32):
+        assert suite_plan("softmax", merge=True).vec == 0
+    with settings.override(ws_vec=4):
+        refused = suite_plan("softmax")
+    assert plain.vec == 0 and options(plain, 1024)["VEC"] == 32 and "adjacent columns" not in plain.describe()
     assert kernel_name(p) != kernel_name(plain)
     assert isinstance(refused, NotFused) and "COMFUSE_WS_VEC=4" in refused.reason
 

@@ -90,6 +90,10 @@ def markdown(results: dict) -> str:
     lines.append(f"- times: {shown} in ms, each round >= 20 repetitions ({how}); every candidate's "
                  "output was checked against float64 PyTorch before it was timed; WRONG results "
                  "are reported, not timed")
+    if meta.get("tune_timing"):
+        lines.append("- comfuse's autotuning timed its candidates by "
+                     + ("CUDA-graph replays" if meta["tune_timing"] == "graph" else "Python launches")
+                     + " (COMFUSE_TUNE_TIMING)")
     lines.append("")
     cols = ["gemm", "eager", "inductor", "inductor-max-autotune", "sdpa", "comfuse", "comfuse-backend"]
     if any("comfuse-graph" in c["candidates"] for c in results["cases"]):

@@ -10,6 +10,7 @@ be resumed (``--resume``) after an interruption.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 import traceback
@@ -204,11 +205,24 @@ def run_case(prog: workloads.Program, candidates, device: str, progress, repeat:
     return row
 
 
+def _tune_timing(graph: bool, device: str) -> str:
+    """How comfuse's autotuning times its candidates in a run: as the run times them (graph
+    replays with ``graph`` on a GPU), unless COMFUSE_TUNE_TIMING names a way."""
+    if graph and device == "cuda" and "COMFUSE_TUNE_TIMING" not in os.environ:
+        return "graph"
+    return settings.get().tune_timing
+
+
 def run(suite: str = "all", quick: bool = False, out_dir: str | Path = "bench/results/latest",
         device: str = "auto", dtype: str = "bf16", candidates=None, resume: bool = False,
         progress=print, repeat: int = 1, only=None, graph: bool = False, shapes=None) -> dict:
     """Build, check and time the suite's cases into ``out_dir``/results.json (``shapes``: for
-    the paper suite, these (M, K, N) for each workload instead of its own)."""
+    the paper suite, these (M, K, N) for each workload instead of its own). With ``graph``
+    comfuse's autotuning also times its candidates as CUDA-graph replays (COMFUSE_TUNE_TIMING=
+    graph), unless COMFUSE_TUNE_TIMING says otherwise: a choice made on launches, Python's host
+    time included, is not the fastest kernel for a graph's replay (H200, 2026-12-01: at
+    8192x1024x1024 a ws_stages launch took 50-260 us of host time for 33-50 us on the GPU, so
+    launch timing kept the unfused ops where the graph-timed RMSNorm kernel ran 1.09x faster)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu" and suite not in ("paper", "models"):
@@ -241,6 +255,8 @@ def run(suite: str = "all", quick: bool = False, out_dir: str | Path = "bench/re
                                repeat=repeat, graph=graph, workloads=list(only or []),
                                shapes=[list(x) for x in shapes or []],
                                unfused_mode=settings.get().unfused_mode)
+    tune_timing = _tune_timing(graph, device)
+    results["meta"]["tune_timing"] = tune_timing
     done = {(c["workload"], tuple(c["shape"])) for c in results["cases"]}
     start = time.perf_counter()
     for i, case in enumerate(todo, 1):
@@ -249,7 +265,8 @@ def run(suite: str = "all", quick: bool = False, out_dir: str | Path = "bench/re
             progress(f"[{i}/{len(todo)}] {prog.label}: already measured (resume)")
             continue
         progress(f"[{i}/{len(todo)}] {prog.label} ({time.perf_counter() - start:.0f} s so far)")
-        results["cases"].append(run_case(prog, candidates, device, progress, repeat, graph))
+        with settings.override(tune_timing=tune_timing):
+            results["cases"].append(run_case(prog, candidates, device, progress, repeat, graph))
         path.write_text(json.dumps(results, indent=1))
         del prog
         if device == "cuda":

@@ -79,7 +79,7 @@ class Plan:
     # epilogue partition (COMFUSE_WS_L2_PREFETCH, experimental)
     l2_prefetch: bool = False
     # ws_stages: adjacent columns a thread of the epilogue takes at a time (0: all its
-    # 256 / lanes; COMFUSE_WS_VEC)
+    # 256 / lanes; COMFUSE_WS_VEC, 8 by default, which at 32 lanes is all of a thread's)
     vec: int = 0
     # ws_stages: 16-bit-typed adds and products of 16-bit operands computed in that type
     # (codegen/gluon/stages.narrow_nodes; COMFUSE_WS_NARROW, experimental)
@@ -588,7 +588,8 @@ def candidates(region: Region, target: str = "cuda", settings=None, sm_count: in
         gen = stages_template_plan(first.region, first.transposed, first.stages, first.forms, target, sm_count,
                                    **stages_options(settings))
         if isinstance(gen, Plan):  # both row layouts of its epilogue, unless COMFUSE_WS_LANES names one
-            out += [gen] if settings.ws_lanes else [gen, dataclasses.replace(gen, lanes=32 if gen.lanes == 8 else 8)]
+            # (without COMFUSE_WS_LANES gen has 8 lanes; at 32 a thread's 8 columns are all its own)
+            out += [gen] if settings.ws_lanes else [gen, dataclasses.replace(gen, lanes=32, vec=0)]
             if not settings.ws_tail and not gen.tma_store and gen.lanes == 8:
                 # and the last 96 rows of each program's last tile by its mainloop warps (H200,
                 # seventeenth session, sustained, x cuBLAS's GEMM: at 8192x1024x1024 LayerNorm
