@@ -191,7 +191,9 @@ _ENV_NAMES = ("COMFUSE_STRICT", "COMFUSE_DISABLE", "COMFUSE_CACHE_DIR", "XDG_CAC
               "COMFUSE_UNFUSED_MODE", "COMFUSE_OVERLAP", "COMFUSE_PERSISTENT", "COMFUSE_TUNE_TIMING",
               "COMFUSE_GRAD_COMPILE", "COMFUSE_VALIDATE", "COMFUSE_GRAPH_CHECK", "COMFUSE_WS_MERGE",
               "COMFUSE_WS_LANES", "COMFUSE_WS_TMA_STORE", "COMFUSE_WS_TAIL",
-              "COMFUSE_WS_RES_TMA")
+              "COMFUSE_WS_RES_TMA", "COMFUSE_WS_LOOKAHEAD", "COMFUSE_WS_KEEP", "COMFUSE_WS_L2_PREFETCH",
+              "COMFUSE_WS_VEC", "COMFUSE_WS_NARROW", "COMFUSE_WS_EXP_FMA", "COMFUSE_WS_ROW_OUTPUTS")
+# (every variable _read reads: the memo's key; tests/test_settings... checks the list is whole)
 _ENV_KEYS = tuple(os.environ.encodekey(n) if hasattr(os.environ, "encodekey") else n for n in _ENV_NAMES)
 _memo: dict[tuple, Settings] = {}
 

@@ -218,6 +218,20 @@ def test_disable_setting_runs_everything_unfused():
         torch.testing.assert_close(compiled(*args), fn(*args))
 
 
+def test_every_environment_variable_reaches_the_settings_when_it_changes(monkeypatch):
+    """settings.get() remembers its result per snapshot of the variables it reads: each one
+    _read takes must be in that snapshot, or a change after the first call goes unseen (the
+    ws_stages forms' seven variables were missing until the nineteenth session)."""
+    import inspect
+    import re
+    read = set(re.findall(r'"(COMFUSE_[A-Z0-9_]+)"', inspect.getsource(settings._read)))
+    assert read and read <= set(settings._ENV_NAMES), sorted(read - set(settings._ENV_NAMES))
+    monkeypatch.setenv("COMFUSE_WS_VEC", "8")
+    assert settings.get().ws_vec == 8
+    monkeypatch.setenv("COMFUSE_WS_VEC", "0")
+    assert settings.get().ws_vec == 0
+
+
 def test_fuel_caps_the_number_of_fused_regions():
     def two(x, w1, w2):
         return torch.relu(x @ w1), torch.softmax(x @ w2, -1)

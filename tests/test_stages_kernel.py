@@ -447,3 +447,48 @@ def test_nothing_kept_in_the_buffer_with_its_setting():
     text = source_text(p, "k")
     assert "kept for the later passes" not in text and ".store(v" not in text
     assert text.count("gl.load(in1_ptr + row[:, None] * N + col[None, :])") == 2  # the residual, in both passes
+
+
+@pytest.mark.parametrize("form", [{}, dict(ws_res_tma=True), dict(ws_tma_store=True)],
+                         ids=["plain", "res_tma", "tma_store"])
+def test_a_later_launch_passes_what_the_first_one_checked(form):
+    """StagesKernel.launch after the first call of a layout: each TMA descriptor built from
+    the first call's checked fields over this call's tensor (without TensorDescriptor's checks
+    again), in the kernel's order, and the rest as bound; the bound launch keeps no tensor of a
+    call alive. The run is stubbed (no GPU here): what it is given is compared."""
+    from comfuse.runtime.kernel import layout_key
+    from comfuse.runtime.stages_kernel import StagesKernel
+    wl = SUITE["ln_postnorm"]
+    fn_args = wl.inputs(256, 64, 1024, dtype=bf, device="cpu")
+    (cand,) = find_regions(capture(wl.fn, fn_args))
+    with settings.override(schedule="ws_stages", ws_merge=True, **form):
+        p = plan(cand.region, target="cuda")
+    assert p.res_tma == bool(form.get("ws_res_tma")) and p.tma_store == bool(form.get("ws_tma_store"))
+    k = StagesKernel(p, None, None)
+    shapes = {frozenset("MN"): (1, 256, 1024), frozenset("N"): (1, 1, 1024), frozenset("M"): (1, 256, 1)}
+
+    def call_tensors():
+        ins = [torch.randn(shapes[i.axes]).to(bf) for i in p.region.inputs]
+        outs = [torch.empty(shapes[o.axes], dtype=bf) for o in p.region.outputs]
+        return fn_args[0].unsqueeze(0).clone(), fn_args[1].unsqueeze(0).clone(), ins, outs
+    first = k.tensors(*call_tensors())
+    ws, counters = torch.empty(8), torch.zeros(2, dtype=torch.int64)
+    full = k.arguments(first, ws, counters)
+    fresh = k.fresh(first)
+    fields = k.descriptor_fields(full, len(first))
+    assert all("base" not in f for f in fields) and len(fields) == 2 + p.res_tma + p.tma_store
+    seen = []
+    k._bound[layout_key(first)] = (lambda *a: seen.append(a), [None] * fresh + full[fresh:], fresh, fields)
+    call = call_tensors()
+    k.launch(*call)
+    (got,) = seen
+    want = k.arguments(k.tensors(*call), ws, counters)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        if isinstance(w, torch.Tensor):
+            assert g is w or (g.data_ptr() == w.data_ptr() and g.shape == w.shape and g.stride() == w.stride())
+        elif type(w).__name__ == "TensorDescriptor":
+            assert type(g) is type(w) and g.base.data_ptr() == w.base.data_ptr()
+            assert {n: v for n, v in vars(g).items() if n != "base"} == {n: v for n, v in vars(w).items() if n != "base"}
+        else:
+            assert g == w

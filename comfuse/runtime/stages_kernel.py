@@ -21,13 +21,30 @@ from .strip_kernel import _sm_count, _tma_ready
 CHUNK = 16
 
 
+@functools.cache
+def _descriptor_class():
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    return TensorDescriptor
+
+
+def _descriptor(fields: dict, base):
+    """A TMA descriptor of ``fields`` (a checked TensorDescriptor's, less its base) over
+    ``base``, without TensorDescriptor's checks: the launch's layout key has the shape, the
+    strides, the dtype and the 16-byte alignment they checked (the checks took two fifths of
+    a launch's own host time, 2026-12-01)."""
+    d = object.__new__(_descriptor_class())
+    d.__dict__.update(fields)
+    d.base = base
+    return d
+
+
 @dataclasses.dataclass
 class StagesKernel:
     plan: Plan
     source: KernelSource
     fn: object
     _scratch: dict = dataclasses.field(default_factory=dict)  # (device, M, N) -> (workspace, counters)
-    _bound: dict = dataclasses.field(default_factory=dict)  # tensor layout -> (run, statics)
+    _bound: dict = dataclasses.field(default_factory=dict)  # tensor layout -> (run, statics, fresh, fields)
 
     @property
     def path(self) -> str:
@@ -36,37 +53,53 @@ class StagesKernel:
     def tensors(self, a3, b3, ins, outs) -> list:
         """A, B (as [N, K] when K-major) and the flat views the generated kernel indexes: [N]
         and [M] vectors, [M, N] row-major matrices."""
-        region = self.plan.region
-        b = b3[0].t() if region.gemm.b.major == "K" else b3[0]
-        flat = []
-        for t, spec in [*zip(ins, region.inputs), *zip(outs, region.outputs)]:
-            v = t[0] if spec.axes == frozenset("MN") else t.reshape(-1)
+        flat = [a3[0], b3[0].t() if self._kmajor else b3[0]]
+        inputs = len(ins)
+        for i, (t, matrix) in enumerate(zip((*ins, *outs), self._matrices)):
+            v = t[0] if matrix else t.reshape(-1)
             if not v.is_contiguous():
-                if spec in region.outputs:
+                if i >= inputs:
                     raise UnsupportedLayout("ws_stages: outputs must be contiguous")
                 v = v.contiguous()
             flat.append(v)
-        return [a3[0], b, *flat]
+        return flat
+
+    @functools.cached_property
+    def _kmajor(self) -> bool:
+        return self.plan.region.gemm.b.major == "K"
+
+    @functools.cached_property
+    def _matrices(self) -> list:
+        """For each input, then each output: whether it is an [M, N] matrix (worked out once:
+        ``tensors`` runs at every launch)."""
+        region = self.plan.region
+        return [spec.axes == frozenset("MN") for spec in (*region.inputs, *region.outputs)]
+
+    @functools.cached_property
+    def _descriptors(self) -> list:
+        """(index into ``tensors``, block shape, shared layout) of each TMA descriptor, in the
+        order the kernel takes them: A, B, then the residual's (Plan.res_tma) and the
+        output's (Plan.tma_store) after the flat tensors."""
+        from ..codegen.gluon import strip
+        la, lb, lt = strip.layouts(self._kmajor)
+        out = [(0, [strip.BM, strip.BK], la), (1, [strip.BN, strip.BK] if self._kmajor else [strip.BK, strip.BN], lb)]
+        if self.plan.res_tma:
+            out.append((2 + self.residual, [strip.BM, strip.BN], lt))
+        if self.plan.tma_store:
+            out.append((-1, [strip.BM, strip.BN], lt))
+        return out
 
     def arguments(self, tensors, ws, counters):
-        from ..codegen.gluon import strip
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-        a, b, *flat = tensors
-        kmajor = self.plan.region.gemm.b.major == "K"
-        la, lb, lt = strip.layouts(kmajor)
+        a, b = tensors[:2]
         M, K = a.shape
-        N = b.shape[0] if kmajor else b.shape[1]
-        out_desc = [TensorDescriptor.from_tensor(flat[-1], [strip.BM, strip.BN], lt)] if self.plan.tma_store else []
-        res_desc = [TensorDescriptor.from_tensor(flat[self.residual], [strip.BM, strip.BN], lt)] \
-            if self.plan.res_tma else []
-        return [TensorDescriptor.from_tensor(a, [strip.BM, strip.BK], la),
-                TensorDescriptor.from_tensor(b, [strip.BN, strip.BK] if kmajor else [strip.BK, strip.BN], lb),
-                *flat, *res_desc, *out_desc, ws, counters, M, N, K, counters]
+        N = b.shape[0] if self._kmajor else b.shape[1]
+        descs = [TensorDescriptor.from_tensor(tensors[j], block, layout) for j, block, layout in self._descriptors]
+        return [*descs[:2], *tensors[2:], *descs[2:], ws, counters, M, N, K, counters]
 
     @functools.cached_property
     def residual(self):
-        """The input the mainloop adds into the tile (Plan.res_tma), or None (worked out once:
-        ``arguments`` runs at every launch)."""
+        """The input the mainloop adds into the tile (Plan.res_tma), or None (worked out once)."""
         from ..codegen.gluon import stages
         return stages.tma_residual(self.plan.region) if self.plan.res_tma else None
 
@@ -79,9 +112,9 @@ class StagesKernel:
                 self._bound.clear()
             self._bound[layout] = self.bind(tensors)
             return
-        run, statics, fresh = bound
-        args = self.arguments(tensors, None, None)
-        run(*args[:fresh], *statics[fresh:])
+        run, statics, fresh, fields = bound
+        descs = [_descriptor(f, tensors[j]) for (j, _, _), f in zip(self._descriptors, fields)]
+        run(*descs[:2], *tensors[2:], *descs[2:], *statics[fresh:])
 
     def bind(self, tensors):
         from ..codegen.gluon import stages, strip
@@ -105,8 +138,20 @@ class StagesKernel:
             raise UnsupportedLayout(f"ws_stages: a strip of {N // strip.BN} tiles cannot be resident at once")
         args = self.arguments(tensors, ws, counters)
         grid, options = self.grid_options(dev, M, N)
-        fresh = len(tensors) + self.plan.res_tma + self.plan.tma_store  # (descriptors: each call's own)
-        return (*launch_direct(self.fn, grid, args, options, set(range(fresh))), fresh)
+        fresh = self.fresh(tensors)
+        return (*launch_direct(self.fn, grid, args, options, set(range(fresh))), fresh,
+                self.descriptor_fields(args, len(tensors)))
+
+    def fresh(self, tensors) -> int:
+        """How many of the arguments are each call's own: the tensors and the descriptors."""
+        return len(tensors) + self.plan.res_tma + self.plan.tma_store
+
+    def descriptor_fields(self, args, tensors: int) -> list:
+        """Each TMA descriptor's fields in ``args`` (``arguments``' list for ``tensors``
+        tensors), less its base: what ``launch`` builds a call's descriptors from (no tensor
+        kept alive between calls)."""
+        descs = [*args[:2], *args[tensors:tensors + len(self._descriptors) - 2]]
+        return [{k: v for k, v in vars(d).items() if k != "base"} for d in descs]
 
     def grid_options(self, dev, M: int, N: int):
         from ..codegen.gluon import strip
