@@ -492,3 +492,25 @@ def test_a_later_launch_passes_what_the_first_one_checked(form):
             assert {n: v for n, v in vars(g).items() if n != "base"} == {n: v for n, v in vars(w).items() if n != "base"}
         else:
             assert g == w
+
+
+def test_the_host_cost_script_runs_a_call_through_the_bound_launch():
+    """scripts/stages_host_cost.py: a compiled call whose region is on a stubbed ws_stages
+    kernel goes through StagesKernel.launch's bound path (one layout bound, reused), and
+    returns outputs of the program's shapes."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "scripts" / "stages_host_cost.py"
+    spec = importlib.util.spec_from_file_location("stages_host_cost", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with settings.override(autotune="0", validate="0"):
+        compiled, args = mod.stubbed_call("ln_postnorm")
+        for _ in range(3):
+            out = compiled(*args)
+    (region,) = compiled.fused_regions()
+    assert region.plan.schedule == "ws_stages" and len(region.kernel._bound) == 1
+    assert mod.per_call_us(lambda: compiled(*args), 5) > 0
+    want = SUITE["ln_postnorm"].fn(*args)
+    got = out[0] if isinstance(out, tuple) else out
+    assert got.shape == want.shape and got.dtype == want.dtype

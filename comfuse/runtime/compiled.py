@@ -76,7 +76,7 @@ class FusedRegion(torch.nn.Module):
             notice_once("interpreter", "comfuse: fused kernels on CPU tensors run through Triton's "
                         "interpreter (exact but slow); use CUDA tensors for speed")
         try:
-            if a.device not in self.tuned and tuning.enabled(a.device):
+            if a.device not in self.tuned and tuning.enabled(a.device, settings):
                 self.tune(ext, a, b)
             if self.prefer_unfused:
                 self._split_ran = None  # (autotuning's launches do not count)

@@ -110,8 +110,10 @@ def reusable(decision: dict | None, names: list) -> bool:
     return set(names) <= set(timed) and (decision["choice"] == UNFUSED or decision["choice"] in names)
 
 
-def enabled(device: torch.device) -> bool:
-    mode = settings_mod.get().autotune.strip().lower()
+def enabled(device: torch.device, settings=None) -> bool:
+    """Whether a region autotunes on ``device`` (COMFUSE_AUTOTUNE; ``settings``: the caller's,
+    when it has them: asked on every fused call until a choice is made)."""
+    mode = (settings or settings_mod.get()).autotune.strip().lower()
     if mode in ("0", "off", "false", "no"):
         return False
     if mode in ("1", "on", "true", "yes"):
