@@ -140,6 +140,12 @@ class Settings:
     # (LayerNorm's saved mean and rstd in a training graph), written by each strip's first tile
     # (experimental: correct on the H200 since the eighteenth session, not yet timed).
     ws_row_outputs: bool
+    # COMFUSE_WS_TILE_N=128 (experimental, not yet run on a GPU): ws_stages kernels on 128x128
+    # tiles, the mainloop in one warpgroup (4 warps: the same 128 accumulator registers a thread
+    # as two warpgroups on 128x256) beside 8 epilogue warps, 12 warps at 168 registers. Twice
+    # the epilogue warps on half the tile: for short-K shapes, where the epilogue partition is
+    # the bound (8192x1024x1024). 256 (the default): 128x256 tiles, 8 + 4 warps.
+    ws_tile_n: int
     # COMFUSE_AUTOTUNE: "auto" (time the candidate plans and the unfused ops on the first
     # call on a GPU, keep the fastest, remember it on disk), "1" (also under the
     # interpreter, for tests), "0" (use the planner's choice).
@@ -180,7 +186,8 @@ class Settings:
 
 CODEGEN_SETTINGS = ("row_budget", "schedule", "mainloop", "prefetch", "overlap", "persistent", "ws_merge",
                     "ws_lanes", "ws_tma_store", "ws_tail",
-                    "ws_res_tma", "ws_lookahead", "ws_keep", "ws_l2_prefetch", "ws_vec", "ws_narrow", "ws_exp_fma", "ws_row_outputs")
+                    "ws_res_tma", "ws_lookahead", "ws_keep", "ws_l2_prefetch", "ws_vec", "ws_narrow", "ws_exp_fma", "ws_row_outputs",
+                    "ws_tile_n")
 
 _overrides: dict[str, object] = {}
 
@@ -192,7 +199,8 @@ _ENV_NAMES = ("COMFUSE_STRICT", "COMFUSE_DISABLE", "COMFUSE_CACHE_DIR", "XDG_CAC
               "COMFUSE_GRAD_COMPILE", "COMFUSE_VALIDATE", "COMFUSE_GRAPH_CHECK", "COMFUSE_WS_MERGE",
               "COMFUSE_WS_LANES", "COMFUSE_WS_TMA_STORE", "COMFUSE_WS_TAIL",
               "COMFUSE_WS_RES_TMA", "COMFUSE_WS_LOOKAHEAD", "COMFUSE_WS_KEEP", "COMFUSE_WS_L2_PREFETCH",
-              "COMFUSE_WS_VEC", "COMFUSE_WS_NARROW", "COMFUSE_WS_EXP_FMA", "COMFUSE_WS_ROW_OUTPUTS")
+              "COMFUSE_WS_VEC", "COMFUSE_WS_NARROW", "COMFUSE_WS_EXP_FMA", "COMFUSE_WS_ROW_OUTPUTS",
+              "COMFUSE_WS_TILE_N")
 # (every variable _read reads: the memo's key; tests/test_settings... checks the list is whole)
 _ENV_KEYS = tuple(os.environ.encodekey(n) if hasattr(os.environ, "encodekey") else n for n in _ENV_NAMES)
 _memo: dict[tuple, Settings] = {}
@@ -242,6 +250,7 @@ def _read() -> Settings:
         ws_narrow=_flag("COMFUSE_WS_NARROW", False),
         ws_exp_fma=_flag("COMFUSE_WS_EXP_FMA", False),
         ws_row_outputs=_flag("COMFUSE_WS_ROW_OUTPUTS", False),
+        ws_tile_n=_int("COMFUSE_WS_TILE_N", 256),
         persistent=_flag("COMFUSE_PERSISTENT", False),
         fuel=_int("COMFUSE_FUEL", -1),
         unfused_mode=os.environ.get("COMFUSE_UNFUSED_MODE", "best"),

@@ -83,6 +83,7 @@ FLAGS = {
     "l": ("L2 prefetch", dict(ws_l2_prefetch=True)),  # the next tile's [M, N] inputs
     "n": ("16-bit adds in 16 bits", dict(ws_narrow=True)),
     "e": ("exp by one FFMA", dict(ws_exp_fma=True)),  # exp(x - a row's max)
+    "w": ("128-wide tiles, 4 + 8 warps", dict(ws_tile_n=128)),  # one mainloop warpgroup, 8 epilogue warps
 }
 FORM = "LANES[" + "][".join(FLAGS) + "][hROWS]"
 
@@ -102,12 +103,13 @@ def variant_of(spec: str):
     def grid_options(self, dev, M, N, _orig=stages_kernel.StagesKernel.grid_options):
         grid, options = _orig(self, dev, M, N)
         if "a" in flags:
-            grid = ((grid[0] // (N // 256)) * (N // 256), )
+            tiles_n = N // self.plan.block_n
+            grid = ((grid[0] // tiles_n) * tiles_n, )
         if "c" in flags:
             options = dict(options, CHUNK=32)
         return grid, options
     settings = dict(ws_lanes=lanes, ws_tma_store=False, ws_res_tma=False, ws_tail=tail, ws_lookahead=False,
-                    ws_keep=True, ws_l2_prefetch=False, ws_vec=0, ws_narrow=False, ws_exp_fma=False)
+                    ws_keep=True, ws_l2_prefetch=False, ws_vec=0, ws_narrow=False, ws_exp_fma=False, ws_tile_n=256)
     for f in FLAGS:
         if f in flags:
             settings.update(FLAGS[f][1])

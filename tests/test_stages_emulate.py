@@ -43,6 +43,9 @@ FORMS = {  # name -> the settings of one form of the generated kernel
     "narrow-res_tma-nothing_kept-tail96": dict(ws_narrow=True, ws_res_tma=True, ws_keep=False, ws_tail=96),
     "exp_fma": dict(ws_exp_fma=True), "exp_fma-exchange_per_stage-tail96": dict(ws_exp_fma=True, ws_merge=False,
                                                                                 ws_tail=96),
+    # 128-wide tiles: 4 mainloop warps, 8 epilogue warps (COMFUSE_WS_TILE_N=128)
+    "tile128": dict(ws_tile_n=128), "tile128-tail96": dict(ws_tile_n=128, ws_tail=96),
+    "tile128-res_tma-nothing_kept-tail96": dict(ws_tile_n=128, ws_res_tma=True, ws_keep=False, ws_tail=96),
 }
 
 
@@ -99,13 +102,14 @@ def ws_plan(region, **overrides):
 @pytest.mark.parametrize("name", ["multi_stage", "ln_postnorm", "rmsnorm", "softmax", "mblr"])
 @pytest.mark.parametrize("N", [768, 1024, 3072])
 def test_the_generated_epilogue_computes_the_region(name, N, form):
-    """Strips of 3, 4 and 12 tiles, 2 strips; a strip's tiles and one more as programs (5 at
-    least), so that some programs hold two tiles and some one, and the last tile is shared
-    where the form shares it; two launches on the same counters."""
+    """Strips of 3, 4 and 12 tiles (6, 8 and 24 at 128 wide), 2 strips; a strip's tiles and one
+    more as programs (5 at least), so that some programs hold two tiles and some one, and the
+    last tile is shared where the form shares it; two launches on the same counters."""
     region = region_of(SUITE[name].fn, SUITE[name].inputs(256, 64, N, dtype=bf, device="cpu"))
     p = ws_plan(region, **FORMS[form])
     assert not isinstance(p, NotFused), p.reason
-    for c in emulate.check(p, *operands(region), programs=max(5, N // 256 + 1), launches=2):
+    assert p.tiles_n == N // p.block_n
+    for c in emulate.check(p, *operands(region), programs=max(5, p.tiles_n + 1), launches=2):
         assert c.ok, f"{name} N={N} {form}: {c}"
 
 

@@ -16,6 +16,7 @@ from comfuse.frontend.regions import find_regions
 from comfuse.ir import Op
 from comfuse.planner import plan
 from comfuse.planner.plan import NotFused, candidates
+from comfuse.runtime.kernel import interpreting
 
 from test_codegen import run_compiler_script
 
@@ -97,8 +98,8 @@ def test_generated_kernels_compile_for_sm90():
     """The suite's row reductions and a LayerNorm through nn.Linear's weight ([N, K]), merged or
     not, with the output by TMA store or not, the last tile shared with the mainloop's warps
     or not, and the other forms' settings: 12 warps at <= 168 registers, the epilogue
-    partition at 152, at most a few spills; with 16-bit adds in 16 bits, LayerNorm's epilogue
-    partition under 0.85x the instructions."""
+    partition at 152 (160 at 8 warps beside the 4 of a 128-wide tile), at most a few spills;
+    with 16-bit adds in 16 bits, LayerNorm's epilogue partition under 0.85x the instructions."""
     script = textwrap.dedent("""
         import json, re, torch
         import torch.nn.functional as F
@@ -108,7 +109,7 @@ def test_generated_kernels_compile_for_sm90():
         from comfuse.frontend.regions import find_regions
         from comfuse.planner import plan
         from comfuse.runtime.aot import partitions, resources
-        from comfuse.runtime.stages_kernel import compile_sm90
+        from comfuse.runtime.stages_kernel import EPI_REGS, compile_sm90
         bf = torch.bfloat16
         cases = {name: (SUITE[name].fn, SUITE[name].inputs(256, 64, 1024, dtype=bf, device="cpu"))
                  for name in ("multi_stage", "ln_postnorm", "softmax")}
@@ -131,21 +132,26 @@ def test_generated_kernels_compile_for_sm90():
                                  ("softmax_merged_vec8", cases["softmax"]),
                                  ("ln_postnorm_merged_narrow", cases["ln_postnorm"]),
                                  ("softmax_merged", cases["softmax"]),
-                                 ("softmax_merged_expfma", cases["softmax"])]:
+                                 ("softmax_merged_expfma", cases["softmax"]),
+                                 ("ln_postnorm_merged_tile128", cases["ln_postnorm"]),
+                                 ("multi_stage_merged_tail_tile128", cases["multi_stage"]),
+                                 ("ln_postnorm_merged_res_nokeep_tail_tile128", cases["ln_postnorm"])]:
             (cand,) = find_regions(capture(fn, args))
             with settings.override(schedule="ws_stages", ws_merge="_merged" in name, ws_tma_store=name.endswith("_tma"),
                                    ws_tail=96 if "_tail" in name else 0, ws_vec=8 if "_vec8" in name else 0,
                                    ws_lanes=8 if "_merged" in name else 32,  # (plain LayerNorm at 8 lanes: 400 bytes)
                                    ws_res_tma="_res" in name, ws_lookahead=name.endswith("_ahead"),
                                    ws_keep="_nokeep" not in name, ws_l2_prefetch=name.endswith("_l2"),
-                                   ws_narrow=name.endswith("_narrow"), ws_exp_fma=name.endswith("_expfma")):
+                                   ws_narrow=name.endswith("_narrow"), ws_exp_fma=name.endswith("_expfma"),
+                                   ws_tile_n=128 if name.endswith("_tile128") else 256):
                 p = plan(cand.region, target="cuda")
             k = compile_sm90(p)
             regs = sorted(set(int(v) for v in re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+);",
                                                           k.asm["ptx"])))
-            epilogue = [n for r, n in partitions(k.asm["cubin"]) if r == 152]
+            epilogue = [n for r, n in partitions(k.asm["cubin"]) if r == EPI_REGS[p.epi_warps]]
             out[name] = dict(resources(k.asm["cubin"]), smem=k.metadata.shared, setmaxnreg=regs,
-                             kmajor=p.region.gemm.b.major, epilogue=epilogue)
+                             kmajor=p.region.gemm.b.major, epilogue=epilogue, epi_regs=EPI_REGS[p.epi_warps],
+                             warps=[p.num_warps, p.epi_warps, p.block_n])
         print(json.dumps(out))
     """)
     result = run_compiler_script(script)
@@ -159,9 +165,19 @@ def test_generated_kernels_compile_for_sm90():
     plain, fma = result["softmax_merged"]["epilogue"], result["softmax_merged_expfma"]["epilogue"]
     if plain and fma:
         assert fma[0] < 0.9 * plain[0], (plain, fma)
+    # 128-wide tiles (COMFUSE_WS_TILE_N=128): 4 mainloop warps beside 8 epilogue warps at 160
+    # registers, at most a few spills (LayerNorm with the residual by TMA and the shared tile:
+    # 32 bytes, sm_90, 2026-12-01; none for the others), and over 114 KB of shared memory (one
+    # CTA an SM: co-residency)
+    for name in ("ln_postnorm_merged_tile128", "multi_stage_merged_tail_tile128",
+                 "ln_postnorm_merged_res_nokeep_tail_tile128"):
+        info = result[name]
+        assert info["warps"] == [4, 8, 128] and info["smem"] > 114 * 1024, (name, info)
+        if "stack" in info:
+            assert info["stack"] <= (64 if "_res" in name else 0), (name, info)
     for name, info in result.items():
         assert info["smem"] <= 227 * 1024, (name, info)
-        assert 152 in info["setmaxnreg"], (name, info)
+        assert info["epi_regs"] in info["setmaxnreg"], (name, info)
         if "reg" in info:  # (LayerNorm with a residual read per pass: 184 bytes, sm_90, 2026-12-01; the
             # residual added by the mainloop: 64, as in the template's RES 2)
             assert info["reg"] <= 168 and info["stack"] <= 256, (name, info)
@@ -494,6 +510,7 @@ def test_a_later_launch_passes_what_the_first_one_checked(form):
             assert g == w
 
 
+@pytest.mark.skipif(not interpreting(), reason="a compiled call on CPU tensors needs Triton's interpreter")
 def test_the_host_cost_script_runs_a_call_through_the_bound_launch():
     """scripts/stages_host_cost.py: a compiled call whose region is on a stubbed ws_stages
     kernel goes through StagesKernel.launch's bound path (one layout bound, reused), and
@@ -514,3 +531,33 @@ def test_the_host_cost_script_runs_a_call_through_the_bound_launch():
     want = SUITE["ln_postnorm"].fn(*args)
     got = out[0] if isinstance(out, tuple) else out
     assert got.shape == want.shape and got.dtype == want.dtype
+
+
+def test_128_wide_tiles_with_their_setting():
+    """COMFUSE_WS_TILE_N=128 (experimental): 128x128 tiles, the mainloop in 4 warps (one
+    warpgroup) beside 8 epilogue warps, twice the tiles a strip; 8 lanes a row only (no 32-lane
+    alternative among the candidates); other widths refused; the default stays 128x256 with
+    8 + 4 warps."""
+    from comfuse.runtime.kernel import kernel_name
+    from comfuse.runtime.stages_kernel import EPI_REGS, options
+    wide = suite_plan("ln_postnorm", merge=True)
+    assert (wide.block_n, wide.num_warps, wide.epi_warps, wide.tiles_n) == (256, 8, 4, 4)
+    with settings.override(ws_tile_n=128):
+        p = suite_plan("ln_postnorm", merge=True)
+        alternatives = [c for c in candidates(p.region, target="cuda") if c.schedule == "ws_stages"]
+        with settings.override(ws_lanes=32):
+            lanes32 = suite_plan("ln_postnorm", merge=True)
+    with settings.override(ws_tile_n=64):
+        refused = suite_plan("ln_postnorm")
+    assert (p.block_n, p.num_warps, p.epi_warps, p.tiles_n, p.lanes, p.vec) == (128, 4, 8, 8, 8, 8)
+    assert "TMA mainloop in 4 warps, the epilogue in 8 warps" in p.describe()
+    o = options(p, 1024)
+    assert (o["BN"], o["TILES_N"], o["EPI_WARPS"], o["num_warps"], o["VEC"]) == (128, 8, 8, 4, 8)
+    assert o["EPI_REGS"] == EPI_REGS[8] and 4 * 32 * 184 + 8 * 32 * EPI_REGS[8] <= 65536
+    assert alternatives and all(c.block_n == 128 and c.lanes == 8 for c in alternatives)
+    assert kernel_name(p) != kernel_name(wide)
+    assert isinstance(lanes32, NotFused) and "8 lanes" in lanes32.reason
+    assert isinstance(refused, NotFused) and "COMFUSE_WS_TILE_N=64" in refused.reason
+    from comfuse.runtime.stages_kernel import source_text
+    assert "TILE_LAYOUT_N128 as TILE_LAYOUT" in source_text(p, "k")
+    assert "TILE_LAYOUT_N128" not in source_text(wide, "k")

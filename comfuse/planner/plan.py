@@ -87,13 +87,17 @@ class Plan:
     # ws_stages: exp(x - a row's value) as one FFMA and an ex2 an element (COMFUSE_WS_EXP_FMA,
     # experimental)
     exp_fma: bool = False
+    # ws_stages: warps of the epilogue partition (4 beside the 8 mainloop warps of a 128x256
+    # tile; 8 beside the 4 of a 128x128 tile, COMFUSE_WS_TILE_N=128, experimental)
+    epi_warps: int = 4
 
     def describe(self) -> str:
         if self.schedule == "ws_stages":
             return (f"ws_stages: warp-specialised Gluon kernel generated from the region's "
                     f"{len(self.stages)} stage(s); "
-                    f"persistent grid of {self.block_m}x{self.block_n}x{self.block_k} tiles, TMA mainloop in 8 warps, "
-                    f"the epilogue in 4 warps of its own beside the next tile's mainloop; {self.tiles_n} tiles per row "
+                    f"persistent grid of {self.block_m}x{self.block_n}x{self.block_k} tiles, TMA mainloop in "
+                    f"{self.num_warps} warps, the epilogue in {self.epi_warps} warps of its own beside the next tile's "
+                    f"mainloop; {self.tiles_n} tiles per row "
                     f"strip exchange per-row partials {self.exchanges} time(s)"
                     f"{' (' + ', '.join(k for k, _, _ in self.moments) + ' pairs merged)' if self.moments else ''}"
                     f", then write each output once{' (by one TMA store)' if self.tma_store else ''}; "
@@ -441,7 +445,7 @@ def stages_options(settings) -> dict:
     return dict(merge=settings.ws_merge, lanes=settings.ws_lanes or 8, tma_store=settings.ws_tma_store,
                 tail=settings.ws_tail, res_tma=settings.ws_res_tma, lookahead=settings.ws_lookahead,
                 keep=settings.ws_keep, row_outputs=settings.ws_row_outputs, l2_prefetch=settings.ws_l2_prefetch,
-                vec=settings.ws_vec, narrow=settings.ws_narrow, exp_fma=settings.ws_exp_fma)
+                vec=settings.ws_vec, narrow=settings.ws_narrow, exp_fma=settings.ws_exp_fma, tile_n=settings.ws_tile_n)
 
 
 def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple, target: str,
@@ -449,12 +453,12 @@ def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple,
                          tma_store: bool = False, tail: int = 0, res_tma: bool = False,
                          lookahead: bool = False, keep: bool = True, row_outputs: bool = False,
                          l2_prefetch: bool = False, vec: int = 0, narrow: bool = False,
-                         exp_fma: bool = False) -> Plan | NotFused:
+                         exp_fma: bool = False, tile_n: int = 256) -> Plan | NotFused:
     """The ws_stages plan for ``region`` (row form), or why the generated Gluon kernel does
     not apply; ``merge``: moment and online-softmax pairs share an exchange (COMFUSE_WS_MERGE, on
     by default)."""
     from ..codegen.gluon.stages import blocker, layout_of, merge_pairs, narrow_nodes, tma_residual, tma_storable
-    from .template import fits
+    from .template import MAX_TILES_N, fits
 
     def no(why):
         return NotFused(f"ws_stages: {why}", forms)
@@ -466,6 +470,10 @@ def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple,
         return no(f"COMFUSE_WS_TAIL={tail}: rows of the last tile, a multiple of 32 up to 128")
     if vec not in (0, 8):
         return no(f"COMFUSE_WS_VEC={vec}: 8 adjacent columns a lane at a time, or 0 (all of a lane's)")
+    if tile_n not in (256, 128):
+        return no(f"COMFUSE_WS_TILE_N={tile_n}: tiles 256 columns wide (8 + 4 warps) or 128 (4 + 8)")
+    if tile_n == 128 and lanes != 8:
+        return no("COMFUSE_WS_TILE_N=128 lays a row over 8 lanes (32 would leave a lane 4 columns)")
     if transposed:
         return no("the kernel reduces along N only")
     g, s = region.gemm, region.sizes
@@ -476,20 +484,23 @@ def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple,
     why = fits(s.M, s.N, s.K) or blocker(region, stages, row_outputs)
     if why:
         return no(why)
-    tiles = s.N // 256
+    tiles = s.N // tile_n
     if tiles > sm_count:
         return no(f"a strip of {tiles} tiles cannot be resident at once on {sm_count} SMs")
+    if tiles > MAX_TILES_N:
+        return no(f"a strip of {tiles} tiles {tile_n} wide is more than the combine holds ({MAX_TILES_N})")
     pairs = merge_pairs(region) if merge else ()
     residual = tma_residual(region)
     res_tma = res_tma and residual is not None
     in_buffer = residual if res_tma else None
     # (an [M, N] input to prefetch: any but the residual the TMA engine loads into the buffer)
     fetched = [j for j, i in enumerate(region.inputs) if i.axes == frozenset("MN") and j != in_buffer]
-    return Plan(region, False, "ws_stages", stages, 128, 256, 64, 8, 8, 3, forms, tiles_n=tiles, mainloop="tma",
+    return Plan(region, False, "ws_stages", stages, 128, tile_n, 64, 8, 8 if tile_n == 256 else 4, 3, forms,
+                tiles_n=tiles, mainloop="tma", epi_warps=4 if tile_n == 256 else 8,
                 persistent=True, exchanges=len(layout_of(stages, pairs).exchanges), moments=pairs, lanes=lanes,
                 tma_store=tma_store and not tma_storable(region) and not tail, tail=tail,
                 res_tma=res_tma, lookahead=lookahead, keep=keep, l2_prefetch=l2_prefetch and bool(fetched),
-                vec=0 if vec == 256 // lanes else vec,
+                vec=0 if vec == tile_n // lanes else vec,
                 narrow=narrow and bool(narrow_nodes(region, in_buffer)),
                 exp_fma=exp_fma and any(n.op is Op.EXP for n in region.nodes))
 
@@ -589,7 +600,8 @@ def candidates(region: Region, target: str = "cuda", settings=None, sm_count: in
                                    **stages_options(settings))
         if isinstance(gen, Plan):  # both row layouts of its epilogue, unless COMFUSE_WS_LANES names one
             # (without COMFUSE_WS_LANES gen has 8 lanes; at 32 a thread's 8 columns are all its own)
-            out += [gen] if settings.ws_lanes else [gen, dataclasses.replace(gen, lanes=32, vec=0)]
+            # (and 128-wide tiles take 8 lanes only)
+            out += [gen] if settings.ws_lanes or gen.block_n != 256 else [gen, dataclasses.replace(gen, lanes=32, vec=0)]
             if not settings.ws_tail and not gen.tma_store and gen.lanes == 8:
                 # and the last 96 rows of each program's last tile by its mainloop warps (H200,
                 # seventeenth session, sustained, x cuBLAS's GEMM: at 8192x1024x1024 LayerNorm

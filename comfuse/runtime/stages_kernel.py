@@ -81,12 +81,13 @@ class StagesKernel:
         order the kernel takes them: A, B, then the residual's (Plan.res_tma) and the
         output's (Plan.tma_store) after the flat tensors."""
         from ..codegen.gluon import strip
-        la, lb, lt = strip.layouts(self._kmajor)
-        out = [(0, [strip.BM, strip.BK], la), (1, [strip.BN, strip.BK] if self._kmajor else [strip.BK, strip.BN], lb)]
+        bn = self.plan.block_n
+        la, lb, lt = strip.layouts(self._kmajor, bn)
+        out = [(0, [strip.BM, strip.BK], la), (1, [bn, strip.BK] if self._kmajor else [strip.BK, bn], lb)]
         if self.plan.res_tma:
-            out.append((2 + self.residual, [strip.BM, strip.BN], lt))
+            out.append((2 + self.residual, [strip.BM, bn], lt))
         if self.plan.tma_store:
-            out.append((-1, [strip.BM, strip.BN], lt))
+            out.append((-1, [strip.BM, bn], lt))
         return out
 
     def arguments(self, tensors, ws, counters):
@@ -130,12 +131,13 @@ class StagesKernel:
         N = b.shape[0] if self.plan.region.gemm.b.major == "K" else b.shape[1]
         key = (str(dev), M, N)
         if key not in self._scratch:
-            self._scratch[key] = (torch.empty(stages.workspace_numel(M, N, self.plan.stages, self.plan.moments),
+            self._scratch[key] = (torch.empty(stages.workspace_numel(M, N, self.plan.stages, self.plan.moments,
+                                                                     self.plan.block_n),
                                               dtype=torch.float32, device=dev),
                                   torch.zeros(M // strip.BM, dtype=torch.int64, device=dev))  # (int64: never wraps)
         ws, counters = self._scratch[key]
-        if N // strip.BN > _sm_count(dev):
-            raise UnsupportedLayout(f"ws_stages: a strip of {N // strip.BN} tiles cannot be resident at once")
+        if N // self.plan.block_n > _sm_count(dev):
+            raise UnsupportedLayout(f"ws_stages: a strip of {N // self.plan.block_n} tiles cannot be resident at once")
         args = self.arguments(tensors, ws, counters)
         grid, options = self.grid_options(dev, M, N)
         fresh = self.fresh(tensors)
@@ -155,7 +157,7 @@ class StagesKernel:
 
     def grid_options(self, dev, M: int, N: int):
         from ..codegen.gluon import strip
-        return (min(_sm_count(dev), (M // strip.BM) * (N // strip.BN)), ), self.options(N)
+        return (min(_sm_count(dev), (M // strip.BM) * (N // self.plan.block_n)), ), self.options(N)
 
     def options(self, N: int) -> dict:
         return options(self.plan, N)
@@ -180,7 +182,7 @@ class StagesKernel:
                              "slots a tile")
         ws, counters = self._scratch[(str(a.device), M, N)]
         grid, options = self.grid_options(a.device, M, N)
-        tiles = (M // strip.BM) * (N // strip.BN)
+        tiles = (M // strip.BM) * (N // self.plan.block_n)
         if -(-tiles // grid[0]) > 63:
             raise ValueError("ws_stages trace: more than 63 tiles a program")
         buf = torch.zeros(grid[0], 64, 16, dtype=torch.int64, device=a.device)
@@ -191,13 +193,21 @@ class StagesKernel:
         return buf, grid[0], tiles
 
 
+# the epilogue partition's registers a thread, by its warps: 4 beside the 8 mainloop warps of a
+# 128x256 tile (12 warps at the kernel's 168); 8 beside the 4 of a 128x128 tile
+# (COMFUSE_WS_TILE_N=128: 8 x 32 x EPI_REGS_8 of the 65 536, the rest the mainloop warpgroup's)
+EPI_REGS = {4: 152, 8: 160}
+
+
 def options(plan: Plan, N: int) -> dict:
     """Every constexpr of a plan's generated kernel (launch_direct's own launcher takes them
     all; a missing one sends each call through the JIT's binding) and the launch options."""
     from ..codegen.gluon import strip
-    return dict(B_KMAJOR=plan.region.gemm.b.major == "K", BN=strip.BN, TILES_N=N // strip.BN,
-                TILES_P2=strip._pow2(N // strip.BN), STAGES=3, CHUNK=CHUNK, EPI_WARPS=4, EPI_REGS=152,
-                LANES_N=plan.lanes, VEC=plan.vec or strip.BN // plan.lanes, TRACE=False, num_warps=8, maxnreg=168)
+    bn = plan.block_n
+    return dict(B_KMAJOR=plan.region.gemm.b.major == "K", BN=bn, TILES_N=N // bn,
+                TILES_P2=strip._pow2(N // bn), STAGES=3, CHUNK=CHUNK, EPI_WARPS=plan.epi_warps,
+                EPI_REGS=EPI_REGS[plan.epi_warps], LANES_N=plan.lanes, VEC=plan.vec or bn // plan.lanes, TRACE=False,
+                num_warps=plan.num_warps, maxnreg=168)
 
 
 def source_text(plan: Plan, name: str) -> str:
@@ -207,7 +217,7 @@ def source_text(plan: Plan, name: str) -> str:
                        tma_store=plan.tma_store, tail=plan.tail,
                        residual=stages.tma_residual(plan.region) if plan.res_tma else None,
                        lookahead=plan.lookahead, l2_prefetch=plan.l2_prefetch, narrow=plan.narrow,
-                       exp_fma=plan.exp_fma)
+                       exp_fma=plan.exp_fma, tile_n=plan.block_n)
 
 
 def build(plan: Plan, name: str) -> StagesKernel:
@@ -218,12 +228,12 @@ def build(plan: Plan, name: str) -> StagesKernel:
 
 
 def compile_sm90(plan: Plan, name: str = "", chunk: int = CHUNK, vec: int = 0, trace: bool = False,
-                 epi_warps: int = 4, epi_regs: int = 152, maxnreg: int = 168):
+                 epi_warps: int | None = None, epi_regs: int | None = None, maxnreg: int = 168):
     """Compile a plan's generated kernel for sm_90 on any machine (no GPU needed), as
     ``strip.compile_sm90`` does for the template. ``name``: the module's (by default the plan's
     kernel name: a loaded module is reused by name); ``epi_warps`` / ``epi_regs`` / ``maxnreg``:
     the epilogue partition's warps and registers and the kernel's register limit, for probing
-    other splits (launches use 4, 152 and 168)."""
+    other splits (launches use the plan's warps, EPI_REGS and 168)."""
     from .kernel import kernel_name
     name = name or kernel_name(plan)
     import triton
@@ -233,8 +243,9 @@ def compile_sm90(plan: Plan, name: str = "", chunk: int = CHUNK, vec: int = 0, t
     module = cache.load_source(name, source_text(plan, name))
     fn = getattr(module, name)
     kmajor = plan.region.gemm.b.major == "K"
-    la, lb, _ = strip.layouts(kmajor)
-    bshape = [strip.BN, strip.BK] if kmajor else [strip.BK, strip.BN]
+    bn = plan.block_n
+    la, lb, lt = strip.layouts(kmajor, bn)
+    bshape = [bn, strip.BK] if kmajor else [strip.BK, bn]
     sig = {"a_desc": f"tensordesc<bf16[{strip.BM}, {strip.BK}],{la!r}>",
            "b_desc": f"tensordesc<bf16[{bshape[0]}, {bshape[1]}],{lb!r}>"}
     short = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
@@ -243,17 +254,18 @@ def compile_sm90(plan: Plan, name: str = "", chunk: int = CHUNK, vec: int = 0, t
     for k, out in enumerate(plan.region.outputs):
         sig[f"out{k}_ptr"] = "*" + short[out.dtype]
     if plan.res_tma:
-        sig["r_desc"] = f"tensordesc<bf16[{strip.BM}, {strip.BN}],{strip.layouts(kmajor)[2]!r}>"
+        sig["r_desc"] = f"tensordesc<bf16[{strip.BM}, {bn}],{lt!r}>"
     if plan.tma_store:
-        sig["o_desc"] = f"tensordesc<bf16[{strip.BM}, {strip.BN}],{strip.layouts(kmajor)[2]!r}>"
+        sig["o_desc"] = f"tensordesc<bf16[{strip.BM}, {bn}],{lt!r}>"
     sig.update({"ws_ptr": "*fp32", "counter_ptr": "*i64", "M": "i32", "N": "i32", "K": "i32", "trace_ptr": "*i64"})
-    tiles = plan.region.sizes.N // strip.BN
-    constexprs = dict(B_KMAJOR=kmajor, BN=strip.BN, TILES_N=tiles, TILES_P2=strip._pow2(tiles), STAGES=3,
-                      CHUNK=chunk, EPI_WARPS=epi_warps, EPI_REGS=epi_regs, LANES_N=plan.lanes,
-                      VEC=vec or plan.vec or strip.BN // plan.lanes,
-                      TRACE=trace, num_warps=8)
+    tiles = plan.region.sizes.N // bn
+    epi_warps = epi_warps or plan.epi_warps
+    constexprs = dict(B_KMAJOR=kmajor, BN=bn, TILES_N=tiles, TILES_P2=strip._pow2(tiles), STAGES=3,
+                      CHUNK=chunk, EPI_WARPS=epi_warps, EPI_REGS=epi_regs or EPI_REGS[epi_warps],
+                      LANES_N=plan.lanes, VEC=vec or plan.vec or bn // plan.lanes,
+                      TRACE=trace, num_warps=plan.num_warps)
     sig.update({k: "constexpr" for k in constexprs})
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(2, len(sig) - len(constexprs))}
     return triton.compile(GluonASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": 8, "maxnreg": maxnreg})
+                          options={"num_warps": plan.num_warps, "maxnreg": maxnreg})
 

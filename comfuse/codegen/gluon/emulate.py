@@ -361,10 +361,10 @@ def _launch(em: _Emulation, kernel, args, options, programs: int, timeout: float
         raise errors[0]
 
 
-def _grid(M: int, N: int, programs: int, strips: bool = True) -> int:
-    if M % BM or N % BN:
-        raise ValueError(f"emulate.run: M a multiple of {BM}, N of {BN} (got {M}x{N})")
-    tiles_n = N // BN
+def _grid(M: int, N: int, programs: int, strips: bool = True, bn: int = BN) -> int:
+    if M % BM or N % bn:
+        raise ValueError(f"emulate.run: M a multiple of {BM}, N of {bn} (got {M}x{N})")
+    tiles_n = N // bn
     programs = min(programs, (M // BM) * tiles_n)
     if strips and programs < tiles_n:
         raise ValueError(f"emulate.run: {programs} programs cannot hold a strip of {tiles_n} tiles at once")
@@ -393,7 +393,7 @@ def run(plan, a3: torch.Tensor, b3: torch.Tensor, ins, outs=None, programs: int 
     if plan.schedule not in builders or plan.transposed or region.gemm.batched:
         raise ValueError("emulate.run: a ws_stages, ws_strip or ws_split plan, row form, unbatched")
     s = region.sizes
-    programs = _grid(s.M, s.N, programs, strips=plan.schedule != "ws_split")
+    programs = _grid(s.M, s.N, programs, strips=plan.schedule != "ws_split", bn=plan.block_n)
     if outs is None:
         outs = [torch.empty(canonical_shape(region, o.axes), dtype=o.dtype) for o in region.outputs]
     em = _Emulation()
@@ -422,17 +422,18 @@ def _stages(plan, em, a3, b3, ins, outs, name, source):
     flat_in = [t[0].contiguous().reshape(-1) if spec.axes == frozenset("MN") else t.reshape(-1).contiguous()
                for t, spec in zip(ins, region.inputs)]
     flat_out = [o.view(-1) for o in outs]
-    args = [_Desc(a3[0], (BM, 64)), _Desc(_b_operand(plan, b3), (64, BN)), *[_Ptr(t) for t in flat_in + flat_out]]
+    bn = plan.block_n
+    args = [_Desc(a3[0], (BM, 64)), _Desc(_b_operand(plan, b3), (64, bn)), *[_Ptr(t) for t in flat_in + flat_out]]
     if residual is not None:  # r_desc
-        args.append(_Desc(flat_in[residual].view(M, N), (BM, BN)))
+        args.append(_Desc(flat_in[residual].view(M, N), (BM, bn)))
     if plan.tma_store:  # o_desc: the [M, N] output
-        args.append(_Desc(outs[-1][0], (BM, BN)))
-    ws = torch.zeros(stages.workspace_numel(M, N, plan.stages, plan.moments), dtype=torch.float32)
+        args.append(_Desc(outs[-1][0], (BM, bn)))
+    ws = torch.zeros(stages.workspace_numel(M, N, plan.stages, plan.moments, bn), dtype=torch.float32)
     counters = torch.zeros(M // BM, dtype=torch.int64)
     args += [_Ptr(ws), _Ptr(counters), M, N, K, None]
     options = {k: v for k, v in stages_kernel.options(plan, N).items() if k != "maxnreg"}
     E = len(stages.layout_of(plan.stages, plan.moments).exchanges)
-    return kernel, args, options, counters, E * 2 * (N // BN), None
+    return kernel, args, options, counters, E * 2 * (N // bn), None
 
 
 def _strip(plan, em, a3, b3, ins, outs, name, source):

@@ -396,7 +396,7 @@ def tma_storable(region: Region) -> str:
 
 def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool = False,
          tma_store: bool = False, tail: int = 0, residual=None, lookahead: bool = False,
-         l2_prefetch: bool = False, narrow: bool = False, exp_fma: bool = False) -> str:
+         l2_prefetch: bool = False, narrow: bool = False, exp_fma: bool = False, tile_n: int = 256) -> str:
     """The generated module's source: ``{name}`` (the kernel), ``{name}_epilogue`` (its
     partition) and ``{name}_tile`` (one tile's epilogue, by a group of warps over some of its
     chunks); ``pairs``: the merged exchanges (``merge_pairs``); ``keep``: an exchange's value,
@@ -412,7 +412,10 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
     [M, N] inputs' rows of its program's next tile before it waits for this one
     (strip._prefetch_l2); ``narrow``: the 16-bit-typed adds and products whose operands come in
     that type computed in it (``narrow_nodes``), not in fp32; ``exp_fma``: exp(x - a row's
-    value) as one FFMA and an ex2 an element (``_Writer.exp_of``)."""
+    value) as one FFMA and an ex2 an element (``_Writer.exp_of``); ``tile_n``: the tiles' width
+    (the kernel takes BN as a constexpr; only the hand-off buffer's layout, imported, differs)."""
+    if tile_n not in (256, 128):
+        raise ValueError(f"ws_stages: tiles {tile_n} columns wide: 256 or 128")
     if tail and tma_store:
         raise ValueError("ws_stages: a shared last tile is written by each thread, not by one TMA store")
     if tail % 32 or not 0 <= tail <= 128:
@@ -438,7 +441,7 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
     if tail:
         m.main()
     m.kernel(describe)
-    return m.header(describe) + "\n".join(w.lines) + "\n"
+    return m.header(describe, tile_n) + "\n".join(w.lines) + "\n"
 
 
 @dataclasses.dataclass
@@ -789,8 +792,9 @@ class _Module:
         L("], [EPI_WARPS], [EPI_REGS])", 1)
         L("_mark(trace_ptr, 63, 1, TRACE)", 1)
 
-    def header(self, describe: str) -> str:
-        """The module's docstring (the region's IR) and imports."""
+    def header(self, describe: str, tile_n: int = 256) -> str:
+        """The module's docstring (the region's IR) and imports (the hand-off buffer's layout
+        for tiles ``tile_n`` wide as TILE_LAYOUT)."""
         name, region = self.name, self.region
         header = "\n".join([
             f'"""comfuse kernel {name}: {describe}', "",
@@ -800,8 +804,9 @@ class _Module:
             "from triton.experimental.gluon import language as gl",
             "from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma",
             "",
-            "from comfuse.codegen.gluon.strip import TILE_LAYOUT, _load_residual, _mark, _mma_partition, _prefetch_l2, "
-            "exp2_fast, exp_fast, expm1, log1p, tanh_fast",
+            "from comfuse.codegen.gluon.strip import "
+            + ("TILE_LAYOUT" if tile_n == 256 else "TILE_LAYOUT_N128 as TILE_LAYOUT")
+            + ", _load_residual, _mark, _mma_partition, _prefetch_l2, exp2_fast, exp_fast, expm1, log1p, tanh_fast",
             "", "", ""])
         return header
 
@@ -809,6 +814,6 @@ class _Module:
 
 
 
-def workspace_numel(M: int, N: int, stages, pairs=()) -> int:
+def workspace_numel(M: int, N: int, stages, pairs=(), tile_n: int = 256) -> int:
     lay = layout_of(stages, pairs)
-    return (M // 128) * max(len(lay.exchanges), 1) * lay.width * (N // 256) * 128
+    return (M // 128) * max(len(lay.exchanges), 1) * lay.width * (N // tile_n) * 128

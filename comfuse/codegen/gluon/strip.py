@@ -428,15 +428,17 @@ def strip_kernel(a_desc, b_desc, r_desc, bias_ptr, res_ptr, gamma_ptr, beta_ptr,
 
 
 @functools.cache
-def layouts(b_kmajor: bool):
-    """Shared-memory layouts of the A, B and tile (residual / hand-off) blocks (remembered:
-    building them was a fifth of a call's profiled host time; H200, thirteenth session)."""
+def layouts(b_kmajor: bool, bn: int = BN):
+    """Shared-memory layouts of the A, B and tile (residual / hand-off) blocks for tiles
+    ``bn`` wide (remembered: building them was a fifth of a call's profiled host time; H200,
+    thirteenth session)."""
     return (gl.NVMMASharedLayout.get_default_for([BM, BK], gl.bfloat16),
-            gl.NVMMASharedLayout.get_default_for([BN, BK] if b_kmajor else [BK, BN], gl.bfloat16),
-            gl.NVMMASharedLayout.get_default_for([BM, BN], gl.bfloat16))
+            gl.NVMMASharedLayout.get_default_for([bn, BK] if b_kmajor else [BK, bn], gl.bfloat16),
+            gl.NVMMASharedLayout.get_default_for([BM, bn], gl.bfloat16))
 
 
 TILE_LAYOUT = gl.constexpr(layouts(False)[2])  # the hand-off buffer's (generated kernels, gluon/stages.py)
+TILE_LAYOUT_N128 = gl.constexpr(layouts(False, 128)[2])  # the same for 128-wide tiles (COMFUSE_WS_TILE_N=128)
 
 
 def call_arguments(cfg: StripConfig, a, b, out, bias=None, residual=None, gamma=None, beta=None,
