@@ -45,7 +45,7 @@ FORMS = {  # name -> the settings of one form of the generated kernel
                                                                                 ws_tail=96),
     # 128-wide tiles: 4 mainloop warps, 8 epilogue warps (COMFUSE_WS_TILE_N=128)
     "tile128": dict(ws_tile_n=128), "tile128-tail96": dict(ws_tile_n=128, ws_tail=96),
-    "tile128-res_tma-nothing_kept-tail96": dict(ws_tile_n=128, ws_res_tma=True, ws_keep=False, ws_tail=96),
+    "tile128-res_tma-nothing_kept-tail64": dict(ws_tile_n=128, ws_res_tma=True, ws_keep=False, ws_tail=64),
 }
 
 

@@ -555,6 +555,7 @@ def test_128_wide_tiles_with_their_setting():
     assert (o["BN"], o["TILES_N"], o["EPI_WARPS"], o["num_warps"], o["VEC"]) == (128, 8, 8, 4, 8)
     assert o["EPI_REGS"] == EPI_REGS[8] and 4 * 32 * 184 + 8 * 32 * EPI_REGS[8] <= 65536
     assert alternatives and all(c.block_n == 128 and c.lanes == 8 for c in alternatives)
+    assert sorted(c.tail for c in alternatives) == [0, 64, 64]  # (the shared tile: 64 rows of 4 warps')
     assert kernel_name(p) != kernel_name(wide)
     assert isinstance(lanes32, NotFused) and "8 lanes" in lanes32.reason
     assert isinstance(refused, NotFused) and "COMFUSE_WS_TILE_N=64" in refused.reason

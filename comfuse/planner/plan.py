@@ -602,13 +602,16 @@ def candidates(region: Region, target: str = "cuda", settings=None, sm_count: in
             # (without COMFUSE_WS_LANES gen has 8 lanes; at 32 a thread's 8 columns are all its own)
             # (and 128-wide tiles take 8 lanes only)
             out += [gen] if settings.ws_lanes or gen.block_n != 256 else [gen, dataclasses.replace(gen, lanes=32, vec=0)]
+            # (on 128-wide tiles 64 rows, not 96: 4 mainloop warps beside 8 epilogue warps; a
+            # guess from the warps' ratio, not yet timed)
+            shared = 96 if gen.block_n == 256 else 64
             if not settings.ws_tail and not gen.tma_store and gen.lanes == 8:
                 # and the last 96 rows of each program's last tile by its mainloop warps (H200,
                 # seventeenth session, sustained, x cuBLAS's GEMM: at 8192x1024x1024 LayerNorm
                 # 2.149x -> 1.937x, softmax 1.578x -> 1.472x, multi-stage 2.332x -> 2.304x,
                 # RMSNorm 1.364x -> 1.372x; LayerNorm 16384x2048x8192 1.332x -> 1.260x; at
                 # 8192x4096x4096 0.5-1.2 % slower: a candidate, not the default)
-                out.append(dataclasses.replace(gen, tail=96))
+                out.append(dataclasses.replace(gen, tail=shared))
                 # and, with a residual, that with the residual by TMA into the hand-off buffer and
                 # nothing kept in it (H200, eighteenth session, sustained, x cuBLAS's GEMM:
                 # LayerNorm 8192x1024x1024 1.939x -> 1.810x, 16384x2048x8192 1.255x -> 1.200x;
@@ -616,7 +619,7 @@ def candidates(region: Region, target: str = "cuda", settings=None, sm_count: in
                 # as any ws_stages plan, so that its fields agree with the residual's form
                 if not settings.ws_res_tma and gen.moments:
                     alt = stages_template_plan(first.region, first.transposed, first.stages, first.forms, target,
-                                               sm_count, **dict(stages_options(settings), tail=96, res_tma=True,
+                                               sm_count, **dict(stages_options(settings), tail=shared, res_tma=True,
                                                                 keep=False, l2_prefetch=False))
                     if isinstance(alt, Plan) and alt.res_tma:
                         out.append(alt)
