@@ -21,6 +21,13 @@ from .strip_kernel import _sm_count, _tma_ready
 CHUNK = 16
 
 
+def chunk_rows(plan: Plan) -> int:
+    """Rows of a chunk of the plan's epilogue: CHUNK, or more where the epilogue warps' row
+    layout spans more (8 warps at 8 lanes a row cover 32 rows at once; a 16-row chunk would
+    have two threads hold each value, and the 8 warps do the work of 4)."""
+    return max(CHUNK, plan.epi_warps * (32 // plan.lanes))
+
+
 @functools.cache
 def _descriptor_class():
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -205,7 +212,7 @@ def options(plan: Plan, N: int) -> dict:
     from ..codegen.gluon import strip
     bn = plan.block_n
     return dict(B_KMAJOR=plan.region.gemm.b.major == "K", BN=bn, TILES_N=N // bn,
-                TILES_P2=strip._pow2(N // bn), STAGES=3, CHUNK=CHUNK, EPI_WARPS=plan.epi_warps,
+                TILES_P2=strip._pow2(N // bn), STAGES=3, CHUNK=chunk_rows(plan), EPI_WARPS=plan.epi_warps,
                 EPI_REGS=EPI_REGS[plan.epi_warps], LANES_N=plan.lanes, VEC=plan.vec or bn // plan.lanes, TRACE=False,
                 num_warps=plan.num_warps, maxnreg=168)
 
@@ -227,7 +234,7 @@ def build(plan: Plan, name: str) -> StagesKernel:
     return StagesKernel(plan, source, getattr(module, name))
 
 
-def compile_sm90(plan: Plan, name: str = "", chunk: int = CHUNK, vec: int = 0, trace: bool = False,
+def compile_sm90(plan: Plan, name: str = "", chunk: int = 0, vec: int = 0, trace: bool = False,
                  epi_warps: int | None = None, epi_regs: int | None = None, maxnreg: int = 168):
     """Compile a plan's generated kernel for sm_90 on any machine (no GPU needed), as
     ``strip.compile_sm90`` does for the template. ``name``: the module's (by default the plan's
@@ -261,7 +268,7 @@ def compile_sm90(plan: Plan, name: str = "", chunk: int = CHUNK, vec: int = 0, t
     tiles = plan.region.sizes.N // bn
     epi_warps = epi_warps or plan.epi_warps
     constexprs = dict(B_KMAJOR=kmajor, BN=bn, TILES_N=tiles, TILES_P2=strip._pow2(tiles), STAGES=3,
-                      CHUNK=chunk, EPI_WARPS=epi_warps, EPI_REGS=epi_regs or EPI_REGS[epi_warps],
+                      CHUNK=chunk or chunk_rows(plan), EPI_WARPS=epi_warps, EPI_REGS=epi_regs or EPI_REGS[epi_warps],
                       LANES_N=plan.lanes, VEC=vec or plan.vec or bn // plan.lanes,
                       TRACE=trace, num_warps=plan.num_warps)
     sig.update({k: "constexpr" for k in constexprs})
