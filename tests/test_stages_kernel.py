@@ -564,3 +564,24 @@ def test_128_wide_tiles_with_their_setting():
     from comfuse.runtime.stages_kernel import source_text
     assert "TILE_LAYOUT_N128 as TILE_LAYOUT" in source_text(p, "k")
     assert "TILE_LAYOUT_N128" not in source_text(wide, "k")
+
+
+@pytest.mark.parametrize("form", [{}, dict(ws_lanes=32), dict(ws_tail=96), dict(ws_tile_n=128),
+                                  dict(ws_tile_n=128, ws_tail=64)],
+                         ids=["8lanes", "32lanes", "8lanes-tail96", "tile128", "tile128-tail64"])
+def test_no_thread_holds_a_value_another_holds(form):
+    """The epilogue's chunk layout ([1, VEC] a thread, [32 / LANES_N, LANES_N] a warp, [WARPS, 1]
+    warps) covers WARPS * 32 / LANES_N rows at once: a chunk of fewer rows would have threads
+    hold the same values (a Gluon layout wraps), the warps repeating one another's work. Each
+    group's chunk (the epilogue warps' CHUNK; the mainloop warps' CHUNK * num_warps / EPI_WARPS
+    on a shared tile) spans at least that; and a row's lanes do not cover more than the tile."""
+    from comfuse.runtime.stages_kernel import options
+    with settings.override(**form):
+        p = suite_plan("ln_postnorm", merge=True)
+    o = options(p, 1024)
+    lanes, chunk = o["LANES_N"], o["CHUNK"]
+    assert chunk >= o["EPI_WARPS"] * (32 // lanes), o
+    if p.tail:
+        assert chunk * o["num_warps"] // o["EPI_WARPS"] >= o["num_warps"] * (32 // lanes), o
+        assert p.tail % chunk == 0 and (128 - p.tail) % (chunk * o["num_warps"] // o["EPI_WARPS"]) == 0, o
+    assert lanes * o["VEC"] <= o["BN"], o
