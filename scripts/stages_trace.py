@@ -71,7 +71,7 @@ def timeline(trace, grid: int, tiles: int, E: int) -> str:
 
 
 # A variant's letters after its lane count, in the order they are written: (label, the
-# settings they set). "a" and "c" change the launch rather than a setting (variant_of).
+# settings they set). "a", "c" and "q" change the launch rather than a setting (variant_of).
 FLAGS = {
     "a": ("grid a strip multiple", {}),  # every strip in one round of the persistent loop
     "v": ("8 adjacent columns a lane", dict(ws_vec=8)),  # a row's lanes over 128 adjacent bytes
@@ -84,6 +84,7 @@ FLAGS = {
     "n": ("16-bit adds in 16 bits", dict(ws_narrow=True)),
     "e": ("exp by one FFMA", dict(ws_exp_fma=True)),  # exp(x - a row's max)
     "w": ("128-wide tiles, 4 + 8 warps", dict(ws_tile_n=128)),  # one mainloop warpgroup, 8 epilogue warps
+    "q": ("a 3-slot ring", {}),  # STAGES = 3 (128-wide tiles take 4)
 }
 FORM = "LANES[" + "][".join(FLAGS) + "][hROWS]"
 
@@ -92,7 +93,7 @@ def variant_of(spec: str):
     """(label, settings, grid_options) for a variant FORM: the epilogue's rows over LANES lanes
     of a warp (COMFUSE_WS_LANES), the letters of FLAGS, and "hROWS": the last ROWS rows of each
     program's last tile by the mainloop's warps (COMFUSE_WS_TAIL). "a": the grid a multiple of
-    the strip's tiles, not one program per SM; "c": 32-row chunks."""
+    the strip's tiles, not one program per SM; "c": 32-row chunks; "q": a 3-slot ring."""
     m = re.fullmatch(rf"(\d+)([{''.join(FLAGS)}]*)(?:h(\d+))?", spec)
     if not m:
         raise SystemExit(f"variant {spec!r}: {FORM}, e.g. 8 or 32t or 8rph96")
@@ -107,6 +108,8 @@ def variant_of(spec: str):
             grid = ((grid[0] // tiles_n) * tiles_n, )
         if "c" in flags:
             options = dict(options, CHUNK=32)
+        if "q" in flags:
+            options = dict(options, STAGES=3)
         return grid, options
     settings = dict(ws_lanes=lanes, ws_tma_store=False, ws_res_tma=False, ws_tail=tail, ws_lookahead=False,
                     ws_keep=True, ws_l2_prefetch=False, ws_vec=0, ws_narrow=False, ws_exp_fma=False, ws_tile_n=256)

@@ -549,12 +549,12 @@ def test_128_wide_tiles_with_their_setting():
             lanes32 = suite_plan("ln_postnorm", merge=True)
     with settings.override(ws_tile_n=64):
         refused = suite_plan("ln_postnorm")
-    assert (p.block_n, p.num_warps, p.epi_warps, p.tiles_n, p.lanes, p.vec) == (128, 4, 8, 8, 8, 8)
+    assert (p.block_n, p.num_warps, p.epi_warps, p.tiles_n, p.lanes, p.vec, p.num_stages) == (128, 4, 8, 8, 8, 8, 4)
     assert "TMA mainloop in 4 warps, the epilogue in 8 warps" in p.describe()
     o = options(p, 1024)
     # (32-row chunks: 8 warps of 4 rows each; at 16 rows two threads would hold each value)
     assert (o["BN"], o["TILES_N"], o["EPI_WARPS"], o["num_warps"], o["VEC"], o["CHUNK"]) == (128, 8, 8, 4, 8, 32)
-    assert options(wide, 1024)["CHUNK"] == 16
+    assert options(wide, 1024)["CHUNK"] == 16 and options(wide, 1024)["STAGES"] == 3 and o["STAGES"] == 4
     assert o["EPI_REGS"] == EPI_REGS[8] and 4 * 32 * 184 + 8 * 32 * EPI_REGS[8] <= 65536
     assert alternatives and all(c.block_n == 128 and c.lanes == 8 for c in alternatives)
     assert sorted(c.tail for c in alternatives) == [0, 64, 64]  # (the shared tile: 64 rows of 4 warps')

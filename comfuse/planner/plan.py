@@ -495,8 +495,10 @@ def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple,
     in_buffer = residual if res_tma else None
     # (an [M, N] input to prefetch: any but the residual the TMA engine loads into the buffer)
     fetched = [j for j, i in enumerate(region.inputs) if i.axes == frozenset("MN") and j != in_buffer]
-    return Plan(region, False, "ws_stages", stages, 128, tile_n, 64, 8, 8 if tile_n == 256 else 4, 3, forms,
-                tiles_n=tiles, mainloop="tma", epi_warps=4 if tile_n == 256 else 8,
+    # (128-wide tiles: a 4-slot ring, 160 KB of shared memory; one warpgroup's K step is half
+    # the 128x256 form's, so a load has less time to land: a guess, not yet timed against 3)
+    return Plan(region, False, "ws_stages", stages, 128, tile_n, 64, 8, 8 if tile_n == 256 else 4,
+                3 if tile_n == 256 else 4, forms, tiles_n=tiles, mainloop="tma", epi_warps=4 if tile_n == 256 else 8,
                 persistent=True, exchanges=len(layout_of(stages, pairs).exchanges), moments=pairs, lanes=lanes,
                 tma_store=tma_store and not tma_storable(region) and not tail, tail=tail,
                 res_tma=res_tma, lookahead=lookahead, keep=keep, l2_prefetch=l2_prefetch and bool(fetched),

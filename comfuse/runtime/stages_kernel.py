@@ -212,7 +212,7 @@ def options(plan: Plan, N: int) -> dict:
     from ..codegen.gluon import strip
     bn = plan.block_n
     return dict(B_KMAJOR=plan.region.gemm.b.major == "K", BN=bn, TILES_N=N // bn,
-                TILES_P2=strip._pow2(N // bn), STAGES=3, CHUNK=chunk_rows(plan), EPI_WARPS=plan.epi_warps,
+                TILES_P2=strip._pow2(N // bn), STAGES=plan.num_stages, CHUNK=chunk_rows(plan), EPI_WARPS=plan.epi_warps,
                 EPI_REGS=EPI_REGS[plan.epi_warps], LANES_N=plan.lanes, VEC=plan.vec or bn // plan.lanes, TRACE=False,
                 num_warps=plan.num_warps, maxnreg=168)
 
@@ -267,7 +267,7 @@ def compile_sm90(plan: Plan, name: str = "", chunk: int = 0, vec: int = 0, trace
     sig.update({"ws_ptr": "*fp32", "counter_ptr": "*i64", "M": "i32", "N": "i32", "K": "i32", "trace_ptr": "*i64"})
     tiles = plan.region.sizes.N // bn
     epi_warps = epi_warps or plan.epi_warps
-    constexprs = dict(B_KMAJOR=kmajor, BN=bn, TILES_N=tiles, TILES_P2=strip._pow2(tiles), STAGES=3,
+    constexprs = dict(B_KMAJOR=kmajor, BN=bn, TILES_N=tiles, TILES_P2=strip._pow2(tiles), STAGES=plan.num_stages,
                       CHUNK=chunk or chunk_rows(plan), EPI_WARPS=epi_warps, EPI_REGS=epi_regs or EPI_REGS[epi_warps],
                       LANES_N=plan.lanes, VEC=vec or plan.vec or bn // plan.lanes,
                       TRACE=trace, num_warps=plan.num_warps)
