@@ -585,3 +585,17 @@ def test_no_thread_holds_a_value_another_holds(form):
         assert chunk * o["num_warps"] // o["EPI_WARPS"] >= o["num_warps"] * (32 // lanes), o
         assert p.tail % chunk == 0 and (128 - p.tail) % (chunk * o["num_warps"] // o["EPI_WARPS"]) == 0, o
     assert lanes * o["VEC"] <= o["BN"], o
+
+
+def test_the_mainloop_warps_share_of_a_tile_takes_the_epilogues_column_layout():
+    """On a shared last tile (COMFUSE_WS_TAIL) the mainloop warps' rows are laid out as the
+    epilogue warps' are: VEC adjacent columns a thread at a time (8 by default), not all of its
+    columns adjacent (the layout Nsight Compute found at 4x the shared-memory wavefronts)."""
+    from comfuse.runtime.stages_kernel import options, source_text
+    with settings.override(ws_tail=96):
+        p = suite_plan("ln_postnorm", merge=True)
+    text = source_text(p, "k")
+    main = text[text.index("def k_main("):text.index("def k(")]
+    assert "LANES_N, VEC)" in main and "BN // LANES_N" not in main
+    assert "LANES_N, VEC, num_warps))" in text[text.index("def k("):]
+    assert options(p, 1024)["VEC"] == 8

@@ -729,7 +729,8 @@ class _Module:
           0)
         L("ws_ptr, counter_ptr, trace_ptr, num_tiles, k_steps, M, N, TRACE: gl.constexpr, B_KMAJOR: gl.constexpr,", 8)
         L("TILES_N: gl.constexpr, TILES_P2: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,", 8)
-        L("CHUNK: gl.constexpr, EPI_WARPS: gl.constexpr, LANES_N: gl.constexpr, num_warps: gl.constexpr):", 8)
+        L("CHUNK: gl.constexpr, EPI_WARPS: gl.constexpr, LANES_N: gl.constexpr, VEC: gl.constexpr,", 8)
+        L("num_warps: gl.constexpr):", 8)
         L(f'"""The mainloop partition; then, its warps idle, the last {tail} rows of the program\'s last tile\'s', 1)
         L('epilogue (its first rows are the epilogue partition\'s)."""', 1)
         L("_mma_partition(a_desc, b_desc, a_bufs, b_bufs, ready, tile_smem, tile_ready, tile_free, num_tiles, k_steps,",
@@ -738,11 +739,14 @@ class _Module:
         L("my_tiles = gl.cdiv(num_tiles - gl.program_id(0), gl.num_programs(0))", 1)
         # (the buffer holds the tile: _mma_partition's last barrier follows its store.) Chunks of
         # MC rows: each thread holds as many of a chunk's values as an epilogue warp's thread, in
-        # the same layout, and a row lies within one warp (no reduction across warps)
+        # the same layout (VEC adjacent columns at a time: until the nineteenth session these
+        # rows kept all of a thread's columns adjacent, the layout with 4x the shared-memory
+        # wavefronts, whatever COMFUSE_WS_VEC), and a row lies within one warp (no reduction
+        # across warps)
         L("MC: gl.constexpr = CHUNK * num_warps // EPI_WARPS", 1)
         L(f"{name}_tile(tile_smem, stat_smem, {ptrs}, ws_ptr, counter_ptr, trace_ptr,", 1)
         L(f"gl.program_id(0) + (my_tiles - 1) * gl.num_programs(0), my_tiles - 1, (BM - {tail}) // MC, BM // MC,", 6)
-        L("1, False, M, N, TILES_N, TILES_P2, BM, BN, MC, num_warps, LANES_N, BN // LANES_N)", 6)
+        L("1, False, M, N, TILES_N, TILES_P2, BM, BN, MC, num_warps, LANES_N, VEC)", 6)
         L("_mark(trace_ptr, my_tiles - 1, 15, TRACE)  # (the trace's slot 15: these rows written)", 1)
 
     def kernel(self, describe: str) -> None:
@@ -782,7 +786,7 @@ class _Module:
               2)
             L("ws_ptr, counter_ptr, trace_ptr, num_tiles, k_steps, M, N, TRACE, B_KMAJOR, TILES_N, TILES_P2, BM, BN, "
               "BK,", 5)
-            L("CHUNK, EPI_WARPS, LANES_N, num_warps)),", 5)
+            L("CHUNK, EPI_WARPS, LANES_N, VEC, num_warps)),", 5)
         else:
             L("(_mma_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, tile_smem, tile_ready, tile_free, "
               "num_tiles,", 2)
