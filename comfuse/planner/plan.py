@@ -87,9 +87,12 @@ class Plan:
     # ws_stages: exp(x - a row's value) as one FFMA and an ex2 an element (COMFUSE_WS_EXP_FMA,
     # experimental)
     exp_fma: bool = False
-    # ws_stages: warps of the epilogue partition (4 beside the 8 mainloop warps of a 128x256
-    # tile; 8 beside the 4 of a 128x128 tile, COMFUSE_WS_TILE_N=128, experimental)
-    epi_warps: int = 4
+
+    @property
+    def epi_warps(self) -> int:
+        """ws_stages: warps of the epilogue partition, 4 beside the 8 mainloop warps of a
+        128x256 tile; 8 beside the 4 of a 128x128 tile (COMFUSE_WS_TILE_N=128, experimental)."""
+        return 4 if self.block_n == 256 else 8
 
     def describe(self) -> str:
         if self.schedule == "ws_stages":
@@ -498,7 +501,7 @@ def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple,
     # (128-wide tiles: a 4-slot ring, 160 KB of shared memory; one warpgroup's K step is half
     # the 128x256 form's, so a load has less time to land: a guess, not yet timed against 3)
     return Plan(region, False, "ws_stages", stages, 128, tile_n, 64, 8, 8 if tile_n == 256 else 4,
-                3 if tile_n == 256 else 4, forms, tiles_n=tiles, mainloop="tma", epi_warps=4 if tile_n == 256 else 8,
+                3 if tile_n == 256 else 4, forms, tiles_n=tiles, mainloop="tma",
                 persistent=True, exchanges=len(layout_of(stages, pairs).exchanges), moments=pairs, lanes=lanes,
                 tma_store=tma_store and not tma_storable(region) and not tail, tail=tail,
                 res_tma=res_tma, lookahead=lookahead, keep=keep, l2_prefetch=l2_prefetch and bool(fetched),

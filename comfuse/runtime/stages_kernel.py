@@ -265,12 +265,14 @@ def compile_sm90(plan: Plan, name: str = "", chunk: int = 0, vec: int = 0, trace
     if plan.tma_store:
         sig["o_desc"] = f"tensordesc<bf16[{strip.BM}, {bn}],{lt!r}>"
     sig.update({"ws_ptr": "*fp32", "counter_ptr": "*i64", "M": "i32", "N": "i32", "K": "i32", "trace_ptr": "*i64"})
-    tiles = plan.region.sizes.N // bn
+    # the launch's constexprs, but for what a probe changes
+    constexprs = {k: v for k, v in options(plan, plan.region.sizes.N).items() if k != "maxnreg"}
     epi_warps = epi_warps or plan.epi_warps
-    constexprs = dict(B_KMAJOR=kmajor, BN=bn, TILES_N=tiles, TILES_P2=strip._pow2(tiles), STAGES=plan.num_stages,
-                      CHUNK=chunk or chunk_rows(plan), EPI_WARPS=epi_warps, EPI_REGS=epi_regs or EPI_REGS[epi_warps],
-                      LANES_N=plan.lanes, VEC=vec or plan.vec or bn // plan.lanes,
-                      TRACE=trace, num_warps=plan.num_warps)
+    constexprs.update(TRACE=trace, EPI_WARPS=epi_warps, EPI_REGS=epi_regs or EPI_REGS[epi_warps])
+    if chunk:
+        constexprs["CHUNK"] = chunk
+    if vec:
+        constexprs["VEC"] = vec
     sig.update({k: "constexpr" for k in constexprs})
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(2, len(sig) - len(constexprs))}
     return triton.compile(GluonASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
