@@ -194,6 +194,8 @@ def main() -> None:
                         print(f"  {variant}, right after {args.after_graph} graph-replayed calls:")
                         print(timeline(trace, grid, tiles, E), flush=True)
                     forms[f"ws_stages, {variant}"] = lambda compiled=compiled, xs=xs: compiled(*xs)
+                except Exception as e:  # one variant's failure is a line of the log, not the run's end
+                    print(f"  {variant}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
                 finally:
                     stages_kernel.StagesKernel.grid_options = orig
             times = graph_rounds(forms, args.rounds)
