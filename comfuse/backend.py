@@ -9,8 +9,17 @@ goes to Inductor (``compile_fx``), which sees the fused regions as opaque kernel
 graph in which nothing fuses is handed to Inductor untouched, so a model is never
 compiled worse than by Inductor alone.
 
+``mode`` (``torch.compile(..., mode=...)``, or the option ``mode`` beside others: torch.compile
+takes a mode or options, not both) is Inductor's for the code around the regions:
+"default", "reduce-overhead" (CUDA graphs), "max-autotune" (with CUDA graphs) or
+"max-autotune-no-cudagraphs". Where a mode runs the graph as CUDA-graph replays, comfuse's
+autotuning times its candidates as graph replays too (COMFUSE_TUNE_TIMING=graph, unless
+that variable is set): a replay pays no host time a launch, so the fused kernels that lose
+to Inductor's code on launches (a ws_stages launch takes 40-100 us of host time on the H200)
+can win there.
+
 Options (``torch.compile(..., options={...})`` or ``COMFUSE_*`` variables):
-``disable`` ("gemm_epilogue", "b2b" or both, comma-separated), ``schedule`` (force one),
+``mode`` (above), ``disable`` ("gemm_epilogue", "b2b" or both, comma-separated), ``schedule`` (force one),
 ``fuel`` (fuse at most this many regions per graph), ``autotune`` ("0", "1", "auto"),
 ``graph_check`` ("0", "1", "auto": time a graph that keeps fused regions against Inductor's
 compilation without them at its first call and keep the faster; "auto" on GPUs), and each
@@ -196,10 +205,26 @@ def _split_backward_fake(region_id, tensors, scalars, grads, carried=None):
     return [torch.empty_like(t) if t.is_floating_point() else t.new_empty(0) for t in tensors]
 
 
-def _options(options: dict | None) -> dict:
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def _inductor_config(mode: str | None) -> dict:
+    """Inductor's configuration for a torch.compile ``mode`` (what its own backend applies)."""
+    mode = mode or "default"
+    if mode not in MODES:
+        raise ValueError(f"comfuse backend: unknown mode {mode!r}; modes are {', '.join(MODES)}")
+    from torch._inductor import list_mode_options
+    return dict(list_mode_options(mode))
+
+
+def _options(options: dict | None, mode: str | None = None) -> dict:
     options = dict(options or {})
+    if mode is not None and options.get("mode", mode) != mode:
+        raise ValueError(f"comfuse backend: mode {mode!r} and the option mode={options['mode']!r} disagree")
+    mode = options.pop("mode", mode)
+    inductor = _inductor_config(mode)
     codegen = set(settings_mod.CODEGEN_SETTINGS) - {"schedule"}
-    known = {"disable", "schedule", "fuel", "autotune", "graph_check"} | codegen
+    known = {"mode", "disable", "schedule", "fuel", "autotune", "graph_check"} | codegen
     unknown = set(options) - known
     if unknown:
         raise ValueError(f"comfuse backend: unknown options {sorted(unknown)}; known: {sorted(known)}")
@@ -220,7 +245,16 @@ def _options(options: dict | None) -> dict:
         overrides["graph_check"] = str(options["graph_check"])
     for name in sorted(codegen & set(options)):  # the code generator's settings, as their COMFUSE_* variables
         overrides[name] = settings_mod.coerce(name, options[name])
-    return {"kinds": set(kinds), "settings": overrides}
+    if inductor.get("triton.cudagraphs") and "COMFUSE_TUNE_TIMING" not in os.environ:
+        overrides["tune_timing"] = "graph"  # (the regions will run as graph replays: tune them so)
+    return {"kinds": set(kinds), "settings": overrides, "inductor": inductor}
+
+
+def _inductor(gm: fx.GraphModule, example_inputs, opts: dict):
+    """Inductor's compilation of ``gm`` in the backend's mode."""
+    from torch._inductor.compile_fx import compile_fx
+    patches = opts.get("inductor")
+    return compile_fx(gm, example_inputs, config_patches=patches) if patches else compile_fx(gm, example_inputs)
 
 
 def _symbolic(example_inputs) -> bool:
@@ -232,18 +266,17 @@ def _symbolic(example_inputs) -> bool:
     return False
 
 
-def comfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None):
-    """The torch.compile backend: fuse what comfuse can, give the rest to Inductor."""
-    from torch._inductor.compile_fx import compile_fx
-
-    opts = _options(options)
+def comfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None):
+    """The torch.compile backend: fuse what comfuse can, give the rest to Inductor (in
+    ``mode``, torch.compile's)."""
+    opts = _options(options, mode)
     if _symbolic(example_inputs):
         return PerShape(gm, example_inputs, opts)
     compiled = _compile_lowered(gm, example_inputs, opts)
     if compiled is None:
-        return compile_fx(gm, example_inputs)
+        return _inductor(gm, example_inputs, opts)
     with settings_mod.override(**opts["settings"]):
-        return _faster_graph(gm, example_inputs, compiled)
+        return _faster_graph(gm, example_inputs, compiled, opts=opts)
 
 
 GRAPH_MARGIN = 0.99  # the graph with fused regions must run at least 1 % faster than Inductor's
@@ -330,11 +363,11 @@ def _time_graphs(calls: dict, device) -> dict:
     return {n: statistics.median(t) for n, t in rounds.items()}
 
 
-def _faster_graph(gm: fx.GraphModule, example_inputs, fused, plain=None):
+def _faster_graph(gm: fx.GraphModule, example_inputs, fused, plain=None, opts: dict | None = None):
     """``fused`` (Inductor's compilation of the graph with comfuse's regions in it) or, when
     the graph is checked (COMFUSE_GRAPH_CHECK), a ``GraphChoice`` between it and Inductor's
-    compilation of ``gm`` as Dynamo gave it (``plain``, compiled here when not given)."""
-    from torch._inductor.compile_fx import compile_fx
+    compilation of ``gm`` as Dynamo gave it (``plain``, compiled here in the backend's mode
+    (``opts``) when not given)."""
     if not _checks_graph(gm, example_inputs):
         return fused
     if lower.saves_memory:  # Inductor's graph would hold (and, timed, allocate) that tensor
@@ -345,7 +378,7 @@ def _faster_graph(gm: fx.GraphModule, example_inputs, fused, plain=None):
     try:
         if plain is None:
             with torch._guards.tracing(None):  # a compilation of its own, as PerShape's
-                plain = compile_fx(gm, list(example_inputs))
+                plain = _inductor(gm, list(example_inputs), opts or {})
     except Exception as e:  # keep the fused graph: each of its regions won its own timing
         _check_failed(e)
         return fused
@@ -417,8 +450,6 @@ def _compile_lowered(gm: fx.GraphModule, example_inputs, opts: dict, shapes: str
     fuses or lowering or compiling fails (with a warning; COMFUSE_STRICT=1 raises): the
     caller then runs Inductor's code without them. ``own``: a compilation of its own, not
     inside Dynamo's (PerShape, at a call)."""
-    from torch._inductor.compile_fx import compile_fx
-
     def failed(what: str, e: Exception) -> None:
         if settings_mod.get().strict:
             raise e
@@ -435,7 +466,7 @@ def _compile_lowered(gm: fx.GraphModule, example_inputs, opts: dict, shapes: str
         return None
     try:
         with (torch._guards.tracing(None) if own else contextlib.nullcontext()):
-            return compile_fx(rewritten, list(example_inputs) if own else example_inputs)
+            return _inductor(rewritten, list(example_inputs) if own else example_inputs, opts)
     except Exception as e:
         failed("Inductor could not compile the graph with fused regions", e)
         return None
@@ -451,12 +482,11 @@ class PerShape:
     recompiles stay bounded and a new length never costs correctness."""
 
     def __init__(self, gm: fx.GraphModule, example_inputs, opts: dict):
-        from torch._inductor.compile_fx import compile_fx
         self.gm, self.opts = gm, opts
         # inputs read by ``.item()``: their values join the signature
         self.scalars = frozenset(i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")
                                  if any(u.op == "call_method" and u.target == "item" for u in n.users))
-        self.dynamic = compile_fx(gm, example_inputs)
+        self.dynamic = _inductor(gm, example_inputs, opts)
         self.compiled: dict = {}
         self.reports: dict = {}  # signature -> comfuse's report of its graph (None: nothing fused)
         self.regionless = False  # the graph has no GEMM regions at all: every shape runs Inductor's code
@@ -486,7 +516,7 @@ class PerShape:
             self.regionless = report is not None and not report.regions and not report.error
             return self.dynamic
         with settings_mod.override(**self.opts["settings"]):
-            return _faster_graph(self.gm, args, compiled, plain=self.dynamic)
+            return _faster_graph(self.gm, args, compiled, plain=self.dynamic, opts=self.opts)
 
 
 def _shape_key(args, scalars: frozenset) -> tuple:

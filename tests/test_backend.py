@@ -165,6 +165,48 @@ def test_options_take_the_code_generators_settings():
         _options({"ws_tail": "x"})
 
 
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune-no-cudagraphs"])
+def test_torch_compile_modes_reach_inductor_and_the_tuning(mode, monkeypatch):
+    """torch.compile(..., backend="comfuse", mode=...) (a TypeError before 2026-12-01): the
+    code around the regions compiles in that mode, and a mode that replays CUDA graphs tunes
+    the regions by graph replays (COMFUSE_TUNE_TIMING=graph) unless that variable is set."""
+    import torch._inductor.compile_fx as cfx
+
+    import comfuse.backend as backend_mod
+    from comfuse import settings
+    from comfuse.backend import _options
+    seen = []
+    real = cfx.compile_fx
+    monkeypatch.setattr(cfx, "compile_fx", lambda gm, inputs, config_patches=None, **kw:
+                        seen.append(config_patches) or real(gm, inputs, config_patches=config_patches, **kw))
+    timings = []
+    real_lower = backend_mod.lower
+    monkeypatch.setattr(backend_mod, "lower", lambda *a, **k: timings.append(settings.get().tune_timing)
+                        or real_lower(*a, **k))
+    monkeypatch.setattr(backend_mod.lower, "last_report", None, raising=False)
+    model = PostNorm().to(DEVICE)
+    x, r = torch.randn(2, 5, 32, device=DEVICE), torch.randn(2, 5, 48, device=DEVICE)
+    monkeypatch.delenv("COMFUSE_TUNE_TIMING", raising=False)
+    with torch.no_grad():
+        out = compiled(model, mode=mode)(x, r)
+        torch.testing.assert_close(out, model(x, r), rtol=1e-4, atol=1e-5)
+    assert seen and seen[0] == dict(torch._inductor.list_mode_options(mode))
+    assert timings == ["graph" if mode == "reduce-overhead" else "launch"]
+    # the option form (torch.compile takes a mode or options, not both), with other options
+    assert _options({"mode": mode, "ws_tail": 96})["settings"] == {
+        "ws_tail": 96, **({"tune_timing": "graph"} if mode == "reduce-overhead" else {})}
+    monkeypatch.setenv("COMFUSE_TUNE_TIMING", "launch")  # a variable the caller set wins
+    assert "tune_timing" not in _options({}, mode)["settings"]
+
+
+def test_an_unknown_mode_is_a_clear_error():
+    from comfuse.backend import _options
+    with pytest.raises(ValueError, match="unknown mode 'fast'; modes are default, reduce-overhead"):
+        _options(None, "fast")
+    with pytest.raises(ValueError, match="disagree"):
+        _options({"mode": "max-autotune"}, "reduce-overhead")
+
+
 def test_explain_accepts_a_module():
     model = PostNorm().to(DEVICE)
     report = comfuse.explain(model, (torch.randn(2, 5, 32, device=DEVICE), torch.randn(2, 5, 48, device=DEVICE)))

@@ -260,6 +260,38 @@ def test_the_backend_times_a_fused_graph_against_inductors_on_the_gpu(tmp_path, 
     assert all(0 < checks[0][k] < 100 for k in timed), checks[0]
 
 
+@pytest.mark.parametrize("forced", [True, False], ids=["ws_stages", "autotuned"])
+def test_reduce_overhead_mode_replays_the_fused_region_in_a_cuda_graph(forced, tmp_path):
+    """torch.compile(..., backend="comfuse") in mode "reduce-overhead": Inductor's CUDA graphs
+    hold the fused region's launch (no graph skipped), the results match float64 over
+    repeated replays, and (forced) the region ran the generated kernel (ws_stages)."""
+    from torch._dynamo.utils import counters
+
+    from comfuse.backend import lower
+    wl = SUITE["rmsnorm"]
+    xs = wl.inputs(8192, 1024, 1024, dtype=torch.bfloat16, device="cuda")
+    ref = wl.fn(*[t.double() if t.is_floating_point() else t for t in xs])
+    opts = {"mode": "reduce-overhead", "graph_check": "0"}
+    if forced:
+        opts.update(schedule="ws_stages", autotune="0")
+    torch._dynamo.reset()
+    skips = counters["inductor"]["cudagraph_skips"]
+    with comfuse.settings.override(cache_dir=tmp_path, check=False), warnings.catch_warnings():
+        warnings.simplefilter("ignore", comfuse.ComfuseWarning)
+        fn = torch.compile(wl.fn, backend="comfuse", dynamic=False, options=opts)
+        outs = []
+        for _ in range(4):  # warm-up, recording, then replays
+            torch.compiler.cudagraph_mark_step_begin()
+            outs.append(fn(*xs).clone())
+    assert counters["inductor"]["cudagraph_skips"] == skips, "Inductor skipped CUDA graphs"
+    for out in outs:
+        assert ((out.double() - ref).norm() / ref.norm()).item() < 2e-2
+    assert torch.equal(outs[-1], outs[-2])
+    if forced:
+        (r,) = lower.last_report.regions
+        assert r.fused and r.schedule == "ws_stages", str(lower.last_report)
+
+
 @pytest.mark.parametrize("vocab", [32768, 128256])
 def test_linear_cross_entropy_never_allocates_logits(vocab):
     """LM head + cross-entropy at 8192 tokens, hidden 4096: correct, and the memory the
