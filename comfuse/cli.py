@@ -79,7 +79,10 @@ def main(argv=None) -> int:
     p_bench.add_argument("--out", default="bench/results/latest", help="output folder")
     p_bench.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p_bench.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    p_bench.add_argument("--candidates", default="", help="comma-separated subset of candidates")
+    p_bench.add_argument("--candidates", default="",
+                         help="comma-separated candidates (default: all but inductor-reduce-overhead and "
+                              "comfuse-backend-reduce-overhead, torch.compile's CUDA-graph mode without and with "
+                              "comfuse, which run when named)")
     p_bench.add_argument("--only", default="", help="comma-separated subset of the suite's workloads")
     p_bench.add_argument("--shapes", default="",
                          help="paper suite: measure each workload at these M,K,N (';'-separated), e.g. 8191,1024,1024;8192,1024,768")

@@ -109,6 +109,31 @@ def test_run_case_reports_a_wrong_candidate_without_timing_it():
     assert c["tensorrt"]["status"] in ("unavailable", "not run")
 
 
+def test_reduce_overhead_candidates_run_by_name_and_report_their_own_ratio(monkeypatch):
+    """torch.compile(..., mode="reduce-overhead") with and without comfuse: asked for by name
+    (not in the default list), checked like any candidate, n/a under --graph on a GPU, and
+    reported side by side with their ratio."""
+    assert set(runner.GRAPH_MODE_CANDIDATES) <= set(runner.ALL_CANDIDATES)
+    assert not set(runner.GRAPH_MODE_CANDIDATES) & set(runner.DEFAULT_CANDIDATES)
+    x, w = torch.randn(64, 32), torch.randn(32, 48)
+    prog = workloads.Program("paper", "toy", (64, 32, 48), torch.float32, lambda x, w: torch.relu(x @ w) * 2.0,
+                             (x, w), 2 * 64 * 32 * 48, 1.0, gemm=lambda: x @ w)
+    row = runner.run_case(prog, list(runner.GRAPH_MODE_CANDIDATES), "cpu", progress=lambda s: None)
+    for name in runner.GRAPH_MODE_CANDIDATES:
+        assert row["candidates"][name]["status"] == "ok", row["candidates"][name]
+    row = runner.run_case(prog, list(runner.GRAPH_MODE_CANDIDATES), "cuda", progress=lambda s: None, graph=True)
+    assert all(row["candidates"][n]["status"] == "n/a" for n in runner.GRAPH_MODE_CANDIDATES)
+    case = _synthetic()
+    ok = case["candidates"]["inductor"]
+    case["candidates"]["inductor-reduce-overhead"] = {**ok, "median_ms": 0.6}
+    case["candidates"]["comfuse-backend-reduce-overhead"] = {**ok, "median_ms": 0.4}
+    assert report.derive(case)["reduce_overhead_speedup"] == pytest.approx(1.5)
+    assert report.derive(case)["best_baseline"] == "inductor-reduce-overhead"
+    md = report.markdown(_results(case))
+    assert "| reduce-overhead | torch.compile(comfuse, reduce-overhead) |" in md
+    assert "both in mode reduce-overhead (CUDA graphs): ln_postnorm 8192x1024x1024 1.50x" in md
+
+
 def test_run_case_survives_a_failing_candidate():
     x, w = torch.randn(4, 4), torch.randn(4, 4)
 

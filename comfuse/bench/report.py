@@ -12,8 +12,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-BASELINE_NAMES = ("eager", "inductor", "inductor-max-autotune", "sdpa")
+BASELINE_NAMES = ("eager", "inductor", "inductor-max-autotune", "inductor-reduce-overhead", "sdpa")
 LABELS = {"eager": "eager", "inductor": "torch.compile", "inductor-max-autotune": "max-autotune",
+          "inductor-reduce-overhead": "reduce-overhead",
+          "comfuse-backend-reduce-overhead": "torch.compile(comfuse, reduce-overhead)",
           "sdpa": "SDPA", "comfuse": "comfuse", "comfuse-backend": "torch.compile(comfuse)",
           "comfuse-graph": "comfuse kernels (CUDA graph)",
           "gemm": "GEMM alone", "epilogue": "epilogue alone"}
@@ -33,7 +35,10 @@ def derive(case: dict) -> dict:
     best = baselines.get(best_name) if best_name else None
     gemm = _ms(c.get("gemm"))
     epilogue = _ms(c.get("epilogue"))
+    ro, ro_base = _ms(c.get("comfuse-backend-reduce-overhead")), _ms(c.get("inductor-reduce-overhead"))
     d = {"best_baseline": best_name, "best_baseline_ms": best, "comfuse_ms": comfuse,
+         # (torch.compile's CUDA-graph mode with comfuse's regions against the same mode without)
+         "reduce_overhead_speedup": ro_base / ro if ro and ro_base else None,
          "speedup_vs_best": best / comfuse if best and comfuse else None,
          "speedups": {n: t / comfuse for n, t in baselines.items()} if comfuse else {},
          "gemm_ms": gemm, "comfuse_over_gemm": comfuse / gemm if comfuse and gemm else None,
@@ -98,6 +103,9 @@ def markdown(results: dict) -> str:
     cols = ["gemm", "eager", "inductor", "inductor-max-autotune", "sdpa", "comfuse", "comfuse-backend"]
     if any("comfuse-graph" in c["candidates"] for c in results["cases"]):
         cols.append("comfuse-graph")  # diagnostic only: not used in any speedup
+    for name in ("inductor-reduce-overhead", "comfuse-backend-reduce-overhead"):  # (asked for by name)
+        if any(name in c["candidates"] for c in results["cases"]):
+            cols.append(name)
     for suite in ("paper", "b2b", "attention", "models"):
         cases = [c for c in results["cases"] if c["suite"] == suite]
         if not cases:
@@ -125,6 +133,12 @@ def markdown(results: dict) -> str:
         g = geomean(derive(c)["speedup_vs_best"] for c in cases)
         if g:
             lines += ["", f"Geometric-mean speedup of comfuse over the best baseline: {g:.2f}x"]
+        ro = [d["reduce_overhead_speedup"] for d in map(derive, cases) if d["reduce_overhead_speedup"]]
+        if ro:
+            lines += ["", "torch.compile(comfuse) against torch.compile, both in mode reduce-overhead (CUDA graphs): "
+                      + ", ".join(f"{c['workload']} {'x'.join(map(str, c['shape']))} {d['reduce_overhead_speedup']:.2f}x"
+                                  for c, d in ((c, derive(c)) for c in cases) if d["reduce_overhead_speedup"])
+                      + f"; geometric mean {geomean(ro):.2f}x"]
         lines.append("")
     forced = sorted({n for c in results["cases"] for n in c["candidates"] if n.startswith("comfuse[")})
     if forced:

@@ -28,8 +28,13 @@ from .env import ceilings, environment
 from .timing import graphed, measure, measure_rounds
 
 BASELINES = ("eager", "inductor", "inductor-max-autotune")
-ALL_CANDIDATES = ("comfuse", "comfuse-graph", "comfuse-backend") + tuple(f"comfuse[{s}]" for s in SCHEDULES) + BASELINES + (
-    "gemm", "epilogue", "sdpa", "tensorrt")
+# torch.compile's CUDA-graph mode, for Inductor alone and with comfuse's regions: asked for by
+# name (--candidates), not run by default; under --graph they are n/a (every candidate is a
+# graph replay there already)
+GRAPH_MODE_CANDIDATES = ("inductor-reduce-overhead", "comfuse-backend-reduce-overhead")
+DEFAULT_CANDIDATES = ("comfuse", "comfuse-graph", "comfuse-backend") + tuple(f"comfuse[{s}]" for s in SCHEDULES) + \
+    BASELINES + ("gemm", "epilogue", "sdpa", "tensorrt")
+ALL_CANDIDATES = DEFAULT_CANDIDATES + GRAPH_MODE_CANDIDATES
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -92,6 +97,15 @@ def _candidate(name: str, prog: workloads.Program) -> tuple[Callable | None, dic
         torch._dynamo.reset()
         compiled = torch.compile(fn, backend="comfuse", dynamic=False)
         return (lambda: compiled(*args)), info
+    if name in GRAPH_MODE_CANDIDATES:  # torch.compile(..., mode="reduce-overhead"): Inductor's CUDA graphs
+        torch._dynamo.reset()
+        backend = "comfuse" if name.startswith("comfuse") else "inductor"
+        compiled = torch.compile(fn, backend=backend, mode="reduce-overhead", dynamic=False)
+
+        def replay():
+            torch.compiler.cudagraph_mark_step_begin()  # (the last call's outputs may be overwritten)
+            return compiled(*args)
+        return replay, info
     if name == "comfuse-graph":  # diagnostic: GPU time of comfuse's launches, Python excluded
         if not any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
             info.update(status="n/a", reason="CUDA graphs need a GPU")
@@ -149,6 +163,11 @@ def run_case(prog: workloads.Program, candidates, device: str, progress, repeat:
     ready = {}  # name -> callable, checked
     for name in candidates:
         t0 = time.perf_counter()
+        if graph and device == "cuda" and name in GRAPH_MODE_CANDIDATES:
+            row["candidates"][name] = info = {"status": "n/a", "reason": "--graph times every candidate as CUDA-graph "
+                                              "replays already"}
+            progress(f"    {name:24s} n/a: {info['reason']}")
+            continue
         try:
             call, info = _candidate(name, prog)
             if call is None:
@@ -228,7 +247,7 @@ def run(suite: str = "all", quick: bool = False, out_dir: str | Path = "bench/re
     if device == "cpu" and suite not in ("paper", "models"):
         raise SystemExit("comfuse bench --device cpu runs only --suite paper or models (small shapes "
                          "through Triton's interpreter, a smoke test of the harness, not a measurement)")
-    candidates = tuple(candidates or ALL_CANDIDATES)
+    candidates = tuple(candidates or DEFAULT_CANDIDATES)
     unknown = set(candidates) - set(ALL_CANDIDATES)
     if unknown:
         raise SystemExit(f"unknown candidates {sorted(unknown)}; choose from {', '.join(ALL_CANDIDATES)}")
