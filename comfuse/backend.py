@@ -458,7 +458,8 @@ def _compile_lowered(gm: fx.GraphModule, example_inputs, opts: dict, shapes: str
                       "fused regions (COMFUSE_STRICT=1 raises instead)", ComfuseWarning, stacklevel=4)
     with settings_mod.override(**opts["settings"]):
         try:
-            rewritten = lower(gm, example_inputs, opts["kinds"])
+            rewritten = lower(gm, example_inputs, opts["kinds"],
+                              warm=bool(opts.get("inductor", {}).get("triton.cudagraphs")))
         except Exception as e:  # capture or planning failed: the graph is still Inductor's
             failed("could not lower this graph", e)
             return None
@@ -567,9 +568,10 @@ def _static(example_inputs) -> tuple:
     return tuple(out)
 
 
-def lower(gm: fx.GraphModule, example_inputs, disabled_kinds=frozenset()):
+def lower(gm: fx.GraphModule, example_inputs, disabled_kinds=frozenset(), warm: bool = False):
     """The aten graph of ``gm`` with every fused region replaced by a ``comfuse::region``
-    call, or None when nothing fuses (or capture fails)."""
+    call, or None when nothing fuses (or capture fails). ``warm``: run the regions once now
+    even where autotuning is off (``_tune_now``)."""
     from .runtime.compiled import Specialization
 
     spec = Specialization(gm, _static(example_inputs), execute=False, disabled_kinds=disabled_kinds)
@@ -578,7 +580,7 @@ def lower(gm: fx.GraphModule, example_inputs, disabled_kinds=frozenset()):
     if spec.gm is None:
         return None
     graph = spec.gm.graph
-    _tune_now(spec.gm, example_inputs)
+    _tune_now(spec.gm, example_inputs, warm)
     for node in list(graph.nodes):
         if node.op != "call_module":
             continue
@@ -612,15 +614,23 @@ lower.last_report = None
 lower.saves_memory = False  # the last graph lowered keeps a region whose unfused ops would hold a huge tensor
 
 
-def _tune_now(gm: fx.GraphModule, example_inputs) -> None:
+def _tune_now(gm: fx.GraphModule, example_inputs, warm: bool = False) -> None:
     """Autotune every fused region at compile time, on Dynamo's real example inputs: the
     regions whose unfused ops win are then left in the graph for Inductor, which fuses
     them with their neighbours (inside a comfuse::region call they could not be). Skipped
     for fake or CPU inputs and for graphs that write to their inputs (running the graph
-    once more would repeat the writes); their regions tune on their first call instead."""
+    once more would repeat the writes); their regions tune on their first call instead.
+
+    ``warm`` (torch.compile's CUDA-graph modes): the call runs on a GPU even with autotuning
+    off, so that each kernel's first launch, which builds it and allocates the scratch it
+    keeps for later launches (a strip's workspace and arrival counters), happens here and
+    not inside Inductor's CUDA-graph warm-up, whose private memory pool must hold only the
+    tensors it tracks."""
     from .runtime import tuning
     tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
-    if not tensors or not tuning.enabled(tensors[0].device):  # "auto": GPUs only
+    if not tensors:
+        return
+    if not tuning.enabled(tensors[0].device) and not (warm and tensors[0].device.type == "cuda"):  # "auto": GPUs only
         return
     from torch._subclasses.fake_tensor import FakeTensor
     if any(isinstance(t, FakeTensor) for t in tensors) or _mutates(gm):
