@@ -574,10 +574,16 @@ class _Module:
         if keep and len(sources) == 1 and sources[0] != w.stored and not _is_tile(region, sources[0]) \
                 and region.nodes[sources[0]].axes == frozenset("MN") and w.keepable(sources[0], later):
             keep_now = x = sources[0]
-            L(f"v{x} = v{x}.to(gl.bfloat16)  # %{x}, rounded as eager's bf16 op rounds it, and kept for the later "
-              "passes", 3)
-            L(f"tile_smem.slice(c * CHUNK, CHUNK, dim=0).store(v{x})", 3)
-            L(f"v{x} = v{x}.to(gl.float32)", 3)
+            exact = x
+            while region.nodes[exact].op is Op.CAST and region.nodes[exact].arg == region.nodes[x].dtype:
+                exact = region.nodes[exact].src[0]
+            if exact in w.narrow and region.nodes[exact].dtype == torch.bfloat16:  # computed in bf16 already
+                L(f"tile_smem.slice(c * CHUNK, CHUNK, dim=0).store(h{exact})  # %{x}, kept for the later passes", 3)
+            else:
+                L(f"v{x} = bf16_pairs(v{x})  # %{x}, rounded as eager's bf16 op rounds it, and kept for the later "
+                  "passes", 3)
+                L(f"tile_smem.slice(c * CHUNK, CHUNK, dim=0).store(v{x})", 3)
+                L(f"v{x} = v{x}.to(gl.float32)", 3)
         for wi, r in enumerate(reds):
             slot = f"ws_ptr + (((strip * {E} + {e}) * {lay.width} + {wi}) * TILES_N + tn) * BM + c * CHUNK + rows"
             if r in lay.second:  # the tile's own moment about its max / mean (see merge_pairs)
@@ -810,7 +816,8 @@ class _Module:
             "",
             "from comfuse.codegen.gluon.strip import "
             + ("TILE_LAYOUT" if tile_n == 256 else "TILE_LAYOUT_N128 as TILE_LAYOUT")
-            + ", _load_residual, _mark, _mma_partition, _prefetch_l2, exp2_fast, exp_fast, expm1, log1p, tanh_fast",
+            + ", _load_residual, _mark, _mma_partition, _prefetch_l2, bf16_pairs, exp2_fast, exp_fast, expm1, log1p, "
+            "tanh_fast",
             "", "", ""])
         return header
 

@@ -122,6 +122,20 @@ def tanh_fast(x):
 
 
 @gluon.jit
+def bf16_pairs(x):
+    """x (fp32) rounded to bf16, to nearest even, two elements by one packed conversion
+    (cvt.rn.bf16x2.f32: its first operand goes to the high half, so the first element, $1,
+    is the second operand and lands in the low half, as a bf16x2 register holds element 0).
+    A kept value is stored into the hand-off buffer and also widened again for its pass's
+    sums; with that second use ``x.to(gl.bfloat16)`` compiled one element at a time
+    (cvt.rn.bf16.f32: 256 F2F a tile in LayerNorm's and multi-stage's keep passes, beside
+    multi-stage's 772 MUFU), where this form is 128 packed F2FP, the instruction the output
+    pass's stores already use. The same rounding, bit for bit."""
+    return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f", [x], dtype=gl.bfloat16,
+                                     is_pure=True, pack=2)
+
+
+@gluon.jit
 def log1p(x):
     """log(1 + x) in fp32, exact for small x (Kahan: log(u) * x / (u - 1) with u = 1 + x
     corrects u's rounding), as codegen/triton/helpers.log1p."""
