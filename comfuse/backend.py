@@ -224,7 +224,7 @@ def _options(options: dict | None, mode: str | None = None) -> dict:
     mode = options.pop("mode", mode)
     inductor = _inductor_config(mode)
     codegen = set(settings_mod.CODEGEN_SETTINGS) - {"schedule"}
-    known = {"mode", "disable", "schedule", "fuel", "autotune", "graph_check"} | codegen
+    known = {"disable", "schedule", "fuel", "autotune", "graph_check"} | codegen  # (mode: taken above)
     unknown = set(options) - known
     if unknown:
         raise ValueError(f"comfuse backend: unknown options {sorted(unknown)}; known: {sorted(known)}")
@@ -245,9 +245,10 @@ def _options(options: dict | None, mode: str | None = None) -> dict:
         overrides["graph_check"] = str(options["graph_check"])
     for name in sorted(codegen & set(options)):  # the code generator's settings, as their COMFUSE_* variables
         overrides[name] = settings_mod.coerce(name, options[name])
-    if inductor.get("triton.cudagraphs") and "COMFUSE_TUNE_TIMING" not in os.environ:
-        overrides["tune_timing"] = "graph"  # (the regions will run as graph replays: tune them so)
-    return {"kinds": set(kinds), "settings": overrides, "inductor": inductor}
+    cudagraphs = bool(inductor.get("triton.cudagraphs"))  # (the regions will run as graph replays)
+    if cudagraphs and "COMFUSE_TUNE_TIMING" not in os.environ:
+        overrides["tune_timing"] = "graph"
+    return {"kinds": set(kinds), "settings": overrides, "inductor": inductor, "cudagraphs": cudagraphs}
 
 
 def _inductor(gm: fx.GraphModule, example_inputs, opts: dict):
@@ -458,8 +459,7 @@ def _compile_lowered(gm: fx.GraphModule, example_inputs, opts: dict, shapes: str
                       "fused regions (COMFUSE_STRICT=1 raises instead)", ComfuseWarning, stacklevel=4)
     with settings_mod.override(**opts["settings"]):
         try:
-            rewritten = lower(gm, example_inputs, opts["kinds"],
-                              warm=bool(opts.get("inductor", {}).get("triton.cudagraphs")))
+            rewritten = lower(gm, example_inputs, opts["kinds"], warm=opts.get("cudagraphs", False))
         except Exception as e:  # capture or planning failed: the graph is still Inductor's
             failed("could not lower this graph", e)
             return None

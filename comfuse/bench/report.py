@@ -133,12 +133,12 @@ def markdown(results: dict) -> str:
         g = geomean(derive(c)["speedup_vs_best"] for c in cases)
         if g:
             lines += ["", f"Geometric-mean speedup of comfuse over the best baseline: {g:.2f}x"]
-        ro = [d["reduce_overhead_speedup"] for d in map(derive, cases) if d["reduce_overhead_speedup"]]
+        ro = [(c, derive(c)["reduce_overhead_speedup"]) for c in cases]
+        ro = [(c, r) for c, r in ro if r]
         if ro:
             lines += ["", "torch.compile(comfuse) against torch.compile, both in mode reduce-overhead (CUDA graphs): "
-                      + ", ".join(f"{c['workload']} {'x'.join(map(str, c['shape']))} {d['reduce_overhead_speedup']:.2f}x"
-                                  for c, d in ((c, derive(c)) for c in cases) if d["reduce_overhead_speedup"])
-                      + f"; geometric mean {geomean(ro):.2f}x"]
+                      + ", ".join(f"{c['workload']} {'x'.join(map(str, c['shape']))} {r:.2f}x" for c, r in ro)
+                      + f"; geometric mean {geomean(r for _, r in ro):.2f}x"]
         lines.append("")
     forced = sorted({n for c in results["cases"] for n in c["candidates"] if n.startswith("comfuse[")})
     if forced:

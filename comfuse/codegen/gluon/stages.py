@@ -104,11 +104,19 @@ def narrow_nodes(region: Region, in_buffer=None) -> frozenset:
     return frozenset(out)
 
 
+def _uncast(region: Region, i: int, same_dtype: bool = False) -> int:
+    """The node under node i's floating-point casts (``same_dtype``: only casts to i's own
+    dtype, which change no value)."""
+    dtype = region.nodes[i].dtype
+    while region.nodes[i].op is Op.CAST and region.nodes[i].arg.is_floating_point and \
+            (not same_dtype or region.nodes[i].arg == dtype):
+        i = region.nodes[i].src[0]
+    return i
+
+
 def _is_tile(region: Region, i: int) -> bool:
     """Whether node i is the GEMM's tile itself (through floating-point casts)."""
-    while region.nodes[i].op is Op.CAST and region.nodes[i].arg.is_floating_point:
-        i = region.nodes[i].src[0]
-    return region.nodes[i].op is Op.ACC
+    return region.nodes[_uncast(region, i)].op is Op.ACC
 
 
 def merge_pairs(region: Region) -> tuple:
@@ -574,9 +582,7 @@ class _Module:
         if keep and len(sources) == 1 and sources[0] != w.stored and not _is_tile(region, sources[0]) \
                 and region.nodes[sources[0]].axes == frozenset("MN") and w.keepable(sources[0], later):
             keep_now = x = sources[0]
-            exact = x
-            while region.nodes[exact].op is Op.CAST and region.nodes[exact].arg == region.nodes[x].dtype:
-                exact = region.nodes[exact].src[0]
+            exact = _uncast(region, x, same_dtype=True)
             if exact in w.narrow and region.nodes[exact].dtype == torch.bfloat16:  # computed in bf16 already
                 L(f"tile_smem.slice(c * CHUNK, CHUNK, dim=0).store(h{exact})  # %{x}, kept for the later passes", 3)
             else:
