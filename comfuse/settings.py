@@ -140,6 +140,13 @@ class Settings:
     # (LayerNorm's saved mean and rstd in a training graph), written by each strip's first tile
     # (experimental: correct on the H200 since the eighteenth session, not yet timed).
     ws_row_outputs: bool
+    # COMFUSE_WS_ROLL=1: a ws_stages epilogue's passes loop over their chunks at run time
+    # rather than unrolled (strip.chunk_view: a chunk of the hand-off tile by a run-time index).
+    # Unrolled, multi-stage's epilogue partition is 7 740 SASS instructions, and Nsight Compute
+    # (twenty-first session) put a third of its warps' stall samples on instructions not yet
+    # fetched (no_inst), 56 % with nothing kept. Needs 8 lanes a row with 8 adjacent columns a
+    # lane (the default) and no lookahead; elsewhere the passes stay unrolled.
+    ws_roll: bool
     # COMFUSE_WS_TILE_N=128 (experimental, not yet run on a GPU): ws_stages kernels on 128x128
     # tiles, the mainloop in one warpgroup (4 warps: the same 128 accumulator registers a thread
     # as two warpgroups on 128x256) beside 8 epilogue warps, 12 warps at 168 registers. Twice
@@ -187,7 +194,7 @@ class Settings:
 CODEGEN_SETTINGS = ("row_budget", "schedule", "mainloop", "prefetch", "overlap", "persistent", "ws_merge",
                     "ws_lanes", "ws_tma_store", "ws_tail",
                     "ws_res_tma", "ws_lookahead", "ws_keep", "ws_l2_prefetch", "ws_vec", "ws_narrow", "ws_exp_fma", "ws_row_outputs",
-                    "ws_tile_n")
+                    "ws_tile_n", "ws_roll")
 
 _overrides: dict[str, object] = {}
 
@@ -200,7 +207,7 @@ _ENV_NAMES = ("COMFUSE_STRICT", "COMFUSE_DISABLE", "COMFUSE_CACHE_DIR", "XDG_CAC
               "COMFUSE_WS_LANES", "COMFUSE_WS_TMA_STORE", "COMFUSE_WS_TAIL",
               "COMFUSE_WS_RES_TMA", "COMFUSE_WS_LOOKAHEAD", "COMFUSE_WS_KEEP", "COMFUSE_WS_L2_PREFETCH",
               "COMFUSE_WS_VEC", "COMFUSE_WS_NARROW", "COMFUSE_WS_EXP_FMA", "COMFUSE_WS_ROW_OUTPUTS",
-              "COMFUSE_WS_TILE_N")
+              "COMFUSE_WS_TILE_N", "COMFUSE_WS_ROLL")
 # (every variable _read reads: the memo's key; tests/test_settings... checks the list is whole)
 _ENV_KEYS = tuple(os.environ.encodekey(n) if hasattr(os.environ, "encodekey") else n for n in _ENV_NAMES)
 _memo: dict[tuple, Settings] = {}
@@ -250,6 +257,7 @@ def _read() -> Settings:
         ws_narrow=_flag("COMFUSE_WS_NARROW", False),
         ws_exp_fma=_flag("COMFUSE_WS_EXP_FMA", False),
         ws_row_outputs=_flag("COMFUSE_WS_ROW_OUTPUTS", False),
+        ws_roll=_flag("COMFUSE_WS_ROLL", False),
         ws_tile_n=_int("COMFUSE_WS_TILE_N", 256),
         persistent=_flag("COMFUSE_PERSISTENT", False),
         fuel=_int("COMFUSE_FUEL", -1),

@@ -85,6 +85,7 @@ FLAGS = {
     "e": ("exp by one FFMA", dict(ws_exp_fma=True)),  # exp(x - a row's max)
     "w": ("128-wide tiles, 4 + 8 warps", dict(ws_tile_n=128)),  # one mainloop warpgroup, 8 epilogue warps
     "q": ("a 3-slot ring", {}),  # STAGES = 3 (128-wide tiles take 4)
+    "o": ("passes not unrolled", dict(ws_roll=True)),  # a run-time loop over the chunks (strip.chunk_view)
 }
 FORM = "LANES[" + "][".join(FLAGS) + "][hROWS]"
 
@@ -112,7 +113,8 @@ def variant_of(spec: str):
             options = dict(options, STAGES=3)
         return grid, options
     settings = dict(ws_lanes=lanes, ws_tma_store=False, ws_res_tma=False, ws_tail=tail, ws_lookahead=False,
-                    ws_keep=True, ws_l2_prefetch=False, ws_vec=0, ws_narrow=False, ws_exp_fma=False, ws_tile_n=256)
+                    ws_keep=True, ws_l2_prefetch=False, ws_vec=0, ws_narrow=False, ws_exp_fma=False, ws_tile_n=256,
+                    ws_roll=False)
     for f in FLAGS:
         if f in flags:
             settings.update(FLAGS[f][1])

@@ -549,6 +549,21 @@ def test_generated_kernel_with_exp_by_one_fma_matches_the_reference(name, shape,
     forced_schedule_matches(name, shape, "ws_stages", 20, ws_lanes=8, ws_exp_fma=True, **form)
 
 
+@pytest.mark.parametrize("name, form", [("multi_stage", {}), ("ln_postnorm", {}), ("rmsnorm", {}), ("softmax", {}),
+                                        ("mblr", {}), ("multi_stage", dict(ws_tail=96)), ("softmax", dict(ws_tail=96)),
+                                        ("ln_postnorm", dict(ws_res_tma=True, ws_keep=False, ws_tail=96)),
+                                        ("ln_postnorm", dict(ws_tma_store=True)), ("mblr", dict(ws_narrow=True))],
+                         ids=["multi_stage", "ln_postnorm", "rmsnorm", "softmax", "mblr", "multi_stage-tail96",
+                              "softmax-tail96", "ln_postnorm-res_tma-nothing_kept-tail96", "ln_postnorm-tma_store",
+                              "mblr-narrow"])
+@pytest.mark.parametrize("shape", [(8192, 1024, 1024), (2048, 1024, 3072)], ids=["paper", "N3072"])
+def test_generated_kernel_with_passes_not_unrolled_matches_the_reference(name, shape, form):
+    """COMFUSE_WS_ROLL=1: each epilogue pass a run-time loop over its chunks, a chunk of the
+    hand-off tile read and written as its 64-column pieces (strip.chunk_view: the pieces' place
+    in the NVMMA layout is what this checks, which the CPU's emulation takes as given)."""
+    forced_schedule_matches(name, shape, "ws_stages", 20, ws_lanes=8, ws_roll=True, **form)
+
+
 @pytest.mark.parametrize("name, form", [("rmsnorm", {}), ("softmax", {}), ("multi_stage", dict(ws_tail=64)),
                                         ("ln_postnorm", {}), ("mblr", dict(ws_tail=96)),
                                         ("ln_postnorm", dict(ws_res_tma=True, ws_keep=False, ws_tail=64))],

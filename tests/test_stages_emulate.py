@@ -46,6 +46,11 @@ FORMS = {  # name -> the settings of one form of the generated kernel
     # 128-wide tiles: 4 mainloop warps, 8 epilogue warps (COMFUSE_WS_TILE_N=128)
     "tile128": dict(ws_tile_n=128), "tile128-tail96": dict(ws_tile_n=128, ws_tail=96),
     "tile128-res_tma-nothing_kept-tail64": dict(ws_tile_n=128, ws_res_tma=True, ws_keep=False, ws_tail=64),
+    # each pass a run-time loop over its chunks (COMFUSE_WS_ROLL; strip.chunk_view's pieces)
+    "roll": dict(ws_roll=True), "roll-tail96": dict(ws_roll=True, ws_tail=96),
+    "roll-res_tma-nothing_kept-tail96": dict(ws_roll=True, ws_res_tma=True, ws_keep=False, ws_tail=96),
+    "roll-narrow": dict(ws_roll=True, ws_narrow=True), "roll-tma_store": dict(ws_roll=True, ws_tma_store=True),
+    "roll-tile128-tail96": dict(ws_roll=True, ws_tile_n=128, ws_tail=96),
 }
 
 

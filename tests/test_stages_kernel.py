@@ -135,7 +135,10 @@ def test_generated_kernels_compile_for_sm90():
                                  ("softmax_merged_expfma", cases["softmax"]),
                                  ("ln_postnorm_merged_tile128", cases["ln_postnorm"]),
                                  ("multi_stage_merged_tail_tile128", cases["multi_stage"]),
-                                 ("ln_postnorm_merged_res_nokeep_tail_tile128", cases["ln_postnorm"])]:
+                                 ("ln_postnorm_merged_res_nokeep_tail_tile128", cases["ln_postnorm"]),
+                                 ("softmax_merged_vec8_roll", cases["softmax"]),
+                                 ("multi_stage_merged_tail_vec8_roll", cases["multi_stage"]),
+                                 ("ln_postnorm_merged_res_nokeep_tail_vec8_roll", cases["ln_postnorm"])]:
             (cand,) = find_regions(capture(fn, args))
             with settings.override(schedule="ws_stages", ws_merge="_merged" in name, ws_tma_store=name.endswith("_tma"),
                                    ws_tail=96 if "_tail" in name else 0, ws_vec=8 if "_vec8" in name else 0,
@@ -143,7 +146,7 @@ def test_generated_kernels_compile_for_sm90():
                                    ws_res_tma="_res" in name, ws_lookahead=name.endswith("_ahead"),
                                    ws_keep="_nokeep" not in name, ws_l2_prefetch=name.endswith("_l2"),
                                    ws_narrow=name.endswith("_narrow"), ws_exp_fma=name.endswith("_expfma"),
-                                   ws_tile_n=128 if name.endswith("_tile128") else 256):
+                                   ws_tile_n=128 if name.endswith("_tile128") else 256, ws_roll=name.endswith("_roll")):
                 p = plan(cand.region, target="cuda")
             k = compile_sm90(p)
             regs = sorted(set(int(v) for v in re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+);",
@@ -152,7 +155,7 @@ def test_generated_kernels_compile_for_sm90():
             out[name] = dict(resources(k.asm["cubin"]), smem=k.metadata.shared, setmaxnreg=regs,
                              kmajor=p.region.gemm.b.major, epilogue=epilogue, epi_regs=EPI_REGS[p.epi_warps],
                              warps=[p.num_warps, p.epi_warps, p.block_n],
-                             scalar_bf16=k.asm["ptx"].count("cvt.rn.bf16.f32"))
+                             scalar_bf16=k.asm["ptx"].count("cvt.rn.bf16.f32"), roll=p.roll)
         print(json.dumps(out))
     """)
     result = run_compiler_script(script)
@@ -181,6 +184,12 @@ def test_generated_kernels_compile_for_sm90():
     # LayerNorm's before, 2026-12-01)
     for name in ("multi_stage_merged", "ln_postnorm_merged", "ln_postnorm_merged_narrow"):
         assert result[name]["scalar_bf16"] == 0, (name, result[name]["scalar_bf16"])
+    # passes not unrolled (COMFUSE_WS_ROLL): softmax's epilogue partition a fifth of the
+    # instructions (3 817 -> 747, sm_90, 2026-12-02)
+    assert all(result[name]["roll"] == name.endswith("_roll") for name in result)
+    plain, rolled = result["softmax_merged_vec8"]["epilogue"], result["softmax_merged_vec8_roll"]["epilogue"]
+    if plain and rolled:
+        assert rolled[0] < 0.3 * plain[0], (plain, rolled)
     for name, info in result.items():
         assert info["smem"] <= 227 * 1024, (name, info)
         assert info["epi_regs"] in info["setmaxnreg"], (name, info)
@@ -278,8 +287,14 @@ def test_the_last_tile_shared_with_the_mainloop_warps():
     plain = suite_plan("rmsnorm", merge=True)
     assert plain.tail == 0 and "_main(" not in source_text(plain, "k")
     offered = [q for q in candidates(plain.region, target="cuda") if q.schedule == "ws_stages"]
-    # (8 lanes: the planner's choice; 8 lanes with a shared last tile a third candidate)
-    assert [(q.lanes, q.tail) for q in offered] == [(8, 0), (32, 0), (8, 96)]
+    # (8 lanes: the planner's choice; 8 lanes with a shared last tile a third candidate; those
+    # two with each pass a loop over its chunks, COMFUSE_WS_ROLL, the last two)
+    assert [(q.lanes, q.tail, q.roll) for q in offered] == [(8, 0, False), (32, 0, False), (8, 96, False),
+                                                             (8, 0, True), (8, 96, True)]
+    assert "each pass a loop over its chunks, not unrolled" in offered[-1].describe()
+    with settings.override(ws_roll=True):  # (then the planner's choice, and no unrolled twin)
+        assert [(q.lanes, q.tail, q.roll) for q in candidates(plain.region, target="cuda")
+                if q.schedule == "ws_stages"] == [(8, 0, True), (32, 0, False), (8, 96, True)]
     with settings.override(ws_tail=96):
         p = suite_plan("rmsnorm", merge=True)
         assert [q.tail for q in candidates(plain.region, target="cuda") if q.schedule == "ws_stages"] == [96, 96]
@@ -306,13 +321,14 @@ def test_a_residual_adds_a_candidate_with_it_by_tma_and_nothing_kept():
     where the region has no residual, nor where a setting names the residual's form."""
     offered = [q for q in candidates(suite_plan("ln_postnorm", merge=True).region, target="cuda")
                if q.schedule == "ws_stages"]
-    assert [(q.lanes, q.tail, q.res_tma, q.keep) for q in offered] == \
+    assert [(q.lanes, q.tail, q.res_tma, q.keep) for q in offered][:4] == \
         [(8, 0, False, True), (32, 0, False, True), (8, 96, False, True), (8, 96, True, False)]
-    assert "the residual by TMA" in offered[-1].describe() and "nothing kept" in offered[-1].describe()
+    assert "the residual by TMA" in offered[3].describe() and "nothing kept" in offered[3].describe()
+    assert [(q.tail, q.roll) for q in offered[4:]] == [(0, True), (96, True)]  # (see the test above)
     assert not any(q.res_tma for q in candidates(suite_plan("rmsnorm", merge=True).region, target="cuda"))
     with settings.override(ws_res_tma=True):
         assert len([q for q in candidates(suite_plan("ln_postnorm", merge=True).region, target="cuda")
-                    if q.schedule == "ws_stages"]) == 3
+                    if q.schedule == "ws_stages"]) == 5
 
 
 def test_the_residual_by_tma_into_the_hand_off_buffer():

@@ -87,6 +87,9 @@ class Plan:
     # ws_stages: exp(x - a row's value) as one FFMA and an ex2 an element (COMFUSE_WS_EXP_FMA,
     # experimental)
     exp_fma: bool = False
+    # ws_stages: each epilogue pass a run-time loop over its chunks rather than unrolled
+    # (COMFUSE_WS_ROLL; only at 8 lanes a row with 8 adjacent columns a lane, no lookahead)
+    roll: bool = False
 
     @property
     def epi_warps(self) -> int:
@@ -112,7 +115,8 @@ class Plan:
                     f"{'; [M, N] inputs prefetched into L2 a tile ahead' if self.l2_prefetch else ''}"
                     f"{f'; {self.vec} adjacent columns a lane at a time' if self.vec else ''}"
                     f"{'; 16-bit adds and products in 16 bits' if self.narrow else ''}"
-                    f"{'; exp(x - row max) by one FFMA' if self.exp_fma else ''}")
+                    f"{'; exp(x - row max) by one FFMA' if self.exp_fma else ''}"
+                    f"{'; each pass a loop over its chunks, not unrolled' if self.roll else ''}")
         if self.schedule == "ws_split":
             return (f"ws_split: warp-specialised Gluon template computing the {self.template.describe()}; "
                     f"persistent grid of {self.block_m}x{self.block_n}x{self.block_k} tiles in grouped order, TMA "
@@ -448,7 +452,8 @@ def stages_options(settings) -> dict:
     return dict(merge=settings.ws_merge, lanes=settings.ws_lanes or 8, tma_store=settings.ws_tma_store,
                 tail=settings.ws_tail, res_tma=settings.ws_res_tma, lookahead=settings.ws_lookahead,
                 keep=settings.ws_keep, row_outputs=settings.ws_row_outputs, l2_prefetch=settings.ws_l2_prefetch,
-                vec=settings.ws_vec, narrow=settings.ws_narrow, exp_fma=settings.ws_exp_fma, tile_n=settings.ws_tile_n)
+                vec=settings.ws_vec, narrow=settings.ws_narrow, exp_fma=settings.ws_exp_fma, tile_n=settings.ws_tile_n,
+                roll=settings.ws_roll)
 
 
 def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple, target: str,
@@ -456,7 +461,7 @@ def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple,
                          tma_store: bool = False, tail: int = 0, res_tma: bool = False,
                          lookahead: bool = False, keep: bool = True, row_outputs: bool = False,
                          l2_prefetch: bool = False, vec: int = 0, narrow: bool = False,
-                         exp_fma: bool = False, tile_n: int = 256) -> Plan | NotFused:
+                         exp_fma: bool = False, tile_n: int = 256, roll: bool = False) -> Plan | NotFused:
     """The ws_stages plan for ``region`` (row form), or why the generated Gluon kernel does
     not apply; ``merge``: moment and online-softmax pairs share an exchange (COMFUSE_WS_MERGE, on
     by default)."""
@@ -507,7 +512,17 @@ def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple,
                 res_tma=res_tma, lookahead=lookahead, keep=keep, l2_prefetch=l2_prefetch and bool(fetched),
                 vec=0 if vec == tile_n // lanes else vec,
                 narrow=narrow and bool(narrow_nodes(region, in_buffer)),
-                exp_fma=exp_fma and any(n.op is Op.EXP for n in region.nodes))
+                exp_fma=exp_fma and any(n.op is Op.EXP for n in region.nodes),
+                # (strip.chunk_load joins a chunk's 64-column pieces in registers: a row's lanes
+                # must span exactly one piece)
+                roll=roll and rollable(lanes, vec or tile_n // lanes, lookahead))
+
+
+def rollable(lanes: int, vec: int, lookahead: bool) -> bool:
+    """Whether a ws_stages epilogue's passes can loop over their chunks at run time
+    (``Plan.roll``): strip.chunk_load joins a chunk's 64-column pieces in registers, so a row's
+    lanes must span one piece, and a pass that loads a chunk ahead is unrolled."""
+    return lanes * vec == 64 and not lookahead
 
 
 def template_offers(region: Region, sm_count: int = 132) -> list:
@@ -606,7 +621,8 @@ def candidates(region: Region, target: str = "cuda", settings=None, sm_count: in
         if isinstance(gen, Plan):  # both row layouts of its epilogue, unless COMFUSE_WS_LANES names one
             # (without COMFUSE_WS_LANES gen has 8 lanes; at 32 a thread's 8 columns are all its own)
             # (and 128-wide tiles take 8 lanes only)
-            out += [gen] if settings.ws_lanes or gen.block_n != 256 else [gen, dataclasses.replace(gen, lanes=32, vec=0)]
+            out += [gen] if settings.ws_lanes or gen.block_n != 256 else [gen, dataclasses.replace(gen, lanes=32, vec=0,
+                                                                                                    roll=False)]
             # (on 128-wide tiles 64 rows, not 96: 4 mainloop warps beside 8 epilogue warps; a
             # guess from the warps' ratio, not yet timed)
             shared = 96 if gen.block_n == 256 else 64
@@ -628,6 +644,14 @@ def candidates(region: Region, target: str = "cuda", settings=None, sm_count: in
                                                                 keep=False, l2_prefetch=False))
                     if isinstance(alt, Plan) and alt.res_tma:
                         out.append(alt)
+                # and the first and third with each pass a loop over its chunks, not unrolled
+                # (H200, twenty-first session, sustained, x cuBLAS's GEMM, with the shared tile:
+                # at 8192x1024x1024 multi-stage 1.871x -> 1.587x, RMSNorm 1.152x -> 1.089x,
+                # softmax and LayerNorm within 1 %; at 8192x4096x4096 1-4 % slower; 128-wide
+                # tiles' two pieces a chunk not yet run on a GPU)
+                if gen.block_n == 256 and not gen.roll and \
+                        rollable(gen.lanes, gen.vec or gen.block_n // gen.lanes, gen.lookahead):
+                    out += [dataclasses.replace(gen, roll=True), dataclasses.replace(gen, tail=shared, roll=True)]
         if first.schedule == "split":  # a loss over wide rows: the template's terminal kind
             lse = lse_template_plan(first.region, first.transposed, first.stages, first.forms, target)
             if isinstance(lse, Plan):

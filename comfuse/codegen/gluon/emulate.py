@@ -51,10 +51,25 @@ class _Ptr:
 
 
 class _Smem:
-    """A shared-memory buffer or a view of one: ``slice``, ``index``, ``load``, ``store``."""
+    """A shared-memory buffer or a view of one: ``slice``, ``index``, ``load``, ``store``, and
+    ``_reinterpret`` for the two views the generated kernels take (``_Pieces``, ``_Rows``)."""
+
+    layout = None
 
     def __init__(self, t: torch.Tensor):
         self.t = t
+
+    @property
+    def shape(self):
+        return list(self.t.shape)
+
+    def _reinterpret(self, dtype, shape, layout=None):
+        shape = [int(v) for v in shape]
+        if len(shape) == 3 and self.t.dim() == 2:  # strip.chunk_view: [pieces * chunks, CHUNK, 64]
+            return _Pieces(self.t, shape)
+        if len(shape) == 2 and self.t.is_contiguous() and self.t.numel() == shape[0] * shape[1]:
+            return _Smem(self.t.view(shape))  # the statistics' rows a chunk at a time
+        raise NotImplementedError(f"emulate: a {list(self.t.shape)} buffer as {shape}")
 
     def slice(self, start, size, dim=0):
         return _Smem(self.t.narrow(dim, int(start), int(size)))
@@ -67,6 +82,26 @@ class _Smem:
 
     def store(self, value):
         self.t.copy_(torch.as_tensor(value).to(self.t.dtype).expand_as(self.t))
+
+
+class _Pieces(_Smem):
+    """strip.chunk_view over a [BM, BN] tile: piece b * (BM / CHUNK) + c is rows [c * CHUNK,
+    (c + 1) * CHUNK) of columns [64 b, 64 b + 64), a view of the tile (the bytes the NVMMA
+    layout puts there on the GPU, strip.PIECE)."""
+
+    def __init__(self, tile: torch.Tensor, shape):
+        self.tile, self._shape = tile, shape
+        self.t = None
+
+    @property
+    def shape(self):
+        return list(self._shape)
+
+    def index(self, i):
+        chunks = self.tile.shape[0] // self._shape[1]
+        b, c = divmod(int(i), chunks)
+        rows, cols = self._shape[1], self._shape[2]
+        return _Smem(self.tile[c * rows:(c + 1) * rows, b * cols:(b + 1) * cols])
 
 
 def _tensor(x, like=None):
@@ -137,6 +172,26 @@ class _Gl:
             old = int(ptr.base[i])
             ptr.base[i] = old + int(value)
         return old
+
+    @staticmethod
+    def join(a, b):
+        return torch.stack([a, b], dim=-1)
+
+    @staticmethod
+    def split(x):
+        return x[..., 0], x[..., 1]
+
+    @staticmethod
+    def permute(x, dims):
+        return x.permute(*[int(d) for d in dims])
+
+    @staticmethod
+    def reshape(x, shape):
+        return x.reshape([int(v) for v in shape])
+
+    @staticmethod
+    def convert_layout(x, layout=None):
+        return x
 
     @staticmethod
     def thread_barrier():
@@ -319,6 +374,7 @@ def _module_env(module, em: _Emulation):
     gl.zeros = lambda shape, dtype, layout=None: torch.zeros([int(v) for v in shape], dtype=dtype)
     gl.SwizzledSharedLayout = gl.BlockedLayout
     gl.warp_specialize = warp_specialize
+    from . import strip
     env = dict(vars(module))
     for key, value in vars(module).items():  # (the module's own and those it imports from strip.py)
         if hasattr(value, "fn") and key not in STANDINS:
@@ -329,7 +385,8 @@ def _module_env(module, em: _Emulation):
                exp_fast=torch.exp, exp2_fast=torch.exp2, tanh_fast=torch.tanh, _mark=lambda *a: None,
                bf16_pairs=lambda x: x.to(torch.bfloat16),
                _prefetch_l2=lambda *a: None,  # (a hint: no value depends on it)
-               _mma_partition=mma_partition, _load_residual=load_residual, LOG2E=1.4426950408889634)
+               _mma_partition=mma_partition, _load_residual=load_residual, LOG2E=1.4426950408889634,
+               PIECE=int(strip.PIECE))  # (strip.py's constants its rebound helpers read)
     return env
 
 

@@ -203,6 +203,8 @@ class _Writer:
     def __init__(self, region: Region, lay: Layout):
         self.region, self.lay = region, lay
         self.lines: list[str] = []
+        self.roll = False  # passes loop over their chunks at run time (``emit``'s roll)
+        self.rolled = False  # emitting a pass's loop body, not unrolled (``_Module.roll``): one level in
         self.stored = None  # the node the hand-off buffer holds in place of the GEMM's tile, if any
         self.in_buffer = None  # the [M, N] input the mainloop adds into the tile (``tma_residual``), if any
         self.loaded: dict = {}  # [M, N] input -> the variable holding this chunk's values, loaded ahead
@@ -211,6 +213,11 @@ class _Writer:
         self.exp_fma = False  # exp(x - row value) as one FFMA and an ex2 (``exp_of``)
 
     def line(self, text: str, indent: int) -> None:
+        if self.rolled:  # (the unrolled body sits under its ``if`` at 3; a line at 2 or less ends it)
+            if indent <= 2:
+                self.rolled = False
+            else:
+                indent -= 1
         self.lines.append("    " * indent + text)
 
     def closure(self, targets) -> list[int]:
@@ -258,6 +265,8 @@ class _Writer:
             if self.region.nodes[b].axes <= frozenset("M") and i not in self.narrow:
                 return self.exp_of(self.ref(a), self.ref(b))
         if op in REDUCE:  # a statistic of an earlier exchange
+            if self.roll:
+                return f"stat_rows.index({self.lay.slot[i][2]} * (BM // CHUNK) + c).load(row_l)[:, None]"
             return f"stat_smem.index({self.lay.slot[i][2]}).slice(c * CHUNK, CHUNK).load(row_l)[:, None]"
         if op is Op.ACC:
             return "acc"
@@ -404,7 +413,8 @@ def tma_storable(region: Region) -> str:
 
 def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool = False,
          tma_store: bool = False, tail: int = 0, residual=None, lookahead: bool = False,
-         l2_prefetch: bool = False, narrow: bool = False, exp_fma: bool = False, tile_n: int = 256) -> str:
+         l2_prefetch: bool = False, narrow: bool = False, exp_fma: bool = False, tile_n: int = 256,
+         roll: bool = False) -> str:
     """The generated module's source: ``{name}`` (the kernel), ``{name}_epilogue`` (its
     partition) and ``{name}_tile`` (one tile's epilogue, by a group of warps over some of its
     chunks); ``pairs``: the merged exchanges (``merge_pairs``); ``keep``: an exchange's value,
@@ -421,7 +431,13 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
     (strip._prefetch_l2); ``narrow``: the 16-bit-typed adds and products whose operands come in
     that type computed in it (``narrow_nodes``), not in fp32; ``exp_fma``: exp(x - a row's
     value) as one FFMA and an ex2 an element (``_Writer.exp_of``); ``tile_n``: the tiles' width
-    (the kernel takes BN as a constexpr; only the hand-off buffer's layout, imported, differs)."""
+    (the kernel takes BN as a constexpr; only the hand-off buffer's layout, imported, differs);
+    ``roll``: each pass a loop over its chunks at run time, not unrolled (the kernel's epilogue
+    then takes an eighth of the instructions: unrolled, multi-stage's was 7 740 SASS instructions,
+    and a third of its warps' stall samples on the H200 were for instructions not yet fetched);
+    it needs a row's lanes to span 64 columns (VEC * LANES_N == 64) and no ``lookahead``."""
+    if roll and lookahead:
+        raise ValueError("ws_stages: a pass that loads the next chunk ahead is unrolled (roll without lookahead)")
     if tile_n not in (256, 128):
         raise ValueError(f"ws_stages: tiles {tile_n} columns wide: 256 or 128")
     if tail and tma_store:
@@ -443,7 +459,8 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
     ins = [f"in{j}_ptr" for j in range(len(region.inputs))]
     outs = [f"out{k}_ptr" for k in range(len(region.outputs))]
     ptrs = ", ".join(ins + outs + (["r_desc"] if residual is not None else []) + (["o_desc"] if tma_store else []))
-    m = _Module(region, lay, w, name, ptrs, keep, tma_store, tail, residual, lookahead, l2_prefetch)
+    m = _Module(region, lay, w, name, ptrs, keep, tma_store, tail, residual, lookahead, l2_prefetch, roll)
+    w.roll = roll
     m.tile()
     m.epilogue()
     if tail:
@@ -466,10 +483,27 @@ class _Module:
     residual: object  # the [M, N] input the mainloop adds into the tile (tma_residual), or None
     lookahead: bool = False  # each chunk issues the next one's loads first (chunk_head)
     l2_prefetch: bool = False  # the next tile's [M, N] inputs into L2 (epilogue)
+    roll: bool = False  # each pass a run-time loop over its chunks (strip.chunk_view), not unrolled
+
+    def read(self) -> str:
+        """Chunk c of the hand-off buffer, as it holds it (bf16)."""
+        if self.roll:
+            return "chunk_load(view, c, layout, PIECES)"
+        return "tile_smem.slice(c * CHUNK, CHUNK, dim=0).load(layout)"
+
+    def write(self, value: str) -> str:
+        """A bf16 [CHUNK, BN] value written over chunk c of the hand-off buffer."""
+        if self.roll:
+            return f"chunk_store(view, c, {value}, layout, PIECES)"
+        return f"tile_smem.slice(c * CHUNK, CHUNK, dim=0).store({value})"
 
     @property
     def E(self) -> int:
         return len(self.lay.exchanges)
+
+    @property
+    def stat_slots(self) -> int:  # (stat_smem's rows: one per statistic)
+        return max(len(self.lay.slot), 1)
 
     @property
     def RES(self) -> int:  # (strip._mma_partition: 2, the buffer holds the tile's residual)
@@ -504,6 +538,12 @@ class _Module:
         L("row_l: gl.constexpr = gl.SliceLayout(1, layout)", 1)
         L("rows = gl.arange(0, CHUNK, layout=row_l)", 1)
         L("cols = gl.arange(0, BN, layout=gl.SliceLayout(0, layout))", 1)
+        if self.roll:
+            # (VEC * LANES_N == 64: a row's lanes span one 64-column block of the buffer)
+            L("PIECES: gl.constexpr = BN // 64", 1)
+            L("view = chunk_view(tile_smem, CHUNK)  # chunk c by a run-time index", 1)
+            L(f"stat_rows = stat_smem._reinterpret(gl.float32, [{self.stat_slots} * (BM // CHUNK), CHUNK], "
+              "gl.SwizzledSharedLayout(1, 1, 1, [0]))", 1)
         if self.tail:
             # both groups combine the strip's partials of the shared tile and write the same
             # stat_smem places, so the sums must agree to the bit whatever WARPS: each thread
@@ -539,16 +579,20 @@ class _Module:
         reads = sorted({self.region.nodes[i].arg for i in nodes if self.region.nodes[i].op is Op.INPUT
                         and self.region.inputs[self.region.nodes[i].arg].axes == frozenset("MN")
                         and self.region.nodes[i].arg != w.in_buffer})
-        L("for c in gl.static_range(BM // CHUNK):", 1)
-        L("if (c_lo <= c) & (c < c_hi):", 2)
+        if self.roll:  # (the body at 3 as when unrolled: the writer puts it one level in)
+            L("for c in range(c_lo, c_hi):", 1)
+            w.rolled = True
+        else:
+            L("for c in gl.static_range(BM // CHUNK):", 1)
+            L("if (c_lo <= c) & (c < c_hi):", 2)
         L("row = strip * BM + c * CHUNK + rows", 3)
         if not self.lookahead:
             w.loaded = {}
             if w.narrow:  # (the tile as the buffer holds it, for the narrow nodes; fp32 for the rest)
-                L("acc_h = tile_smem.slice(c * CHUNK, CHUNK, dim=0).load(layout)", 3)
+                L(f"acc_h = {self.read()}", 3)
                 L("acc = acc_h.to(gl.float32)", 3)
             else:
-                L("acc = tile_smem.slice(c * CHUNK, CHUNK, dim=0).load(layout).to(gl.float32)", 3)
+                L(f"acc = {self.read()}.to(gl.float32)", 3)
             return
 
         def issue(at: str, rows: str, indent: int) -> None:
@@ -584,11 +628,11 @@ class _Module:
             keep_now = x = sources[0]
             exact = _uncast(region, x, same_dtype=True)
             if exact in w.narrow and region.nodes[exact].dtype == torch.bfloat16:  # computed in bf16 already
-                L(f"tile_smem.slice(c * CHUNK, CHUNK, dim=0).store(h{exact})  # %{x}, kept for the later passes", 3)
+                L(f"{self.write(f'h{exact}')}  # %{x}, kept for the later passes", 3)
             else:
                 L(f"v{x} = bf16_pairs(v{x})  # %{x}, rounded as eager's bf16 op rounds it, and kept for the later "
                   "passes", 3)
-                L(f"tile_smem.slice(c * CHUNK, CHUNK, dim=0).store(v{x})", 3)
+                L(self.write(f"v{x}"), 3)
                 L(f"v{x} = v{x}.to(gl.float32)", 3)
         for wi, r in enumerate(reds):
             slot = f"ws_ptr + (((strip * {E} + {e}) * {lay.width} + {wi}) * TILES_N + tn) * BM + c * CHUNK + rows"
@@ -654,7 +698,7 @@ class _Module:
                 if region.nodes[o.node].axes != frozenset("MN"):
                     val = f"gl.full([CHUNK, BN], 0.0, gl.float32, layout) + {val}"
                 if tma_store:  # over the rows just read (each thread its own elements)
-                    L(f"tile_smem.slice(c * CHUNK, CHUNK, dim=0).store(({val}).to(gl.bfloat16))  # {o.name}", 3)
+                    L(f"{self.write(f'({val}).to(gl.bfloat16)')}  # {o.name}", 3)
                 else:
                     L(f"gl.store(out{k}_ptr + row[:, None] * N + col[None, :], ({val}).to(out{k}_ptr.dtype.element_ty))"
                       f"  # {o.name}", 3)
@@ -778,7 +822,7 @@ class _Module:
         L("a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)", 1)
         L("b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)", 1)
         L("tile_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, BN], TILE_LAYOUT)", 1)
-        L(f"stat_smem = gl.allocate_shared_memory(gl.float32, [{max(len(lay.slot), 1)}, BM], "
+        L(f"stat_smem = gl.allocate_shared_memory(gl.float32, [{self.stat_slots}, BM], "
           "gl.SwizzledSharedLayout(1, 1, 1, [0]))", 1)
         L("ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())", 1)
         L("tile_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())", 1)
@@ -822,7 +866,9 @@ class _Module:
             "",
             "from comfuse.codegen.gluon.strip import "
             + ("TILE_LAYOUT" if tile_n == 256 else "TILE_LAYOUT_N128 as TILE_LAYOUT")
-            + ", _load_residual, _mark, _mma_partition, _prefetch_l2, bf16_pairs, exp2_fast, exp_fast, expm1, log1p, "
+            + ", _load_residual, _mark, _mma_partition, _prefetch_l2, bf16_pairs, "
+            + ("chunk_load, chunk_store, chunk_view, " if self.roll else "")
+            + "exp2_fast, exp_fast, expm1, log1p, "
             "tanh_fast",
             "", "", ""])
         return header

@@ -135,6 +135,64 @@ def bf16_pairs(x):
                                      is_pure=True, pack=2)
 
 
+# Columns of one swizzle atom of the hand-off tile: its NVMMA layout (128-byte swizzle) stores a
+# [BM, BN] bf16 tile as BN / 64 blocks of [BM, 64], one after another, each row of a block 128
+# bytes and the 16-byte pieces of a row permuted by the row's index mod 8. Rows [r, r + R) of
+# column block b (R a multiple of 8) are then R * 128 contiguous bytes, themselves a [R, 64]
+# tile of the same layout: ``chunk_view`` indexes them at run time.
+PIECE = gl.constexpr(64)
+
+
+@gluon.jit
+def chunk_view(tile_smem, CHUNK: gl.constexpr):
+    """The hand-off tile as [BN / 64 * BM / CHUNK, CHUNK, 64] pieces, piece b * (BM / CHUNK) + c
+    holding rows [c * CHUNK, (c + 1) * CHUNK) of columns [64 b, 64 b + 64) (the same bytes, see
+    PIECE): a chunk of rows by a run-time index, where ``tile_smem.slice`` takes a constant one,
+    so a pass's loop over its chunks need not be unrolled."""
+    BM: gl.constexpr = tile_smem.shape[0]
+    BN: gl.constexpr = tile_smem.shape[1]
+    return tile_smem._reinterpret(gl.bfloat16, [BN // PIECE * (BM // CHUNK), CHUNK, PIECE], tile_smem.layout)
+
+
+@gluon.jit
+def chunk_load(view, c, layout: gl.constexpr, PIECES: gl.constexpr):
+    """Chunk c of the tile (``chunk_view``) as one [CHUNK, 64 * PIECES] tensor in ``layout``,
+    whose lanes of a row span 64 columns (VEC * LANES_N == 64): each piece then lands in the
+    registers a thread holds of it, and joining them moves no data."""
+    PER: gl.constexpr = view.shape[0] // PIECES
+    R: gl.constexpr = view.shape[1]
+    p0 = view.index(c).load(layout)
+    p1 = view.index(PER + c).load(layout)
+    if PIECES == 2:
+        x = gl.permute(gl.join(p0, p1), (0, 2, 1))  # [R, piece, 64]
+    else:
+        p2 = view.index(2 * PER + c).load(layout)
+        p3 = view.index(3 * PER + c).load(layout)
+        # (join's new dimension is the last: [R, 64, piece % 2, piece // 2])
+        x = gl.permute(gl.join(gl.join(p0, p1), gl.join(p2, p3)), (0, 3, 2, 1))  # [R, piece // 2, piece % 2, 64]
+    return gl.convert_layout(gl.reshape(x, [R, PIECE * PIECES]), layout)
+
+
+@gluon.jit
+def chunk_store(view, c, x, layout: gl.constexpr, PIECES: gl.constexpr):
+    """``chunk_load``'s inverse: x [CHUNK, 64 * PIECES] written over chunk c of the tile."""
+    PER: gl.constexpr = view.shape[0] // PIECES
+    R: gl.constexpr = view.shape[1]
+    y = gl.permute(gl.reshape(x, [R, PIECES, PIECE]), (0, 2, 1))  # [R, 64, piece]
+    if PIECES == 2:
+        p0, p1 = gl.split(y)
+        view.index(c).store(gl.convert_layout(p0, layout))
+        view.index(PER + c).store(gl.convert_layout(p1, layout))
+    else:
+        lo, hi = gl.split(gl.reshape(y, [R, PIECE, 2, 2]))  # (piece % 2 == 0, == 1), each [R, 64, piece // 2]
+        p0, p2 = gl.split(lo)
+        p1, p3 = gl.split(hi)
+        view.index(c).store(gl.convert_layout(p0, layout))
+        view.index(PER + c).store(gl.convert_layout(p1, layout))
+        view.index(2 * PER + c).store(gl.convert_layout(p2, layout))
+        view.index(3 * PER + c).store(gl.convert_layout(p3, layout))
+
+
 @gluon.jit
 def log1p(x):
     """log(1 + x) in fp32, exact for small x (Kahan: log(u) * x / (u - 1) with u = 1 + x
