@@ -25,7 +25,7 @@ Options (``torch.compile(..., options={...})`` or ``COMFUSE_*`` variables):
 compilation without them at its first call and keep the faster; "auto" on GPUs), and each
 code-generation setting by its field name (``settings.CODEGEN_SETTINGS``: ``row_budget``,
 ``mainloop``, ``prefetch``, ``overlap``, ``persistent``, ``ws_merge``, ``ws_lanes``,
-``ws_tma_store``, ``ws_tail``, ``ws_res_tma``, ``ws_lookahead``, ``ws_keep``, ``ws_l2_prefetch``,
+``ws_tma_store``, ``ws_tail``, ``ws_res_tma``, ``ws_lookahead``, ``ws_keep``,
 ``ws_vec``, ``ws_narrow``, ``ws_exp_fma``, ``ws_row_outputs``, ``ws_tile_n``, ``ws_roll``; the same values as their
 ``COMFUSE_*`` variables).
 

@@ -112,11 +112,6 @@ class Settings:
     # barriers of the epilogue's warps in each chunk; H200, eighteenth session: slower where the
     # later pass reads the residual again, faster with the residual by TMA).
     ws_keep: bool
-    # COMFUSE_WS_L2_PREFETCH=1: a ws_stages epilogue prefetches into L2 the [M, N] inputs' rows
-    # of its program's next tile (a residual) while it works on this one, so that its first
-    # pass's loads hit L2 rather than wait on DRAM (experimental: correct on the H200 and 1-2 %
-    # slower, eighteenth session; the loads' waits did not shrink).
-    ws_l2_prefetch: bool
     # COMFUSE_WS_VEC (8 by default): a ws_stages epilogue's thread at 8 lanes a row takes 8
     # adjacent columns of a row at a time (a row's 8 lanes then cover 128 adjacent bytes: no
     # shared-memory bank conflicts on the swizzled tile, whole sectors in global memory); 0: all
@@ -144,14 +139,18 @@ class Settings:
     # rather than unrolled (strip.chunk_view: a chunk of the hand-off tile by a run-time index).
     # Unrolled, multi-stage's epilogue partition is 7 740 SASS instructions, and Nsight Compute
     # (twenty-first session) put a third of its warps' stall samples on instructions not yet
-    # fetched (no_inst), 56 % with nothing kept. Needs 8 lanes a row with 8 adjacent columns a
-    # lane (the default) and no lookahead; elsewhere the passes stay unrolled.
+    # fetched (no_inst), 56 % with nothing kept; with loops 1 567. Needs 8 lanes a row with 8
+    # adjacent columns a lane (the default) and no lookahead; elsewhere the passes stay
+    # unrolled. Without the setting, autotuning times both (H200, sustained, x cuBLAS's GEMM,
+    # with the shared tile: multi-stage 8192x1024x1024 1.871x -> 1.587x, RMSNorm 1.152x ->
+    # 1.089x, softmax and LayerNorm within 1 %; 0.4-4 % slower at 8192x4096x4096).
     ws_roll: bool
-    # COMFUSE_WS_TILE_N=128 (experimental, not yet run on a GPU): ws_stages kernels on 128x128
-    # tiles, the mainloop in one warpgroup (4 warps: the same 128 accumulator registers a thread
-    # as two warpgroups on 128x256) beside 8 epilogue warps, 12 warps at 168 registers. Twice
-    # the epilogue warps on half the tile: for short-K shapes, where the epilogue partition is
-    # the bound (8192x1024x1024). 256 (the default): 128x256 tiles, 8 + 4 warps.
+    # COMFUSE_WS_TILE_N=128 (experimental; correct on the H200 and slower everywhere, twentieth
+    # session): ws_stages kernels on 128x128 tiles, the mainloop in one warpgroup (4 warps: the
+    # same 128 accumulator registers a thread as two warpgroups on 128x256) beside 8 epilogue
+    # warps, 12 warps at 168 registers. Twice the epilogue warps on half the tile: for short-K
+    # shapes, where the epilogue partition is the bound (8192x1024x1024). 256 (the default):
+    # 128x256 tiles, 8 + 4 warps.
     ws_tile_n: int
     # COMFUSE_AUTOTUNE: "auto" (time the candidate plans and the unfused ops on the first
     # call on a GPU, keep the fastest, remember it on disk), "1" (also under the
@@ -193,7 +192,7 @@ class Settings:
 
 CODEGEN_SETTINGS = ("row_budget", "schedule", "mainloop", "prefetch", "overlap", "persistent", "ws_merge",
                     "ws_lanes", "ws_tma_store", "ws_tail",
-                    "ws_res_tma", "ws_lookahead", "ws_keep", "ws_l2_prefetch", "ws_vec", "ws_narrow", "ws_exp_fma", "ws_row_outputs",
+                    "ws_res_tma", "ws_lookahead", "ws_keep", "ws_vec", "ws_narrow", "ws_exp_fma", "ws_row_outputs",
                     "ws_tile_n", "ws_roll")
 
 _overrides: dict[str, object] = {}
@@ -205,7 +204,7 @@ _ENV_NAMES = ("COMFUSE_STRICT", "COMFUSE_DISABLE", "COMFUSE_CACHE_DIR", "XDG_CAC
               "COMFUSE_UNFUSED_MODE", "COMFUSE_OVERLAP", "COMFUSE_PERSISTENT", "COMFUSE_TUNE_TIMING",
               "COMFUSE_GRAD_COMPILE", "COMFUSE_VALIDATE", "COMFUSE_GRAPH_CHECK", "COMFUSE_WS_MERGE",
               "COMFUSE_WS_LANES", "COMFUSE_WS_TMA_STORE", "COMFUSE_WS_TAIL",
-              "COMFUSE_WS_RES_TMA", "COMFUSE_WS_LOOKAHEAD", "COMFUSE_WS_KEEP", "COMFUSE_WS_L2_PREFETCH",
+              "COMFUSE_WS_RES_TMA", "COMFUSE_WS_LOOKAHEAD", "COMFUSE_WS_KEEP",
               "COMFUSE_WS_VEC", "COMFUSE_WS_NARROW", "COMFUSE_WS_EXP_FMA", "COMFUSE_WS_ROW_OUTPUTS",
               "COMFUSE_WS_TILE_N", "COMFUSE_WS_ROLL")
 # (every variable _read reads: the memo's key; tests/test_settings... checks the list is whole)
@@ -252,7 +251,6 @@ def _read() -> Settings:
         ws_res_tma=_flag("COMFUSE_WS_RES_TMA", False),
         ws_lookahead=_flag("COMFUSE_WS_LOOKAHEAD", False),
         ws_keep=_flag("COMFUSE_WS_KEEP", True),
-        ws_l2_prefetch=_flag("COMFUSE_WS_L2_PREFETCH", False),
         ws_vec=_int("COMFUSE_WS_VEC", 8),
         ws_narrow=_flag("COMFUSE_WS_NARROW", False),
         ws_exp_fma=_flag("COMFUSE_WS_EXP_FMA", False),

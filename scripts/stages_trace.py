@@ -80,7 +80,6 @@ FLAGS = {
     "p": ("loads a chunk ahead", dict(ws_lookahead=True)),
     "c": ("32-row chunks", {}),  # CHUNK = 32, not 16
     "k": ("nothing kept", dict(ws_keep=False)),  # in the hand-off buffer between passes
-    "l": ("L2 prefetch", dict(ws_l2_prefetch=True)),  # the next tile's [M, N] inputs
     "n": ("16-bit adds in 16 bits", dict(ws_narrow=True)),
     "e": ("exp by one FFMA", dict(ws_exp_fma=True)),  # exp(x - a row's max)
     "w": ("128-wide tiles, 4 + 8 warps", dict(ws_tile_n=128)),  # one mainloop warpgroup, 8 epilogue warps
@@ -113,7 +112,7 @@ def variant_of(spec: str):
             options = dict(options, STAGES=3)
         return grid, options
     settings = dict(ws_lanes=lanes, ws_tma_store=False, ws_res_tma=False, ws_tail=tail, ws_lookahead=False,
-                    ws_keep=True, ws_l2_prefetch=False, ws_vec=0, ws_narrow=False, ws_exp_fma=False, ws_tile_n=256,
+                    ws_keep=True, ws_vec=0, ws_narrow=False, ws_exp_fma=False, ws_tile_n=256,
                     ws_roll=False)
     for f in FLAGS:
         if f in flags:

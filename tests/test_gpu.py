@@ -513,14 +513,6 @@ def test_generated_kernel_with_nothing_kept_matches_the_reference(name, res, sha
     forced_schedule_matches(name, shape, "ws_stages", 20, ws_keep=False, ws_res_tma=res)
 
 
-@pytest.mark.parametrize("tail", [0, 96], ids=["whole_tiles", "tail96"])
-@pytest.mark.parametrize("shape", [(8192, 1024, 1024), (2048, 1024, 3072)], ids=["paper", "N3072"])
-def test_generated_kernel_with_l2_prefetch_matches_the_reference(shape, tail):
-    """COMFUSE_WS_L2_PREFETCH=1: LayerNorm post-norm with its residual's next tile prefetched
-    into L2 by the epilogue partition (a hint: the same values, to the bit, on every call)."""
-    forced_schedule_matches("ln_postnorm", shape, "ws_stages", 20, ws_l2_prefetch=True, ws_tail=tail)
-
-
 @pytest.mark.parametrize("name, form", [("softmax", {}), ("multi_stage", {}), ("ln_postnorm", {}),
                                         ("ln_postnorm", dict(ws_res_tma=True, ws_keep=False, ws_tail=96))],
                          ids=["softmax", "multi_stage", "ln_postnorm", "ln_postnorm-res_tma-nothing_kept-tail96"])

@@ -35,7 +35,6 @@ FORMS = {  # name -> the settings of one form of the generated kernel
     "res_tma-tail96": dict(ws_res_tma=True, ws_tail=96), "lookahead-tail96": dict(ws_lookahead=True, ws_tail=96),
     "nothing_kept": dict(ws_keep=False), "tma_store": dict(ws_tma_store=True),
     "row_outputs-tail96": dict(ws_row_outputs=True, ws_tail=96),
-    "l2_prefetch-tail96": dict(ws_l2_prefetch=True, ws_tail=96),
     # (autotuning's fourth candidate where the region has a residual)
     "res_tma-nothing_kept-tail96": dict(ws_res_tma=True, ws_keep=False, ws_tail=96),
     "vec8-res_tma-nothing_kept-tail96": dict(ws_vec=8, ws_res_tma=True, ws_keep=False, ws_tail=96),

@@ -127,7 +127,6 @@ def test_generated_kernels_compile_for_sm90():
                                  ("ln_postnorm_merged_res", cases["ln_postnorm"]),
                                  ("ln_postnorm_merged_ahead", cases["ln_postnorm"]),
                                  ("ln_postnorm_merged_res_nokeep", cases["ln_postnorm"]),
-                                 ("ln_postnorm_merged_l2", cases["ln_postnorm"]),
                                  ("ln_postnorm_merged_res_nokeep_tail_vec8", cases["ln_postnorm"]),
                                  ("softmax_merged_vec8", cases["softmax"]),
                                  ("ln_postnorm_merged_narrow", cases["ln_postnorm"]),
@@ -144,7 +143,7 @@ def test_generated_kernels_compile_for_sm90():
                                    ws_tail=96 if "_tail" in name else 0, ws_vec=8 if "_vec8" in name else 0,
                                    ws_lanes=8 if "_merged" in name else 32,  # (plain LayerNorm at 8 lanes: 400 bytes)
                                    ws_res_tma="_res" in name, ws_lookahead=name.endswith("_ahead"),
-                                   ws_keep="_nokeep" not in name, ws_l2_prefetch=name.endswith("_l2"),
+                                   ws_keep="_nokeep" not in name,
                                    ws_narrow=name.endswith("_narrow"), ws_exp_fma=name.endswith("_expfma"),
                                    ws_tile_n=128 if name.endswith("_tile128") else 256, ws_roll=name.endswith("_roll")):
                 p = plan(cand.region, target="cuda")
@@ -324,7 +323,9 @@ def test_a_residual_adds_a_candidate_with_it_by_tma_and_nothing_kept():
     assert [(q.lanes, q.tail, q.res_tma, q.keep) for q in offered][:4] == \
         [(8, 0, False, True), (32, 0, False, True), (8, 96, False, True), (8, 96, True, False)]
     assert "the residual by TMA" in offered[3].describe() and "nothing kept" in offered[3].describe()
-    assert [(q.tail, q.roll) for q in offered[4:]] == [(0, True), (96, True)]  # (see the test above)
+    # (with loops, see the test above: the planner's form, the shared tile, and this one)
+    assert [(q.tail, q.roll, q.res_tma, q.keep) for q in offered[4:]] == [(0, True, False, True), (96, True, False, True),
+                                                                        (96, True, True, False)]
     assert not any(q.res_tma for q in candidates(suite_plan("rmsnorm", merge=True).region, target="cuda"))
     with settings.override(ws_res_tma=True):
         assert len([q for q in candidates(suite_plan("ln_postnorm", merge=True).region, target="cuda")
@@ -342,7 +343,8 @@ def test_the_residual_by_tma_into_the_hand_off_buffer():
     ln = suite_plan("ln_postnorm", merge=True)
     j = [i.name for i in ln.region.inputs].index("r_1")
     assert tma_residual(ln.region) == j and not ln.res_tma
-    assert [(q.keep, q.tail) for q in candidates(ln.region, target="cuda") if q.res_tma] == [(False, 96)]
+    assert [(q.keep, q.tail, q.roll) for q in candidates(ln.region, target="cuda") if q.res_tma] == \
+        [(False, 96, False), (False, 96, True)]  # (unrolled, and a loop over the chunks)
     for name in ("rmsnorm", "softmax", "mblr", "multi_stage"):
         assert tma_residual(suite_plan(name).region) is None
     x, w, r = torch.randn(256, 64, dtype=bf), torch.randn(64, 1024, dtype=bf), torch.randn(256, 1024, dtype=bf)
@@ -387,29 +389,6 @@ def test_loads_a_chunk_ahead_only_with_its_setting():
     assert "nxt1 = gl.load(in1_ptr + (row + CHUNK)[:, None] * N + col[None, :])" in text  # the residual
     assert "v3 = cur1.to(gl.float32)" in text
     assert "if t + gl.num_programs(0) >= num_tiles:" in text and "2 - last" not in text
-
-
-def test_next_tiles_inputs_prefetched_into_l2_only_with_its_setting():
-    """COMFUSE_WS_L2_PREFETCH=1 (experimental; on the H200 1-2 % slower, eighteenth session):
-    the epilogue partition prefetches the first tile's [M, N] inputs into L2, then at each tile
-    the next tile's, before it waits for the hand-off. Not where the region has no such input,
-    nor for the residual the TMA engine loads into the buffer."""
-    from comfuse.runtime.stages_kernel import source_text
-    plain = suite_plan("ln_postnorm", merge=True)
-    assert not plain.l2_prefetch and "_prefetch_l2(in" not in source_text(plain, "k")
-    assert not any(q.l2_prefetch for q in candidates(plain.region, target="cuda") if q.schedule == "ws_stages")
-    with settings.override(ws_l2_prefetch=True):
-        p = suite_plan("ln_postnorm", merge=True)
-        assert not suite_plan("softmax", merge=True).l2_prefetch
-        with settings.override(ws_res_tma=True):
-            assert not suite_plan("ln_postnorm", merge=True).l2_prefetch
-    assert p.l2_prefetch and "prefetched into L2 a tile ahead" in p.describe()
-    text = source_text(p, "k")
-    first = text.index("_prefetch_l2(in1_ptr, gl.program_id(0), num_tiles")  # in1: the residual
-    loop = text.index("for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):")
-    ahead = text.index("_prefetch_l2(in1_ptr, t + gl.num_programs(0), num_tiles", loop)
-    assert first < loop < ahead < text.index("mbarrier.wait(tile_ready, n & 1)", loop)
-    assert text.count("_prefetch_l2(in") == 2
 
 
 def test_eight_adjacent_columns_a_lane_by_default():

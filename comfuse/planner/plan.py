@@ -75,9 +75,6 @@ class Plan:
     # where they need nothing else of the tile (codegen/gluon/stages._Writer.keepable; False:
     # recomputed, COMFUSE_WS_KEEP=0, experimental)
     keep: bool = True
-    # ws_stages: the [M, N] inputs' rows of the program's next tile prefetched into L2 by the
-    # epilogue partition (COMFUSE_WS_L2_PREFETCH, experimental)
-    l2_prefetch: bool = False
     # ws_stages: adjacent columns a thread of the epilogue takes at a time (0: all its
     # 256 / lanes; COMFUSE_WS_VEC, 8 by default, which at 32 lanes is all of a thread's)
     vec: int = 0
@@ -112,7 +109,6 @@ class Plan:
                     f"{'; the residual by TMA into the hand-off buffer, added by the mainloop' if self.res_tma else ''}"
                     f"{'; each chunk loads the next ahead' if self.lookahead else ''}"
                     f"{'; nothing kept in the buffer' if self.moments and not self.keep else ''}"
-                    f"{'; [M, N] inputs prefetched into L2 a tile ahead' if self.l2_prefetch else ''}"
                     f"{f'; {self.vec} adjacent columns a lane at a time' if self.vec else ''}"
                     f"{'; 16-bit adds and products in 16 bits' if self.narrow else ''}"
                     f"{'; exp(x - row max) by one FFMA' if self.exp_fma else ''}"
@@ -451,7 +447,7 @@ def stages_options(settings) -> dict:
     COMFUSE_WS_LANES names one."""
     return dict(merge=settings.ws_merge, lanes=settings.ws_lanes or 8, tma_store=settings.ws_tma_store,
                 tail=settings.ws_tail, res_tma=settings.ws_res_tma, lookahead=settings.ws_lookahead,
-                keep=settings.ws_keep, row_outputs=settings.ws_row_outputs, l2_prefetch=settings.ws_l2_prefetch,
+                keep=settings.ws_keep, row_outputs=settings.ws_row_outputs,
                 vec=settings.ws_vec, narrow=settings.ws_narrow, exp_fma=settings.ws_exp_fma, tile_n=settings.ws_tile_n,
                 roll=settings.ws_roll)
 
@@ -460,7 +456,7 @@ def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple,
                          sm_count: int, merge: bool = False, lanes: int = 32,
                          tma_store: bool = False, tail: int = 0, res_tma: bool = False,
                          lookahead: bool = False, keep: bool = True, row_outputs: bool = False,
-                         l2_prefetch: bool = False, vec: int = 0, narrow: bool = False,
+                         vec: int = 0, narrow: bool = False,
                          exp_fma: bool = False, tile_n: int = 256, roll: bool = False) -> Plan | NotFused:
     """The ws_stages plan for ``region`` (row form), or why the generated Gluon kernel does
     not apply; ``merge``: moment and online-softmax pairs share an exchange (COMFUSE_WS_MERGE, on
@@ -501,15 +497,13 @@ def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple,
     residual = tma_residual(region)
     res_tma = res_tma and residual is not None
     in_buffer = residual if res_tma else None
-    # (an [M, N] input to prefetch: any but the residual the TMA engine loads into the buffer)
-    fetched = [j for j, i in enumerate(region.inputs) if i.axes == frozenset("MN") and j != in_buffer]
     # (128-wide tiles: a 4-slot ring, 160 KB of shared memory; one warpgroup's K step is half
     # the 128x256 form's, so a load has less time to land: a guess, not yet timed against 3)
     return Plan(region, False, "ws_stages", stages, 128, tile_n, 64, 8, 8 if tile_n == 256 else 4,
                 3 if tile_n == 256 else 4, forms, tiles_n=tiles, mainloop="tma",
                 persistent=True, exchanges=len(layout_of(stages, pairs).exchanges), moments=pairs, lanes=lanes,
                 tma_store=tma_store and not tma_storable(region) and not tail, tail=tail,
-                res_tma=res_tma, lookahead=lookahead, keep=keep, l2_prefetch=l2_prefetch and bool(fetched),
+                res_tma=res_tma, lookahead=lookahead, keep=keep,
                 vec=0 if vec == tile_n // lanes else vec,
                 narrow=narrow and bool(narrow_nodes(region, in_buffer)),
                 exp_fma=exp_fma and any(n.op is Op.EXP for n in region.nodes),
@@ -638,20 +632,27 @@ def candidates(region: Region, target: str = "cuda", settings=None, sm_count: in
                 # LayerNorm 8192x1024x1024 1.939x -> 1.810x, 16384x2048x8192 1.255x -> 1.200x;
                 # 8192x4096x4096 1.092x -> 1.135x, where the plain kernel's 1.068x wins); planned
                 # as any ws_stages plan, so that its fields agree with the residual's form
+                residual_form = None
                 if not settings.ws_res_tma and gen.moments:
                     alt = stages_template_plan(first.region, first.transposed, first.stages, first.forms, target,
                                                sm_count, **dict(stages_options(settings), tail=shared, res_tma=True,
-                                                                keep=False, l2_prefetch=False))
+                                                                keep=False))
                     if isinstance(alt, Plan) and alt.res_tma:
                         out.append(alt)
+                        residual_form = alt
                 # and the first and third with each pass a loop over its chunks, not unrolled
                 # (H200, twenty-first session, sustained, x cuBLAS's GEMM, with the shared tile:
                 # at 8192x1024x1024 multi-stage 1.871x -> 1.587x, RMSNorm 1.152x -> 1.089x,
-                # softmax and LayerNorm within 1 %; at 8192x4096x4096 1-4 % slower; 128-wide
-                # tiles' two pieces a chunk not yet run on a GPU)
+                # softmax and LayerNorm within 1 %; at 8192x4096x4096 0.4-4 % slower; autotuned
+                # at 8192x1024x1024 the shared tile with loops won on all five row reductions;
+                # 128-wide tiles' two pieces a chunk not yet run on a GPU)
                 if gen.block_n == 256 and not gen.roll and \
                         rollable(gen.lanes, gen.vec or gen.block_n // gen.lanes, gen.lookahead):
                     out += [dataclasses.replace(gen, roll=True), dataclasses.replace(gen, tail=shared, roll=True)]
+                    # (and the residual's form with loops: correct on the H200, twenty-first
+                    # session, not yet timed; its output pass recomputes the value, more code)
+                    if residual_form is not None:
+                        out.append(dataclasses.replace(residual_form, roll=True))
         if first.schedule == "split":  # a loss over wide rows: the template's terminal kind
             lse = lse_template_plan(first.region, first.transposed, first.stages, first.forms, target)
             if isinstance(lse, Plan):

@@ -223,7 +223,7 @@ def source_text(plan: Plan, name: str) -> str:
                        keep=bool(plan.moments) and plan.keep,
                        tma_store=plan.tma_store, tail=plan.tail,
                        residual=stages.tma_residual(plan.region) if plan.res_tma else None,
-                       lookahead=plan.lookahead, l2_prefetch=plan.l2_prefetch, narrow=plan.narrow,
+                       lookahead=plan.lookahead, narrow=plan.narrow,
                        exp_fma=plan.exp_fma, tile_n=plan.block_n, roll=plan.roll)
 
 

@@ -307,7 +307,7 @@ def _tile_coords(t, num_tiles, TILES_N, GROUP_M):
     return first + (t % per_group) % rows, (t % per_group) // rows
 
 
-STANDINS = ("_mma_partition", "_load_residual", "_mark", "_prefetch_l2", "exp_fast", "exp2_fast", "tanh_fast",
+STANDINS = ("_mma_partition", "_load_residual", "_mark", "exp_fast", "exp2_fast", "tanh_fast",
             "bf16_pairs")
 
 
@@ -384,7 +384,6 @@ def _module_env(module, em: _Emulation):
                                               expect=lambda *a, **k: None, MBarrierLayout=lambda: None),
                exp_fast=torch.exp, exp2_fast=torch.exp2, tanh_fast=torch.tanh, _mark=lambda *a: None,
                bf16_pairs=lambda x: x.to(torch.bfloat16),
-               _prefetch_l2=lambda *a: None,  # (a hint: no value depends on it)
                _mma_partition=mma_partition, _load_residual=load_residual, LOG2E=1.4426950408889634,
                PIECE=int(strip.PIECE))  # (strip.py's constants its rebound helpers read)
     return env

@@ -413,7 +413,7 @@ def tma_storable(region: Region) -> str:
 
 def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool = False,
          tma_store: bool = False, tail: int = 0, residual=None, lookahead: bool = False,
-         l2_prefetch: bool = False, narrow: bool = False, exp_fma: bool = False, tile_n: int = 256,
+         narrow: bool = False, exp_fma: bool = False, tile_n: int = 256,
          roll: bool = False) -> str:
     """The generated module's source: ``{name}`` (the kernel), ``{name}_epilogue`` (its
     partition) and ``{name}_tile`` (one tile's epilogue, by a group of warps over some of its
@@ -426,9 +426,7 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
     the index of the [M, N] input (``tma_residual``) that the epilogue partition TMA-loads into
     the buffer as soon as it frees it, and the mainloop adds into the next tile (None: none);
     ``lookahead``: each chunk of a pass issues the next chunk's loads before its own work
-    (``_Module.chunk_head``); ``l2_prefetch``: the epilogue partition prefetches into L2 the
-    [M, N] inputs' rows of its program's next tile before it waits for this one
-    (strip._prefetch_l2); ``narrow``: the 16-bit-typed adds and products whose operands come in
+    (``_Module.chunk_head``); ``narrow``: the 16-bit-typed adds and products whose operands come in
     that type computed in it (``narrow_nodes``), not in fp32; ``exp_fma``: exp(x - a row's
     value) as one FFMA and an ex2 an element (``_Writer.exp_of``); ``tile_n``: the tiles' width
     (the kernel takes BN as a constexpr; only the hand-off buffer's layout, imported, differs);
@@ -459,7 +457,7 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
     ins = [f"in{j}_ptr" for j in range(len(region.inputs))]
     outs = [f"out{k}_ptr" for k in range(len(region.outputs))]
     ptrs = ", ".join(ins + outs + (["r_desc"] if residual is not None else []) + (["o_desc"] if tma_store else []))
-    m = _Module(region, lay, w, name, ptrs, keep, tma_store, tail, residual, lookahead, l2_prefetch, roll)
+    m = _Module(region, lay, w, name, ptrs, keep, tma_store, tail, residual, lookahead, roll)
     w.roll = roll
     m.tile()
     m.epilogue()
@@ -482,7 +480,6 @@ class _Module:
     tail: int
     residual: object  # the [M, N] input the mainloop adds into the tile (tma_residual), or None
     lookahead: bool = False  # each chunk issues the next one's loads first (chunk_head)
-    l2_prefetch: bool = False  # the next tile's [M, N] inputs into L2 (epilogue)
     roll: bool = False  # each pass a run-time loop over its chunks (strip.chunk_view), not unrolled
 
     def read(self) -> str:
@@ -734,16 +731,8 @@ class _Module:
         if residual is not None:
             L(f"# the first tile's {region.inputs[residual].name} into the buffer; the mainloop adds it to its tile", 1)
             L("_load_residual(r_desc, tile_smem, tile_free, gl.program_id(0), num_tiles, TILES_N, BM, BN)", 1)
-        fetched = [j for j, inp in enumerate(region.inputs) if self.l2_prefetch and inp.axes == frozenset("MN")
-                   and j != residual]
-        for j in fetched:
-            L(f"_prefetch_l2(in{j}_ptr, gl.program_id(0), num_tiles, N, TILES_N, BM, BN, EPI_WARPS)  "
-              f"# the first tile's {region.inputs[j].name} into L2", 1)
         L("n = 0", 1)
         L("for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):", 1)
-        for j in fetched:  # (a tile's work ahead of its loads: they hit L2 rather than wait on DRAM)
-            L(f"_prefetch_l2(in{j}_ptr, t + gl.num_programs(0), num_tiles, N, TILES_N, BM, BN, EPI_WARPS)  "
-              f"# the next tile's {region.inputs[j].name}", 2)
         L("mbarrier.wait(tile_ready, n & 1)", 2)
         L("_mark(trace_ptr, n, 4, TRACE)", 2)
         if tail:
@@ -866,7 +855,7 @@ class _Module:
             "",
             "from comfuse.codegen.gluon.strip import "
             + ("TILE_LAYOUT" if tile_n == 256 else "TILE_LAYOUT_N128 as TILE_LAYOUT")
-            + ", _load_residual, _mark, _mma_partition, _prefetch_l2, bf16_pairs, "
+            + ", _load_residual, _mark, _mma_partition, bf16_pairs, "
             + ("chunk_load, chunk_store, chunk_view, " if self.roll else "")
             + "exp2_fast, exp_fast, expm1, log1p, "
             "tanh_fast",

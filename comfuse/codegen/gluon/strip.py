@@ -222,25 +222,6 @@ def _mark(trace_ptr, n, slot: gl.constexpr, TRACE: gl.constexpr):
 
 
 @gluon.jit
-def _prefetch_l2(ptr, t, num_tiles, N, TILES_N: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                 WARPS: gl.constexpr):
-    """Tile t's rows of a row-major [M, N] tensor (tiles in row-strip order) into L2, one
-    ``prefetch.global.L2`` a 128-byte line, by WARPS warps; nothing where t is past the last
-    tile. A hint, with no effect on any value: the epilogue's first pass otherwise waits on
-    each chunk's loads from DRAM (Nsight Compute, eighteenth session: 42 % of that pass's
-    stall samples on the long scoreboard)."""
-    if t < num_tiles:
-        LINE: gl.constexpr = 1024 // ptr.dtype.element_ty.primitive_bitwidth  # elements in 128 bytes
-        LINES: gl.constexpr = BN // LINE
-        layout: gl.constexpr = gl.BlockedLayout([1], [32], [WARPS], [0])
-        i = gl.arange(0, BM * LINES, layout=layout)
-        row = (t // TILES_N) * BM + i // LINES
-        p = ptr + row.to(gl.int64) * N + (t % TILES_N) * BN + (i % LINES) * LINE
-        gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [p.to(gl.int64)],
-                                  dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def _tile_coords(t, num_tiles, TILES_N: gl.constexpr, GROUP_M: gl.constexpr):
     """(row block, column tile) of tile t: row-strip order (GROUP_M 0: a strip's tiles are
     consecutive), or grouped: GROUP_M row blocks at a time, column by column, so the programs
