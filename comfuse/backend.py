@@ -26,7 +26,7 @@ compilation without them at its first call and keep the faster; "auto" on GPUs),
 code-generation setting by its field name (``settings.CODEGEN_SETTINGS``: ``row_budget``,
 ``mainloop``, ``prefetch``, ``overlap``, ``persistent``, ``ws_merge``, ``ws_lanes``,
 ``ws_tma_store``, ``ws_tail``, ``ws_res_tma``, ``ws_lookahead``, ``ws_keep``,
-``ws_vec``, ``ws_narrow``, ``ws_exp_fma``, ``ws_row_outputs``, ``ws_tile_n``, ``ws_roll``; the same values as their
+``ws_vec``, ``ws_narrow``, ``ws_exp_fma``, ``ws_row_outputs``, ``ws_tile_n``, ``ws_roll``, ``ws_last_in_ring``; the same values as their
 ``COMFUSE_*`` variables).
 
 The backward of a fused region recomputes it unfused under autograd (its original

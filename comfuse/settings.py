@@ -145,6 +145,14 @@ class Settings:
     # with the shared tile: multi-stage 8192x1024x1024 1.871x -> 1.587x, RMSNorm 1.152x ->
     # 1.089x, softmax and LayerNorm within 1 %; 0.4-4 % slower at 8192x4096x4096).
     ws_roll: bool
+    # COMFUSE_WS_LAST_IN_RING=1 (experimental, not yet run on a GPU): with the last tile shared
+    # (COMFUSE_WS_TAIL), a ws_stages kernel hands off each program's last tile into the B
+    # operand's ring, free once its last K step is done, rather than the hand-off buffer, so
+    # its mainloop warps start their rows of it at once instead of waiting for the epilogue to
+    # free the buffer from the tile before (Nsight Compute, twenty-first session: multi-stage's
+    # mainloop warps spent 52 % of their stall samples waiting for the buffer). Not with the
+    # residual by TMA or lookahead.
+    ws_last_in_ring: bool
     # COMFUSE_WS_TILE_N=128 (experimental; correct on the H200 and slower everywhere, twentieth
     # session): ws_stages kernels on 128x128 tiles, the mainloop in one warpgroup (4 warps: the
     # same 128 accumulator registers a thread as two warpgroups on 128x256) beside 8 epilogue
@@ -193,7 +201,7 @@ class Settings:
 CODEGEN_SETTINGS = ("row_budget", "schedule", "mainloop", "prefetch", "overlap", "persistent", "ws_merge",
                     "ws_lanes", "ws_tma_store", "ws_tail",
                     "ws_res_tma", "ws_lookahead", "ws_keep", "ws_vec", "ws_narrow", "ws_exp_fma", "ws_row_outputs",
-                    "ws_tile_n", "ws_roll")
+                    "ws_tile_n", "ws_roll", "ws_last_in_ring")
 
 _overrides: dict[str, object] = {}
 
@@ -206,7 +214,7 @@ _ENV_NAMES = ("COMFUSE_STRICT", "COMFUSE_DISABLE", "COMFUSE_CACHE_DIR", "XDG_CAC
               "COMFUSE_WS_LANES", "COMFUSE_WS_TMA_STORE", "COMFUSE_WS_TAIL",
               "COMFUSE_WS_RES_TMA", "COMFUSE_WS_LOOKAHEAD", "COMFUSE_WS_KEEP",
               "COMFUSE_WS_VEC", "COMFUSE_WS_NARROW", "COMFUSE_WS_EXP_FMA", "COMFUSE_WS_ROW_OUTPUTS",
-              "COMFUSE_WS_TILE_N", "COMFUSE_WS_ROLL")
+              "COMFUSE_WS_TILE_N", "COMFUSE_WS_ROLL", "COMFUSE_WS_LAST_IN_RING")
 # (every variable _read reads: the memo's key; tests/test_settings... checks the list is whole)
 _ENV_KEYS = tuple(os.environ.encodekey(n) if hasattr(os.environ, "encodekey") else n for n in _ENV_NAMES)
 _memo: dict[tuple, Settings] = {}
@@ -256,6 +264,7 @@ def _read() -> Settings:
         ws_exp_fma=_flag("COMFUSE_WS_EXP_FMA", False),
         ws_row_outputs=_flag("COMFUSE_WS_ROW_OUTPUTS", False),
         ws_roll=_flag("COMFUSE_WS_ROLL", False),
+        ws_last_in_ring=_flag("COMFUSE_WS_LAST_IN_RING", False),
         ws_tile_n=_int("COMFUSE_WS_TILE_N", 256),
         persistent=_flag("COMFUSE_PERSISTENT", False),
         fuel=_int("COMFUSE_FUEL", -1),

@@ -85,6 +85,7 @@ FLAGS = {
     "w": ("128-wide tiles, 4 + 8 warps", dict(ws_tile_n=128)),  # one mainloop warpgroup, 8 epilogue warps
     "q": ("a 3-slot ring", {}),  # STAGES = 3 (128-wide tiles take 4)
     "o": ("passes not unrolled", dict(ws_roll=True)),  # a run-time loop over the chunks (strip.chunk_view)
+    "s": ("the last tile in the B ring", dict(ws_last_in_ring=True)),  # with h: its mainloop warps need not wait
 }
 FORM = "LANES[" + "][".join(FLAGS) + "][hROWS]"
 
@@ -113,7 +114,7 @@ def variant_of(spec: str):
         return grid, options
     settings = dict(ws_lanes=lanes, ws_tma_store=False, ws_res_tma=False, ws_tail=tail, ws_lookahead=False,
                     ws_keep=True, ws_vec=0, ws_narrow=False, ws_exp_fma=False, ws_tile_n=256,
-                    ws_roll=False)
+                    ws_roll=False, ws_last_in_ring=False)
     for f in FLAGS:
         if f in flags:
             settings.update(FLAGS[f][1])

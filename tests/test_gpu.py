@@ -556,6 +556,18 @@ def test_generated_kernel_with_passes_not_unrolled_matches_the_reference(name, s
     forced_schedule_matches(name, shape, "ws_stages", 20, ws_lanes=8, ws_roll=True, **form)
 
 
+@pytest.mark.parametrize("name, form", [("multi_stage", dict(ws_roll=True)), ("ln_postnorm", dict(ws_roll=True)),
+                                        ("rmsnorm", dict(ws_roll=True)), ("softmax", {}), ("mblr", dict(ws_roll=True))],
+                         ids=["multi_stage-roll", "ln_postnorm-roll", "rmsnorm-roll", "softmax", "mblr-roll"])
+@pytest.mark.parametrize("shape", [(8192, 1024, 1024), (2048, 1024, 3072)], ids=["paper", "N3072"])
+def test_generated_kernel_with_the_last_tile_in_the_ring_matches_the_reference(name, shape, form):
+    """COMFUSE_WS_LAST_IN_RING=1 with the last 96 rows shared: each program's last tile handed
+    off into the B operand's ring (its K loop done) rather than the hand-off buffer, with its
+    own statistics, so the mainloop's warps start their rows while the epilogue partition may
+    still be on the tile before; some programs get one tile (that one in the ring at once)."""
+    forced_schedule_matches(name, shape, "ws_stages", 20, ws_lanes=8, ws_tail=96, ws_last_in_ring=True, **form)
+
+
 @pytest.mark.parametrize("name, form", [("rmsnorm", {}), ("softmax", {}), ("multi_stage", dict(ws_tail=64)),
                                         ("ln_postnorm", {}), ("mblr", dict(ws_tail=96)),
                                         ("ln_postnorm", dict(ws_res_tma=True, ws_keep=False, ws_tail=64))],

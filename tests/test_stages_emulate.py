@@ -50,6 +50,9 @@ FORMS = {  # name -> the settings of one form of the generated kernel
     "roll-res_tma-nothing_kept-tail96": dict(ws_roll=True, ws_res_tma=True, ws_keep=False, ws_tail=96),
     "roll-narrow": dict(ws_roll=True, ws_narrow=True), "roll-tma_store": dict(ws_roll=True, ws_tma_store=True),
     "roll-tile128-tail96": dict(ws_roll=True, ws_tile_n=128, ws_tail=96),
+    # the last tile handed off in the B ring (COMFUSE_WS_LAST_IN_RING)
+    "last_in_ring-tail96": dict(ws_last_in_ring=True, ws_tail=96),
+    "last_in_ring-roll-tail96": dict(ws_last_in_ring=True, ws_roll=True, ws_tail=96),
 }
 
 

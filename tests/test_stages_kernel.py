@@ -137,7 +137,9 @@ def test_generated_kernels_compile_for_sm90():
                                  ("ln_postnorm_merged_res_nokeep_tail_tile128", cases["ln_postnorm"]),
                                  ("softmax_merged_vec8_roll", cases["softmax"]),
                                  ("multi_stage_merged_tail_vec8_roll", cases["multi_stage"]),
-                                 ("ln_postnorm_merged_res_nokeep_tail_vec8_roll", cases["ln_postnorm"])]:
+                                 ("ln_postnorm_merged_res_nokeep_tail_vec8_roll", cases["ln_postnorm"]),
+                                 ("multi_stage_merged_tail_vec8_roll_ring", cases["multi_stage"]),
+                                 ("softmax_merged_tail_vec8_ring", cases["softmax"])]:
             (cand,) = find_regions(capture(fn, args))
             with settings.override(schedule="ws_stages", ws_merge="_merged" in name, ws_tma_store=name.endswith("_tma"),
                                    ws_tail=96 if "_tail" in name else 0, ws_vec=8 if "_vec8" in name else 0,
@@ -145,7 +147,8 @@ def test_generated_kernels_compile_for_sm90():
                                    ws_res_tma="_res" in name, ws_lookahead=name.endswith("_ahead"),
                                    ws_keep="_nokeep" not in name,
                                    ws_narrow=name.endswith("_narrow"), ws_exp_fma=name.endswith("_expfma"),
-                                   ws_tile_n=128 if name.endswith("_tile128") else 256, ws_roll=name.endswith("_roll")):
+                                   ws_tile_n=128 if name.endswith("_tile128") else 256, ws_roll="_roll" in name,
+                                   ws_last_in_ring=name.endswith("_ring")):
                 p = plan(cand.region, target="cuda")
             k = compile_sm90(p)
             regs = sorted(set(int(v) for v in re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+);",
@@ -154,7 +157,7 @@ def test_generated_kernels_compile_for_sm90():
             out[name] = dict(resources(k.asm["cubin"]), smem=k.metadata.shared, setmaxnreg=regs,
                              kmajor=p.region.gemm.b.major, epilogue=epilogue, epi_regs=EPI_REGS[p.epi_warps],
                              warps=[p.num_warps, p.epi_warps, p.block_n],
-                             scalar_bf16=k.asm["ptx"].count("cvt.rn.bf16.f32"), roll=p.roll)
+                             scalar_bf16=k.asm["ptx"].count("cvt.rn.bf16.f32"), roll=p.roll, ring=p.last_in_ring)
         print(json.dumps(out))
     """)
     result = run_compiler_script(script)
@@ -185,7 +188,10 @@ def test_generated_kernels_compile_for_sm90():
         assert result[name]["scalar_bf16"] == 0, (name, result[name]["scalar_bf16"])
     # passes not unrolled (COMFUSE_WS_ROLL): softmax's epilogue partition a fifth of the
     # instructions (3 817 -> 747, sm_90, 2026-12-02)
-    assert all(result[name]["roll"] == name.endswith("_roll") for name in result)
+    assert all(result[name]["roll"] == ("_roll" in name) for name in result)
+    # the last tile handed off in the B ring (COMFUSE_WS_LAST_IN_RING): its own statistics, and
+    # still one CTA's shared memory (checked below with the rest)
+    assert all(result[name]["ring"] == name.endswith("_ring") for name in result)
     plain, rolled = result["softmax_merged_vec8"]["epilogue"], result["softmax_merged_vec8_roll"]["epilogue"]
     if plain and rolled:
         assert rolled[0] < 0.3 * plain[0], (plain, rolled)
@@ -600,3 +606,24 @@ def test_the_mainloop_warps_share_of_a_tile_takes_the_epilogues_column_layout():
     assert "LANES_N, VEC)" in main and "BN // LANES_N" not in main
     assert "LANES_N, VEC, num_warps))" in text[text.index("def k("):]
     assert options(p, 1024)["VEC"] == 8
+
+
+def test_the_last_tile_in_the_ring_only_with_a_shared_last_tile():
+    """COMFUSE_WS_LAST_IN_RING=1 (experimental): only where the last tile is shared with the
+    mainloop's warps (COMFUSE_WS_TAIL), not with the residual by TMA (the mainloop adds it from
+    the buffer) nor lookahead; the kernel then hands the last tile off into b_bufs, with its own
+    statistics and barrier, and neither partition waits on the buffer for it."""
+    from comfuse.runtime.stages_kernel import source_text
+    with settings.override(ws_last_in_ring=True):
+        assert not suite_plan("multi_stage", merge=True).last_in_ring  # (no shared tile)
+        with settings.override(ws_tail=96):
+            p = suite_plan("multi_stage", merge=True)
+            with settings.override(ws_res_tma=True):
+                assert not suite_plan("ln_postnorm", merge=True).last_in_ring
+            with settings.override(ws_lookahead=True):
+                assert not suite_plan("ln_postnorm", merge=True).last_in_ring
+    assert p.last_in_ring and "the last tile handed off in the B ring" in p.describe()
+    text = source_text(p, "k")
+    assert "spare_smem = b_bufs._reinterpret(gl.bfloat16, [BM, BN], TILE_LAYOUT)" in text
+    assert "mbarrier.wait(spare_ready, 0)" in text and "spare_smem, spare_ready, True)" in text
+    assert not any(q.last_in_ring for q in candidates(p.region, target="cuda"))  # (behind its setting)

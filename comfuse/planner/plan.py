@@ -87,6 +87,9 @@ class Plan:
     # ws_stages: each epilogue pass a run-time loop over its chunks rather than unrolled
     # (COMFUSE_WS_ROLL; only at 8 lanes a row with 8 adjacent columns a lane, no lookahead)
     roll: bool = False
+    # ws_stages, with ``tail``: each program's last tile handed off in the B operand's ring, its
+    # mainloop warps not waiting for the buffer (COMFUSE_WS_LAST_IN_RING, experimental)
+    last_in_ring: bool = False
 
     @property
     def epi_warps(self) -> int:
@@ -112,7 +115,8 @@ class Plan:
                     f"{f'; {self.vec} adjacent columns a lane at a time' if self.vec else ''}"
                     f"{'; 16-bit adds and products in 16 bits' if self.narrow else ''}"
                     f"{'; exp(x - row max) by one FFMA' if self.exp_fma else ''}"
-                    f"{'; each pass a loop over its chunks, not unrolled' if self.roll else ''}")
+                    f"{'; each pass a loop over its chunks, not unrolled' if self.roll else ''}"
+                    f"{'; the last tile handed off in the B ring' if self.last_in_ring else ''}")
         if self.schedule == "ws_split":
             return (f"ws_split: warp-specialised Gluon template computing the {self.template.describe()}; "
                     f"persistent grid of {self.block_m}x{self.block_n}x{self.block_k} tiles in grouped order, TMA "
@@ -449,7 +453,7 @@ def stages_options(settings) -> dict:
                 tail=settings.ws_tail, res_tma=settings.ws_res_tma, lookahead=settings.ws_lookahead,
                 keep=settings.ws_keep, row_outputs=settings.ws_row_outputs,
                 vec=settings.ws_vec, narrow=settings.ws_narrow, exp_fma=settings.ws_exp_fma, tile_n=settings.ws_tile_n,
-                roll=settings.ws_roll)
+                roll=settings.ws_roll, last_in_ring=settings.ws_last_in_ring)
 
 
 def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple, target: str,
@@ -457,7 +461,8 @@ def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple,
                          tma_store: bool = False, tail: int = 0, res_tma: bool = False,
                          lookahead: bool = False, keep: bool = True, row_outputs: bool = False,
                          vec: int = 0, narrow: bool = False,
-                         exp_fma: bool = False, tile_n: int = 256, roll: bool = False) -> Plan | NotFused:
+                         exp_fma: bool = False, tile_n: int = 256, roll: bool = False,
+                         last_in_ring: bool = False) -> Plan | NotFused:
     """The ws_stages plan for ``region`` (row form), or why the generated Gluon kernel does
     not apply; ``merge``: moment and online-softmax pairs share an exchange (COMFUSE_WS_MERGE, on
     by default)."""
@@ -509,7 +514,8 @@ def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple,
                 exp_fma=exp_fma and any(n.op is Op.EXP for n in region.nodes),
                 # (strip.chunk_load joins a chunk's 64-column pieces in registers: a row's lanes
                 # must span exactly one piece)
-                roll=roll and rollable(lanes, vec or tile_n // lanes, lookahead))
+                roll=roll and rollable(lanes, vec or tile_n // lanes, lookahead),
+                last_in_ring=last_in_ring and bool(tail) and not res_tma and not lookahead)
 
 
 def rollable(lanes: int, vec: int, lookahead: bool) -> bool:

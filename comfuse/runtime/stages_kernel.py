@@ -224,7 +224,7 @@ def source_text(plan: Plan, name: str) -> str:
                        tma_store=plan.tma_store, tail=plan.tail,
                        residual=stages.tma_residual(plan.region) if plan.res_tma else None,
                        lookahead=plan.lookahead, narrow=plan.narrow,
-                       exp_fma=plan.exp_fma, tile_n=plan.block_n, roll=plan.roll)
+                       exp_fma=plan.exp_fma, tile_n=plan.block_n, roll=plan.roll, last_in_ring=plan.last_in_ring)
 
 
 def build(plan: Plan, name: str) -> StagesKernel:

@@ -67,8 +67,9 @@ class _Smem:
         shape = [int(v) for v in shape]
         if len(shape) == 3 and self.t.dim() == 2:  # strip.chunk_view: [pieces * chunks, CHUNK, 64]
             return _Pieces(self.t, shape)
-        if len(shape) == 2 and self.t.is_contiguous() and self.t.numel() == shape[0] * shape[1]:
-            return _Smem(self.t.view(shape))  # the statistics' rows a chunk at a time
+        if len(shape) == 2 and self.t.is_contiguous() and self.t.numel() >= shape[0] * shape[1] \
+                and dtype == self.t.dtype:  # the statistics' rows a chunk at a time; a tile in the B ring
+            return _Smem(self.t.view(-1)[:shape[0] * shape[1]].view(shape))
         raise NotImplementedError(f"emulate: a {list(self.t.shape)} buffer as {shape}")
 
     def slice(self, start, size, dim=0):
@@ -320,16 +321,22 @@ def _module_env(module, em: _Emulation):
     products = {}
 
     def mma_partition(a_desc, b_desc, a_bufs, b_bufs, ready, tile_smem, tile_ready, tile_free, num_tiles, k_steps,
-                      trace_ptr, TRACE, RES, B_KMAJOR, TILES_N, GROUP_M, BM_, BN_, BK, num_warps):
+                      trace_ptr, TRACE, RES, B_KMAJOR, TILES_N, GROUP_M, BM_, BN_, BK, num_warps, spare_smem,
+                      spare_ready, SPARE):
         key = (id(a_desc), id(b_desc))
         with em.lock:
             if key not in products:
                 b = b_desc.t.float()
                 products[key] = a_desc.t.float() @ (b.t() if B_KMAJOR else b)
         acc = products[key]
-        for n, t in enumerate(range(prog.pid, int(num_tiles), prog.programs)):
+        mine = range(prog.pid, int(num_tiles), prog.programs)
+        for n, t in enumerate(mine):
             pid_m, pid_n = _tile_coords(t, int(num_tiles), TILES_N, GROUP_M)
             tile = acc[pid_m * BM_:(pid_m + 1) * BM_, pid_n * BN_:(pid_n + 1) * BN_]
+            if SPARE and n == len(mine) - 1:  # the last tile into the ring, the buffer not waited for
+                spare_smem.store(tile.to(torch.bfloat16))
+                bars.arrive(spare_ready)
+                continue
             if RES == 2:  # the buffer holds this tile's residual
                 bars.wait(tile_free, n & 1)
                 tile = tile + tile_smem.t.float()

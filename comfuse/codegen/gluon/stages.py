@@ -414,7 +414,7 @@ def tma_storable(region: Region) -> str:
 def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool = False,
          tma_store: bool = False, tail: int = 0, residual=None, lookahead: bool = False,
          narrow: bool = False, exp_fma: bool = False, tile_n: int = 256,
-         roll: bool = False) -> str:
+         roll: bool = False, last_in_ring: bool = False) -> str:
     """The generated module's source: ``{name}`` (the kernel), ``{name}_epilogue`` (its
     partition) and ``{name}_tile`` (one tile's epilogue, by a group of warps over some of its
     chunks); ``pairs``: the merged exchanges (``merge_pairs``); ``keep``: an exchange's value,
@@ -433,7 +433,14 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
     ``roll``: each pass a loop over its chunks at run time, not unrolled (the kernel's epilogue
     then takes an eighth of the instructions: unrolled, multi-stage's was 7 740 SASS instructions,
     and a third of its warps' stall samples on the H200 were for instructions not yet fetched);
-    it needs a row's lanes to span 64 columns (VEC * LANES_N == 64) and no ``lookahead``."""
+    it needs a row's lanes to span 64 columns (VEC * LANES_N == 64) and no ``lookahead``;
+    ``last_in_ring``: with ``tail``, the program's last tile is handed off into the B operand's ring,
+    free once its last K step is done, so the mainloop's warps need not wait for the epilogue to
+    free the buffer from the tile before (with its own statistics; not with ``residual`` or
+    ``lookahead``)."""
+    if last_in_ring and (not tail or residual is not None or lookahead):
+        raise ValueError("ws_stages: the last tile in the ring is a shared last tile's form (tail), without the "
+                         "residual by TMA or lookahead")
     if roll and lookahead:
         raise ValueError("ws_stages: a pass that loads the next chunk ahead is unrolled (roll without lookahead)")
     if tile_n not in (256, 128):
@@ -457,7 +464,7 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
     ins = [f"in{j}_ptr" for j in range(len(region.inputs))]
     outs = [f"out{k}_ptr" for k in range(len(region.outputs))]
     ptrs = ", ".join(ins + outs + (["r_desc"] if residual is not None else []) + (["o_desc"] if tma_store else []))
-    m = _Module(region, lay, w, name, ptrs, keep, tma_store, tail, residual, lookahead, roll)
+    m = _Module(region, lay, w, name, ptrs, keep, tma_store, tail, residual, lookahead, roll, last_in_ring)
     w.roll = roll
     m.tile()
     m.epilogue()
@@ -481,6 +488,7 @@ class _Module:
     residual: object  # the [M, N] input the mainloop adds into the tile (tma_residual), or None
     lookahead: bool = False  # each chunk issues the next one's loads first (chunk_head)
     roll: bool = False  # each pass a run-time loop over its chunks (strip.chunk_view), not unrolled
+    last_in_ring: bool = False  # the program's last tile handed off in the B operand's ring, not the buffer
 
     def read(self) -> str:
         """Chunk c of the hand-off buffer, as it holds it (bf16)."""
@@ -722,7 +730,8 @@ class _Module:
         L("", 0)
         L("", 0)
         L("@gluon.jit", 0)
-        L(f"def {name}_epilogue(tile_smem, stat_smem, tile_ready, tile_free, {ptrs}, ws_ptr, counter_ptr, "
+        spare = "spare_smem, spare_stat, spare_ready, " if self.last_in_ring else ""
+        L(f"def {name}_epilogue(tile_smem, stat_smem, tile_ready, tile_free, {spare}{ptrs}, ws_ptr, counter_ptr, "
           "trace_ptr,", 0)
         L("num_tiles, TRACE: gl.constexpr,", 8)
         L("M, N, TILES_N: gl.constexpr, TILES_P2: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,", 8)
@@ -733,8 +742,9 @@ class _Module:
             L("_load_residual(r_desc, tile_smem, tile_free, gl.program_id(0), num_tiles, TILES_N, BM, BN)", 1)
         L("n = 0", 1)
         L("for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):", 1)
-        L("mbarrier.wait(tile_ready, n & 1)", 2)
-        L("_mark(trace_ptr, n, 4, TRACE)", 2)
+        if not self.last_in_ring:  # (in the ring, each branch waits for its own buffer)
+            L("mbarrier.wait(tile_ready, n & 1)", 2)
+            L("_mark(trace_ptr, n, 4, TRACE)", 2)
         if tail:
             L(f"# the program's last tile: its last {tail} rows go to the mainloop's warps, idle by then", 2)
             if self.lookahead:  # (one call for each constexpr range)
@@ -744,6 +754,19 @@ class _Module:
                   "LANES_N,", 7)
                 L("VEC)", 7)
                 L("else:", 2)
+                L(f"{name}_tile(tile_smem, stat_smem, {ptrs}, ws_ptr, counter_ptr, trace_ptr, t, n, 0, BM // CHUNK, 2,",
+                  3)
+                L("TRACE, M, N, TILES_N, TILES_P2, BM, BN, CHUNK, EPI_WARPS, LANES_N, VEC)", 7)
+            elif self.last_in_ring:  # (the last tile in the ring, its statistics apart: this tile's still in use)
+                L("if t + gl.num_programs(0) >= num_tiles:", 2)
+                L("mbarrier.wait(spare_ready, 0)", 3)
+                L("_mark(trace_ptr, n, 4, TRACE)", 3)
+                L(f"{name}_tile(spare_smem, spare_stat, {ptrs}, ws_ptr, counter_ptr, trace_ptr, t, n, 0,", 3)
+                L(f"BM // CHUNK - {tail} // CHUNK, 1, TRACE, M, N, TILES_N, TILES_P2, BM, BN, CHUNK, EPI_WARPS, "
+                  "LANES_N, VEC)", 7)
+                L("else:", 2)
+                L("mbarrier.wait(tile_ready, n & 1)", 3)
+                L("_mark(trace_ptr, n, 4, TRACE)", 3)
                 L(f"{name}_tile(tile_smem, stat_smem, {ptrs}, ws_ptr, counter_ptr, trace_ptr, t, n, 0, BM // CHUNK, 2,",
                   3)
                 L("TRACE, M, N, TILES_N, TILES_P2, BM, BN, CHUNK, EPI_WARPS, LANES_N, VEC)", 7)
@@ -769,8 +792,9 @@ class _Module:
         L("", 0)
         L("", 0)
         L("@gluon.jit", 0)
+        spare = "spare_smem, spare_stat, spare_ready, " if self.last_in_ring else ""
         L(f"def {name}_main(a_desc, b_desc, a_bufs, b_bufs, ready, tile_smem, stat_smem, tile_ready, tile_free, "
-          f"{ptrs},",
+          f"{spare}{ptrs},",
           0)
         L("ws_ptr, counter_ptr, trace_ptr, num_tiles, k_steps, M, N, TRACE: gl.constexpr, B_KMAJOR: gl.constexpr,", 8)
         L("TILES_N: gl.constexpr, TILES_P2: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,", 8)
@@ -780,7 +804,10 @@ class _Module:
         L('epilogue (its first rows are the epilogue partition\'s)."""', 1)
         L("_mma_partition(a_desc, b_desc, a_bufs, b_bufs, ready, tile_smem, tile_ready, tile_free, num_tiles, k_steps,",
           1)
-        L(f"trace_ptr, TRACE, {RES}, B_KMAJOR, TILES_N, 0, BM, BN, BK, num_warps)", 6)
+        if self.last_in_ring:
+            L(f"trace_ptr, TRACE, {RES}, B_KMAJOR, TILES_N, 0, BM, BN, BK, num_warps, spare_smem, spare_ready, True)", 6)
+        else:
+            L(f"trace_ptr, TRACE, {RES}, B_KMAJOR, TILES_N, 0, BM, BN, BK, num_warps, tile_smem, tile_ready, False)", 6)
         L("my_tiles = gl.cdiv(num_tiles - gl.program_id(0), gl.num_programs(0))", 1)
         # (the buffer holds the tile: _mma_partition's last barrier follows its store.) Chunks of
         # MC rows: each thread holds as many of a chunk's values as an epilogue warp's thread, in
@@ -789,7 +816,8 @@ class _Module:
         # wavefronts, whatever COMFUSE_WS_VEC), and a row lies within one warp (no reduction
         # across warps)
         L("MC: gl.constexpr = CHUNK * num_warps // EPI_WARPS", 1)
-        L(f"{name}_tile(tile_smem, stat_smem, {ptrs}, ws_ptr, counter_ptr, trace_ptr,", 1)
+        here = "spare_smem, spare_stat" if self.last_in_ring else "tile_smem, stat_smem"
+        L(f"{name}_tile({here}, {ptrs}, ws_ptr, counter_ptr, trace_ptr,", 1)
         L(f"gl.program_id(0) + (my_tiles - 1) * gl.num_programs(0), my_tiles - 1, (BM - {tail}) // MC, BM // MC,", 6)
         L("1, False, M, N, TILES_N, TILES_P2, BM, BN, MC, num_warps, LANES_N, VEC)", 6)
         L("_mark(trace_ptr, my_tiles - 1, 15, TRACE)  # (the trace's slot 15: these rows written)", 1)
@@ -816,18 +844,26 @@ class _Module:
         L("ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())", 1)
         L("tile_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())", 1)
         L("tile_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())", 1)
+        if self.last_in_ring:  # the last tile's hand-off in the B ring (free by then) and its own statistics
+            L("spare_smem = b_bufs._reinterpret(gl.bfloat16, [BM, BN], TILE_LAYOUT)", 1)
+            L(f"spare_stat = gl.allocate_shared_memory(gl.float32, [{self.stat_slots}, BM], "
+              "gl.SwizzledSharedLayout(1, 1, 1, [0]))", 1)
+            L("spare_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())", 1)
         L("for i in gl.static_range(STAGES):", 1)
         L("mbarrier.init(ready.index(i), count=1)", 2)
         L("mbarrier.init(tile_ready, count=1)", 1)
         L("mbarrier.init(tile_free, count=1)", 1)
+        if self.last_in_ring:
+            L("mbarrier.init(spare_ready, count=1)", 1)
         L("fence_async_shared()", 1)
         L("num_tiles = (M // BM) * TILES_N", 1)
         L("k_steps = gl.cdiv(K, BK)", 1)
         L("_mark(trace_ptr, 63, 0, TRACE)  # (the trace's row 63: the program's start and end)", 1)
         L("gl.warp_specialize([", 1)
+        spare = "spare_smem, spare_stat, spare_ready, " if self.last_in_ring else ""
         if tail:
             L(f"({name}_main, (a_desc, b_desc, a_bufs, b_bufs, ready, tile_smem, stat_smem, tile_ready, tile_free, "
-              f"{ptrs},",
+              f"{spare}{ptrs},",
               2)
             L("ws_ptr, counter_ptr, trace_ptr, num_tiles, k_steps, M, N, TRACE, B_KMAJOR, TILES_N, TILES_P2, BM, BN, "
               "BK,", 5)
@@ -835,8 +871,10 @@ class _Module:
         else:
             L("(_mma_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, tile_smem, tile_ready, tile_free, "
               "num_tiles,", 2)
-            L(f"k_steps, trace_ptr, TRACE, {RES}, B_KMAJOR, TILES_N, 0, BM, BN, BK, num_warps)),", 5)
-        L(f"({name}_epilogue, (tile_smem, stat_smem, tile_ready, tile_free, {ptrs}, ws_ptr, counter_ptr, trace_ptr,", 2)
+            L(f"k_steps, trace_ptr, TRACE, {RES}, B_KMAJOR, TILES_N, 0, BM, BN, BK, num_warps, tile_smem, tile_ready, "
+              "False)),", 5)
+        L(f"({name}_epilogue, (tile_smem, stat_smem, tile_ready, tile_free, {spare}{ptrs}, ws_ptr, counter_ptr, "
+          "trace_ptr,", 2)
         L("num_tiles, TRACE, M, N, TILES_N, TILES_P2, BM, BN, CHUNK, EPI_WARPS, LANES_N, VEC)),", 5)
         L("], [EPI_WARPS], [EPI_REGS])", 1)
         L("_mark(trace_ptr, 63, 1, TRACE)", 1)

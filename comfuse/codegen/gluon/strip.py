@@ -259,8 +259,12 @@ def _issue_load(a_desc, b_desc, a_bufs, b_bufs, ready, i, total, k_steps, num_ti
 def _mma_partition(a_desc, b_desc, a_bufs, b_bufs, ready, tile_smem, tile_ready, tile_free, num_tiles, k_steps,
                    trace_ptr, TRACE: gl.constexpr, RES: gl.constexpr, B_KMAJOR: gl.constexpr,
                    TILES_N: gl.constexpr, GROUP_M: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                   BK: gl.constexpr, num_warps: gl.constexpr):
-    """The mainloop and the hand-off (see the module's docstring)."""
+                   BK: gl.constexpr, num_warps: gl.constexpr, spare_smem, spare_ready, SPARE: gl.constexpr):
+    """The mainloop and the hand-off (see the module's docstring). With SPARE, the program's
+    last tile goes into ``spare_smem`` (the B operand's ring, free once the last K step is
+    done: generated kernels, ``_Module.spare``), completing ``spare_ready``, without waiting for
+    the epilogue to free the hand-off buffer (a RES 0 hand-off; the other arguments a dummy
+    otherwise)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, BN, 16])
@@ -288,16 +292,34 @@ def _mma_partition(a_desc, b_desc, a_bufs, b_bufs, ready, tile_smem, tile_ready,
             i += 1
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         _mark(trace_ptr, n, 1, TRACE)
-        if RES == 2:  # the buffer holds this tile's residual, TMA-loaded by the epilogue partition
-            mbarrier.wait(tile_free, n & 1)
-            acc = acc + tile_smem.load(acc_layout).to(gl.float32)
+        if SPARE:
+            if n == my_tiles - 1:  # every K step's loads consumed, the last WGMMA done: the ring is free
+                _mark(trace_ptr, n, 2, TRACE)
+                fence_async_shared()  # (the ring's async-proxy reads, before these generic writes)
+                spare_smem.store(acc.to(gl.bfloat16))
+                gl.thread_barrier()
+                mbarrier.arrive(spare_ready)
+            else:
+                _hand_off(acc, tile_smem, tile_ready, tile_free, n, trace_ptr, TRACE, RES, acc_layout)
         else:
-            mbarrier.wait(tile_free, (n & 1) ^ 1)  # the epilogue is done with the last tile
-        _mark(trace_ptr, n, 2, TRACE)
-        tile_smem.store(acc.to(gl.bfloat16))
-        gl.thread_barrier()
-        mbarrier.arrive(tile_ready)
+            _hand_off(acc, tile_smem, tile_ready, tile_free, n, trace_ptr, TRACE, RES, acc_layout)
         _mark(trace_ptr, n, 3, TRACE)
+
+
+@gluon.jit
+def _hand_off(acc, tile_smem, tile_ready, tile_free, n, trace_ptr, TRACE: gl.constexpr, RES: gl.constexpr,
+              acc_layout: gl.constexpr):
+    """Tile n's product into the hand-off buffer once the epilogue has freed it (RES 2: the
+    buffer holds the tile's residual, TMA-loaded by the epilogue partition, added first)."""
+    if RES == 2:
+        mbarrier.wait(tile_free, n & 1)
+        acc = acc + tile_smem.load(acc_layout).to(gl.float32)
+    else:
+        mbarrier.wait(tile_free, (n & 1) ^ 1)  # the epilogue is done with the last tile
+    _mark(trace_ptr, n, 2, TRACE)
+    tile_smem.store(acc.to(gl.bfloat16))
+    gl.thread_barrier()
+    mbarrier.arrive(tile_ready)
 
 
 @gluon.jit
@@ -472,7 +494,8 @@ def strip_kernel(a_desc, b_desc, r_desc, bias_ptr, res_ptr, gamma_ptr, beta_ptr,
     k_steps = gl.cdiv(K, BK)
     gl.warp_specialize([
         (_mma_partition, (a_desc, b_desc, a_bufs, b_bufs, ready, tile_smem, tile_ready, tile_free, num_tiles,
-                          k_steps, trace_ptr, TRACE, RES, B_KMAJOR, TILES_N, GROUP_M, BM, BN, BK, num_warps)),
+                          k_steps, trace_ptr, TRACE, RES, B_KMAJOR, TILES_N, GROUP_M, BM, BN, BK, num_warps,
+                          tile_smem, tile_ready, False)),
         (_epilogue_partition, (tile_smem, mean_smem, rstd_smem, tile_ready, tile_free, r_desc, bias_ptr, res_ptr,
                                gamma_ptr, beta_ptr, out_ptr, aux_ptr, ws_ptr, counter_ptr, num_tiles, M, N, eps,
                                trace_ptr, TRACE, KIND, HAS_BIAS, RES, HAS_GAMMA, HAS_BETA, RELU, WAIT, TILES_N,
