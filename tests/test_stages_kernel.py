@@ -330,8 +330,8 @@ def test_a_residual_adds_a_candidate_with_it_by_tma_and_nothing_kept():
         [(8, 0, False, True), (32, 0, False, True), (8, 96, False, True), (8, 96, True, False)]
     assert "the residual by TMA" in offered[3].describe() and "nothing kept" in offered[3].describe()
     # (with loops, see the test above: the planner's form, the shared tile, and this one)
-    assert [(q.tail, q.roll, q.res_tma, q.keep) for q in offered[4:]] == [(0, True, False, True), (96, True, False, True),
-                                                                        (96, True, True, False)]
+    assert [(q.tail, q.roll, q.res_tma, q.keep) for q in offered[4:]] == \
+        [(0, True, False, True), (96, True, False, True), (96, True, True, False)]
     assert not any(q.res_tma for q in candidates(suite_plan("rmsnorm", merge=True).region, target="cuda"))
     with settings.override(ws_res_tma=True):
         assert len([q for q in candidates(suite_plan("ln_postnorm", merge=True).region, target="cuda")

@@ -92,6 +92,11 @@ class Plan:
     last_in_ring: bool = False
 
     @property
+    def rollable(self) -> bool:
+        """Whether this plan's passes could loop over their chunks (``rollable``)."""
+        return rollable(self.lanes, self.vec or self.block_n // self.lanes, self.lookahead)
+
+    @property
     def epi_warps(self) -> int:
         """ws_stages: warps of the epilogue partition, 4 beside the 8 mainloop warps of a
         128x256 tile; 8 beside the 4 of a 128x128 tile (COMFUSE_WS_TILE_N=128, experimental)."""
@@ -652,8 +657,7 @@ def candidates(region: Region, target: str = "cuda", settings=None, sm_count: in
                 # softmax and LayerNorm within 1 %; at 8192x4096x4096 0.4-4 % slower; autotuned
                 # at 8192x1024x1024 the shared tile with loops won on all five row reductions;
                 # 128-wide tiles' two pieces a chunk not yet run on a GPU)
-                if gen.block_n == 256 and not gen.roll and \
-                        rollable(gen.lanes, gen.vec or gen.block_n // gen.lanes, gen.lookahead):
+                if gen.block_n == 256 and not gen.roll and gen.rollable:
                     out += [dataclasses.replace(gen, roll=True), dataclasses.replace(gen, tail=shared, roll=True)]
                     # (and the residual's form with loops: correct on the H200, twenty-first
                     # session, not yet timed; its output pass recomputes the value, more code)

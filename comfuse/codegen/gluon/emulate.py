@@ -52,7 +52,8 @@ class _Ptr:
 
 class _Smem:
     """A shared-memory buffer or a view of one: ``slice``, ``index``, ``load``, ``store``, and
-    ``_reinterpret`` for the two views the generated kernels take (``_Pieces``, ``_Rows``)."""
+    ``_reinterpret`` for the views the generated kernels take: the tile's pieces
+    (``_Pieces``), the statistics by chunk, a tile in the B operand's ring."""
 
     layout = None
 

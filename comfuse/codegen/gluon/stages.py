@@ -805,7 +805,8 @@ class _Module:
         L("_mma_partition(a_desc, b_desc, a_bufs, b_bufs, ready, tile_smem, tile_ready, tile_free, num_tiles, k_steps,",
           1)
         if self.last_in_ring:
-            L(f"trace_ptr, TRACE, {RES}, B_KMAJOR, TILES_N, 0, BM, BN, BK, num_warps, spare_smem, spare_ready, True)", 6)
+            L(f"trace_ptr, TRACE, {RES}, B_KMAJOR, TILES_N, 0, BM, BN, BK, num_warps, spare_smem, spare_ready, "
+              "True)", 6)
         else:
             L(f"trace_ptr, TRACE, {RES}, B_KMAJOR, TILES_N, 0, BM, BN, BK, num_warps, tile_smem, tile_ready, False)", 6)
         L("my_tiles = gl.cdiv(num_tiles - gl.program_id(0), gl.num_programs(0))", 1)

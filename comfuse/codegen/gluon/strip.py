@@ -262,7 +262,7 @@ def _mma_partition(a_desc, b_desc, a_bufs, b_bufs, ready, tile_smem, tile_ready,
                    BK: gl.constexpr, num_warps: gl.constexpr, spare_smem, spare_ready, SPARE: gl.constexpr):
     """The mainloop and the hand-off (see the module's docstring). With SPARE, the program's
     last tile goes into ``spare_smem`` (the B operand's ring, free once the last K step is
-    done: generated kernels, ``_Module.spare``), completing ``spare_ready``, without waiting for
+    done: generated kernels, ``_Module.last_in_ring``), completing ``spare_ready``, without waiting for
     the epilogue to free the hand-off buffer (a RES 0 hand-off; the other arguments a dummy
     otherwise)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
