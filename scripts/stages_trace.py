@@ -51,10 +51,23 @@ def timeline(trace, grid: int, tiles: int, E: int) -> str:
     valid = torch.zeros(grid, 64, dtype=torch.bool, device=t.device)
     for p in range(grid):
         valid[p, :len(range(p, tiles, grid))] = True
+    # each program's last tile
+    last = torch.zeros_like(valid)
+    for p in range(grid):
+        last[p, len(range(p, tiles, grid)) - 1] = True
+    # (a tile the epilogue partition had no part in, COMFUSE_WS_TAIL=128: its marks not written)
+    seen = valid & (t[..., 4] > 0)
     lines = []
     for name, a, b in phases(E):
-        d = ((t[..., b] - t[..., a]) / 1e3)[valid]
-        lines.append(f"    {name:44s} median {d.median().item():8.2f} us, max {d.max().item():8.2f}")
+        rows = seen if name.startswith("epilogue") else valid
+        if rows.any():
+            d = ((t[..., b] - t[..., a]) / 1e3)[rows]
+            lines.append(f"    {name:50s} median {d.median().item():8.2f} us, max {d.max().item():8.2f}")
+    for name, rows, b in [("last tile: hand-off -> epilogue partition's done", last & seen, 5 + 2 * E),
+                          ("last tile: hand-off -> mainloop warps' rows done", last & (t[..., 15] > 0), 15)]:
+        if rows.any():
+            d = ((t[..., b] - t[..., 3]) / 1e3)[rows]
+            lines.append(f"    {name:50s} median {d.median().item():8.2f} us, max {d.max().item():8.2f}")
     # (slot 15: the mainloop warps' rows of a shared last tile written, 0 where none)
     start, end = t[..., 0][valid].min(), torch.maximum(t[..., 5 + 2 * E], t[..., 15])[valid].max()
     last_mma = t[..., 1][valid].max()

@@ -568,6 +568,17 @@ def test_generated_kernel_with_the_last_tile_in_the_ring_matches_the_reference(n
     forced_schedule_matches(name, shape, "ws_stages", 20, ws_lanes=8, ws_tail=96, ws_last_in_ring=True, **form)
 
 
+@pytest.mark.parametrize("name, form", [("multi_stage", dict(ws_last_in_ring=True)), ("ln_postnorm", {}),
+                                        ("softmax", dict(ws_last_in_ring=True))],
+                         ids=["multi_stage-ring", "ln_postnorm", "softmax-ring"])
+@pytest.mark.parametrize("shape", [(8192, 1024, 1024), (2048, 1024, 3072)], ids=["paper", "N3072"])
+def test_generated_kernel_with_the_whole_last_tile_by_the_mainloop_warps_matches_the_reference(name, shape, form):
+    """COMFUSE_WS_TAIL=128: each program's last tile all the mainloop warps' (in the B ring or
+    the hand-off buffer), its exchanges counting their part as a whole tile, the epilogue
+    partition's loop a tile shorter."""
+    forced_schedule_matches(name, shape, "ws_stages", 20, ws_lanes=8, ws_tail=128, ws_roll=True, **form)
+
+
 @pytest.mark.parametrize("name, form", [("rmsnorm", {}), ("softmax", {}), ("multi_stage", dict(ws_tail=64)),
                                         ("ln_postnorm", {}), ("mblr", dict(ws_tail=96)),
                                         ("ln_postnorm", dict(ws_res_tma=True, ws_keep=False, ws_tail=64))],

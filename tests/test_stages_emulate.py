@@ -53,6 +53,9 @@ FORMS = {  # name -> the settings of one form of the generated kernel
     # the last tile handed off in the B ring (COMFUSE_WS_LAST_IN_RING)
     "last_in_ring-tail96": dict(ws_last_in_ring=True, ws_tail=96),
     "last_in_ring-roll-tail96": dict(ws_last_in_ring=True, ws_roll=True, ws_tail=96),
+    # the last tile all the mainloop warps' (its exchanges without the epilogue partition)
+    "tail128": dict(ws_tail=128), "last_in_ring-roll-tail128": dict(ws_last_in_ring=True, ws_roll=True, ws_tail=128),
+    "res_tma-nothing_kept-tail128": dict(ws_res_tma=True, ws_keep=False, ws_tail=128),
 }
 
 

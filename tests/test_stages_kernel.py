@@ -139,10 +139,11 @@ def test_generated_kernels_compile_for_sm90():
                                  ("multi_stage_merged_tail_vec8_roll", cases["multi_stage"]),
                                  ("ln_postnorm_merged_res_nokeep_tail_vec8_roll", cases["ln_postnorm"]),
                                  ("multi_stage_merged_tail_vec8_roll_ring", cases["multi_stage"]),
-                                 ("softmax_merged_tail_vec8_ring", cases["softmax"])]:
+                                 ("softmax_merged_tail_vec8_ring", cases["softmax"]),
+                                 ("multi_stage_merged_tail128_vec8_roll_ring", cases["multi_stage"])]:
             (cand,) = find_regions(capture(fn, args))
             with settings.override(schedule="ws_stages", ws_merge="_merged" in name, ws_tma_store=name.endswith("_tma"),
-                                   ws_tail=96 if "_tail" in name else 0, ws_vec=8 if "_vec8" in name else 0,
+                                   ws_tail=128 if "_tail128" in name else 96 if "_tail" in name else 0, ws_vec=8 if "_vec8" in name else 0,
                                    ws_lanes=8 if "_merged" in name else 32,  # (plain LayerNorm at 8 lanes: 400 bytes)
                                    ws_res_tma="_res" in name, ws_lookahead=name.endswith("_ahead"),
                                    ws_keep="_nokeep" not in name,
@@ -285,8 +286,9 @@ def test_the_last_tile_shared_with_the_mainloop_warps():
     as an epilogue warp's thread), the epilogue partition the first ones in chunks of 16; each
     exchange counts 2 TILES_N arrivals (2 a whole tile, 1 a part); both groups combine the
     strip's partials in a layout without cross-warp sums (the same bits). 96 rows at 8 lanes
-    are an autotuning candidate; rows that are not a multiple of 32 are refused; a shared tile
-    is written by each thread, not by one TMA store."""
+    are an autotuning candidate; all 128 leave the epilogue partition out of the last tile;
+    rows that are not a multiple of 32 are refused; a shared tile is written by each thread,
+    not by one TMA store."""
     from comfuse.codegen.gluon import stages
     from comfuse.runtime.stages_kernel import source_text
     plain = suite_plan("rmsnorm", merge=True)
@@ -312,6 +314,12 @@ def test_the_last_tile_shared_with_the_mainloop_warps():
     assert "(BM - 96) // MC, BM // MC," in text and "MC: gl.constexpr = CHUNK * num_warps // EPI_WARPS" in text
     assert text.count("target = (old // (2 * TILES_N) + 1) * (2 * TILES_N)") == p.exchanges
     assert text.count("gl.BlockedLayout([TILES_P2, 1], [1, 32], [1, WARPS], [0, 1])") == 1
+    # all 128 rows the mainloop warps': the epilogue partition's loop stops a tile early, and
+    # their part counts a whole tile's 2 arrivals at each exchange
+    with settings.override(ws_tail=128):
+        whole = source_text(suite_plan("rmsnorm", merge=True), "k")
+    assert "for t in range(gl.program_id(0), num_tiles - gl.num_programs(0), gl.num_programs(0)):" in whole
+    assert "(BM - 128) // MC, BM // MC," in whole and "2, False, M, N, TILES_N" in whole and "2 - last" not in whole
     with settings.override(ws_tail=100):
         refused = suite_plan("rmsnorm")
     assert isinstance(refused, NotFused) and "COMFUSE_WS_TAIL=100" in refused.reason

@@ -507,6 +507,15 @@ class _Module:
         return len(self.lay.exchanges)
 
     @property
+    def whole_tail(self) -> bool:
+        """Whether the mainloop warps take all of each program's last tile (a tail of BM rows):
+        the epilogue partition's loop stops a tile early, so the last tile's exchanges need not
+        wait for it to finish the tile before (H200, twenty-second session: with 128 rows
+        shared, the epilogue partition still arrived at the last tile's exchanges, after its
+        previous tile, up to 7.7 us after the hand-off)."""
+        return self.tail == 128
+
+    @property
     def stat_slots(self) -> int:  # (stat_smem's rows: one per statistic)
         return max(len(self.lay.slot), 1)
 
@@ -741,11 +750,15 @@ class _Module:
             L(f"# the first tile's {region.inputs[residual].name} into the buffer; the mainloop adds it to its tile", 1)
             L("_load_residual(r_desc, tile_smem, tile_free, gl.program_id(0), num_tiles, TILES_N, BM, BN)", 1)
         L("n = 0", 1)
-        L("for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):", 1)
-        if not self.last_in_ring:  # (in the ring, each branch waits for its own buffer)
+        if self.whole_tail:  # the last tile's rows all the mainloop warps': its exchanges too
+            L("# the program's last tile is the mainloop warps' alone, rows, arrivals and all", 1)
+            L("for t in range(gl.program_id(0), num_tiles - gl.num_programs(0), gl.num_programs(0)):", 1)
+        else:
+            L("for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):", 1)
+        if not self.last_in_ring or self.whole_tail:  # (in the ring, each branch waits for its own buffer)
             L("mbarrier.wait(tile_ready, n & 1)", 2)
             L("_mark(trace_ptr, n, 4, TRACE)", 2)
-        if tail:
+        if tail and not self.whole_tail:
             L(f"# the program's last tile: its last {tail} rows go to the mainloop's warps, idle by then", 2)
             if self.lookahead:  # (one call for each constexpr range)
                 L("if t + gl.num_programs(0) >= num_tiles:", 2)
@@ -820,7 +833,8 @@ class _Module:
         here = "spare_smem, spare_stat" if self.last_in_ring else "tile_smem, stat_smem"
         L(f"{name}_tile({here}, {ptrs}, ws_ptr, counter_ptr, trace_ptr,", 1)
         L(f"gl.program_id(0) + (my_tiles - 1) * gl.num_programs(0), my_tiles - 1, (BM - {tail}) // MC, BM // MC,", 6)
-        L("1, False, M, N, TILES_N, TILES_P2, BM, BN, MC, num_warps, LANES_N, VEC)", 6)
+        # (a part of the tile makes 1 arrival at each exchange, the whole tile 2)
+        L(f"{2 if self.whole_tail else 1}, False, M, N, TILES_N, TILES_P2, BM, BN, MC, num_warps, LANES_N, VEC)", 6)
         L("_mark(trace_ptr, my_tiles - 1, 15, TRACE)  # (the trace's slot 15: these rows written)", 1)
 
     def kernel(self, describe: str) -> None:
