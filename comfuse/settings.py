@@ -145,13 +145,15 @@ class Settings:
     # with the shared tile: multi-stage 8192x1024x1024 1.871x -> 1.587x, RMSNorm 1.152x ->
     # 1.089x, softmax and LayerNorm within 1 %; 0.4-4 % slower at 8192x4096x4096).
     ws_roll: bool
-    # COMFUSE_WS_LAST_IN_RING=1 (experimental, not yet run on a GPU): with the last tile shared
+    # COMFUSE_WS_LAST_IN_RING=1: with the last tile shared
     # (COMFUSE_WS_TAIL), a ws_stages kernel hands off each program's last tile into the B
     # operand's ring, free once its last K step is done, rather than the hand-off buffer, so
     # its mainloop warps start their rows of it at once instead of waiting for the epilogue to
     # free the buffer from the tile before (Nsight Compute, twenty-first session: multi-stage's
     # mainloop warps spent 52 % of their stall samples waiting for the buffer). Not with the
-    # residual by TMA or lookahead.
+    # residual by TMA or lookahead. Alone it gained little (twenty-second session: the last
+    # tile's exchanges still waited for the epilogue partition); with COMFUSE_WS_TAIL=128 and
+    # loops, an autotuning candidate (multi-stage 8192x1024x1024 1.604x -> 1.464x the GEMM).
     ws_last_in_ring: bool
     # COMFUSE_WS_TILE_N=128 (experimental; correct on the H200 and slower everywhere, twentieth
     # session): ws_stages kernels on 128x128 tiles, the mainloop in one warpgroup (4 warps: the

@@ -295,13 +295,16 @@ def test_the_last_tile_shared_with_the_mainloop_warps():
     assert plain.tail == 0 and "_main(" not in source_text(plain, "k")
     offered = [q for q in candidates(plain.region, target="cuda") if q.schedule == "ws_stages"]
     # (8 lanes: the planner's choice; 8 lanes with a shared last tile a third candidate; those
-    # two with each pass a loop over its chunks, COMFUSE_WS_ROLL, the last two)
-    assert [(q.lanes, q.tail, q.roll) for q in offered] == [(8, 0, False), (32, 0, False), (8, 96, False),
-                                                             (8, 0, True), (8, 96, True)]
-    assert "each pass a loop over its chunks, not unrolled" in offered[-1].describe()
+    # two with each pass a loop over its chunks, COMFUSE_WS_ROLL; then, with loops, the whole
+    # last tile the mainloop warps', in the B ring)
+    assert [(q.lanes, q.tail, q.roll, q.last_in_ring) for q in offered] == [
+        (8, 0, False, False), (32, 0, False, False), (8, 96, False, False), (8, 0, True, False), (8, 96, True, False),
+        (8, 128, True, True)]
+    assert "each pass a loop over its chunks, not unrolled" in offered[-2].describe()
+    assert "the B ring" in offered[-1].describe()
     with settings.override(ws_roll=True):  # (then the planner's choice, and no unrolled twin)
         assert [(q.lanes, q.tail, q.roll) for q in candidates(plain.region, target="cuda")
-                if q.schedule == "ws_stages"] == [(8, 0, True), (32, 0, False), (8, 96, True)]
+                if q.schedule == "ws_stages"] == [(8, 0, True), (32, 0, False), (8, 96, True), (8, 128, True)]
     with settings.override(ws_tail=96):
         p = suite_plan("rmsnorm", merge=True)
         assert [q.tail for q in candidates(plain.region, target="cuda") if q.schedule == "ws_stages"] == [96, 96]
@@ -337,9 +340,10 @@ def test_a_residual_adds_a_candidate_with_it_by_tma_and_nothing_kept():
     assert [(q.lanes, q.tail, q.res_tma, q.keep) for q in offered][:4] == \
         [(8, 0, False, True), (32, 0, False, True), (8, 96, False, True), (8, 96, True, False)]
     assert "the residual by TMA" in offered[3].describe() and "nothing kept" in offered[3].describe()
-    # (with loops, see the test above: the planner's form, the shared tile, and this one)
+    # (with loops, see the test above: the planner's form, the shared tile, this one, and the
+    # whole last tile in the B ring)
     assert [(q.tail, q.roll, q.res_tma, q.keep) for q in offered[4:]] == \
-        [(0, True, False, True), (96, True, False, True), (96, True, True, False)]
+        [(0, True, False, True), (96, True, False, True), (96, True, True, False), (128, True, False, True)]
     assert not any(q.res_tma for q in candidates(suite_plan("rmsnorm", merge=True).region, target="cuda"))
     with settings.override(ws_res_tma=True):
         assert len([q for q in candidates(suite_plan("ln_postnorm", merge=True).region, target="cuda")
@@ -617,7 +621,7 @@ def test_the_mainloop_warps_share_of_a_tile_takes_the_epilogues_column_layout():
 
 
 def test_the_last_tile_in_the_ring_only_with_a_shared_last_tile():
-    """COMFUSE_WS_LAST_IN_RING=1 (experimental): only where the last tile is shared with the
+    """COMFUSE_WS_LAST_IN_RING=1: only where the last tile is shared with the
     mainloop's warps (COMFUSE_WS_TAIL), not with the residual by TMA (the mainloop adds it from
     the buffer) nor lookahead; the kernel then hands the last tile off into b_bufs, with its own
     statistics and barrier, and neither partition waits on the buffer for it."""
@@ -634,4 +638,5 @@ def test_the_last_tile_in_the_ring_only_with_a_shared_last_tile():
     text = source_text(p, "k")
     assert "spare_smem = b_bufs._reinterpret(gl.bfloat16, [BM, BN], TILE_LAYOUT)" in text
     assert "mbarrier.wait(spare_ready, 0)" in text and "spare_smem, spare_ready, True)" in text
-    assert not any(q.last_in_ring for q in candidates(p.region, target="cuda"))  # (behind its setting)
+    # (an autotuning candidate in one form only: with loops and the whole last tile the mainloop's)
+    assert [(q.tail, q.roll) for q in candidates(p.region, target="cuda") if q.last_in_ring] == [(128, True)]

@@ -88,7 +88,7 @@ class Plan:
     # (COMFUSE_WS_ROLL; only at 8 lanes a row with 8 adjacent columns a lane, no lookahead)
     roll: bool = False
     # ws_stages, with ``tail``: each program's last tile handed off in the B operand's ring, its
-    # mainloop warps not waiting for the buffer (COMFUSE_WS_LAST_IN_RING, experimental)
+    # mainloop warps not waiting for the buffer (COMFUSE_WS_LAST_IN_RING)
     last_in_ring: bool = False
 
     @property
@@ -656,13 +656,21 @@ def candidates(region: Region, target: str = "cuda", settings=None, sm_count: in
                 # at 8192x1024x1024 multi-stage 1.871x -> 1.587x, RMSNorm 1.152x -> 1.089x,
                 # softmax and LayerNorm within 1 %; at 8192x4096x4096 0.4-4 % slower; autotuned
                 # at 8192x1024x1024 the shared tile with loops won on all five row reductions;
-                # 128-wide tiles' two pieces a chunk not yet run on a GPU)
-                if gen.block_n == 256 and not gen.roll and gen.rollable:
-                    out += [dataclasses.replace(gen, roll=True), dataclasses.replace(gen, tail=shared, roll=True)]
-                    # (and the residual's form with loops: correct on the H200, twenty-first
-                    # session, not yet timed; its output pass recomputes the value, more code)
-                    if residual_form is not None:
-                        out.append(dataclasses.replace(residual_form, roll=True))
+                # on 128-wide tiles, correct on the H200 and no faster: 1.797x -> 1.872x,
+                # twenty-second session)
+                if gen.block_n == 256 and gen.rollable:
+                    if not gen.roll:
+                        out += [dataclasses.replace(gen, roll=True), dataclasses.replace(gen, tail=shared, roll=True)]
+                        # (and the residual's form with loops: correct on the H200, twenty-first
+                        # session, not yet timed; its output pass recomputes the value, more code)
+                        if residual_form is not None:
+                            out.append(dataclasses.replace(residual_form, roll=True))
+                    # and, with loops, each program's last tile all its mainloop warps', handed
+                    # off in the B ring (H200, twenty-second session, sustained, x cuBLAS's
+                    # GEMM at 8192x1024x1024, against the shared tile with loops: multi-stage
+                    # 1.604x -> 1.464x, LayerNorm 1.462x -> 1.378x)
+                    if not gen.res_tma and not gen.lookahead:
+                        out.append(dataclasses.replace(gen, tail=128, roll=True, last_in_ring=True))
         if first.schedule == "split":  # a loss over wide rows: the template's terminal kind
             lse = lse_template_plan(first.region, first.transposed, first.stages, first.forms, target)
             if isinstance(lse, Plan):
