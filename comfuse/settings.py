@@ -155,6 +155,14 @@ class Settings:
     # tile's exchanges still waited for the epilogue partition); with COMFUSE_WS_TAIL=128 and
     # loops, an autotuning candidate (multi-stage 8192x1024x1024 1.604x -> 1.464x the GEMM).
     ws_last_in_ring: bool
+    # COMFUSE_WS_CHUNK=32 (experimental, twenty-second session; not yet run on a GPU): a
+    # ws_stages epilogue's chunks of 32 rows rather than 16, so that each epilogue thread
+    # holds two rows of a chunk, independent work for its one warp a scheduler to overlap
+    # (the H200 trace: 4 epilogue warps took 18.4 us for multi-stage's tile, 10.5 the
+    # mainloop). Unrolled, 32-row chunks changed nothing (twenty-first session: 2.002x ->
+    # 1.998x), where the unrolled chunks already offered that overlap. With a shared tail the
+    # mainloop warps' chunks are 64 rows, so the tail must be 64 or 128. 0: 16.
+    ws_chunk: int
     # COMFUSE_WS_TILE_N=128 (experimental; correct on the H200 and slower everywhere, twentieth
     # session): ws_stages kernels on 128x128 tiles, the mainloop in one warpgroup (4 warps: the
     # same 128 accumulator registers a thread as two warpgroups on 128x256) beside 8 epilogue
@@ -203,7 +211,7 @@ class Settings:
 CODEGEN_SETTINGS = ("row_budget", "schedule", "mainloop", "prefetch", "overlap", "persistent", "ws_merge",
                     "ws_lanes", "ws_tma_store", "ws_tail",
                     "ws_res_tma", "ws_lookahead", "ws_keep", "ws_vec", "ws_narrow", "ws_exp_fma", "ws_row_outputs",
-                    "ws_tile_n", "ws_roll", "ws_last_in_ring")
+                    "ws_tile_n", "ws_roll", "ws_last_in_ring", "ws_chunk")
 
 _overrides: dict[str, object] = {}
 
@@ -216,7 +224,8 @@ _ENV_NAMES = ("COMFUSE_STRICT", "COMFUSE_DISABLE", "COMFUSE_CACHE_DIR", "XDG_CAC
               "COMFUSE_WS_LANES", "COMFUSE_WS_TMA_STORE", "COMFUSE_WS_TAIL",
               "COMFUSE_WS_RES_TMA", "COMFUSE_WS_LOOKAHEAD", "COMFUSE_WS_KEEP",
               "COMFUSE_WS_VEC", "COMFUSE_WS_NARROW", "COMFUSE_WS_EXP_FMA", "COMFUSE_WS_ROW_OUTPUTS",
-              "COMFUSE_WS_TILE_N", "COMFUSE_WS_ROLL", "COMFUSE_WS_LAST_IN_RING")
+              "COMFUSE_WS_TILE_N", "COMFUSE_WS_ROLL", "COMFUSE_WS_LAST_IN_RING",
+              "COMFUSE_WS_CHUNK")
 # (every variable _read reads: the memo's key; tests/test_settings... checks the list is whole)
 _ENV_KEYS = tuple(os.environ.encodekey(n) if hasattr(os.environ, "encodekey") else n for n in _ENV_NAMES)
 _memo: dict[tuple, Settings] = {}
@@ -267,6 +276,7 @@ def _read() -> Settings:
         ws_row_outputs=_flag("COMFUSE_WS_ROW_OUTPUTS", False),
         ws_roll=_flag("COMFUSE_WS_ROLL", False),
         ws_last_in_ring=_flag("COMFUSE_WS_LAST_IN_RING", False),
+        ws_chunk=_int("COMFUSE_WS_CHUNK", 0),
         ws_tile_n=_int("COMFUSE_WS_TILE_N", 256),
         persistent=_flag("COMFUSE_PERSISTENT", False),
         fuel=_int("COMFUSE_FUEL", -1),

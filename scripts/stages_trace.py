@@ -84,14 +84,14 @@ def timeline(trace, grid: int, tiles: int, E: int) -> str:
 
 
 # A variant's letters after its lane count, in the order they are written: (label, the
-# settings they set). "a", "c" and "q" change the launch rather than a setting (variant_of).
+# settings they set). "a" and "q" change the launch rather than a setting (variant_of).
 FLAGS = {
     "a": ("grid a strip multiple", {}),  # every strip in one round of the persistent loop
     "v": ("8 adjacent columns a lane", dict(ws_vec=8)),  # a row's lanes over 128 adjacent bytes
     "t": ("TMA store", dict(ws_tma_store=True)),  # the output tile by one TMA store
     "r": ("residual by TMA", dict(ws_res_tma=True)),  # into the hand-off buffer, added by the mainloop
     "p": ("loads a chunk ahead", dict(ws_lookahead=True)),
-    "c": ("32-row chunks", {}),  # CHUNK = 32, not 16
+    "c": ("32-row chunks", dict(ws_chunk=32)),  # CHUNK = 32, not 16
     "k": ("nothing kept", dict(ws_keep=False)),  # in the hand-off buffer between passes
     "n": ("16-bit adds in 16 bits", dict(ws_narrow=True)),
     "e": ("exp by one FFMA", dict(ws_exp_fma=True)),  # exp(x - a row's max)
@@ -107,27 +107,23 @@ def variant_of(spec: str):
     """(label, settings, grid_options) for a variant FORM: the epilogue's rows over LANES lanes
     of a warp (COMFUSE_WS_LANES), the letters of FLAGS, and "hROWS": the last ROWS rows of each
     program's last tile by the mainloop's warps (COMFUSE_WS_TAIL). "a": the grid a multiple of
-    the strip's tiles, not one program per SM; "c": 32-row chunks; "q": a 3-slot ring."""
+    the strip's tiles, not one program per SM; "q": a 3-slot ring."""
     m = re.fullmatch(rf"(\d+)([{''.join(FLAGS)}]*)(?:h(\d+))?", spec)
     if not m:
         raise SystemExit(f"variant {spec!r}: {FORM}, e.g. 8 or 32t or 8rph96")
     lanes, flags, tail = int(m[1]), m[2], int(m[3] or 0)
-    if "c" in flags and tail:
-        raise SystemExit(f"variant {spec!r}: 32-row chunks (c) with a shared tail (h) not offered")
 
     def grid_options(self, dev, M, N, _orig=stages_kernel.StagesKernel.grid_options):
         grid, options = _orig(self, dev, M, N)
         if "a" in flags:
             tiles_n = N // self.plan.block_n
             grid = ((grid[0] // tiles_n) * tiles_n, )
-        if "c" in flags:
-            options = dict(options, CHUNK=32)
         if "q" in flags:
             options = dict(options, STAGES=3)
         return grid, options
     settings = dict(ws_lanes=lanes, ws_tma_store=False, ws_res_tma=False, ws_tail=tail, ws_lookahead=False,
                     ws_keep=True, ws_vec=0, ws_narrow=False, ws_exp_fma=False, ws_tile_n=256,
-                    ws_roll=False, ws_last_in_ring=False)
+                    ws_roll=False, ws_last_in_ring=False, ws_chunk=0)
     for f in FLAGS:
         if f in flags:
             settings.update(FLAGS[f][1])

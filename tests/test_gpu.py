@@ -579,6 +579,19 @@ def test_generated_kernel_with_the_whole_last_tile_by_the_mainloop_warps_matches
     forced_schedule_matches(name, shape, "ws_stages", 20, ws_lanes=8, ws_tail=128, ws_roll=True, **form)
 
 
+@pytest.mark.parametrize("name, form", [("multi_stage", dict(ws_tail=128, ws_last_in_ring=True)),
+                                        ("ln_postnorm", dict(ws_tail=128, ws_last_in_ring=True)),
+                                        ("rmsnorm", {}), ("softmax", dict(ws_tail=64)),
+                                        ("mblr", dict(ws_tail=128, ws_last_in_ring=True))],
+                         ids=["multi_stage-tail128-ring", "ln_postnorm-tail128-ring", "rmsnorm", "softmax-tail64",
+                              "mblr-tail128-ring"])
+@pytest.mark.parametrize("shape", [(8192, 1024, 1024), (2048, 1024, 3072)], ids=["paper", "N3072"])
+def test_generated_kernel_with_32_row_chunks_matches_the_reference(name, shape, form):
+    """COMFUSE_WS_CHUNK=32 with the passes as loops: 32-row chunks of the epilogue partition
+    (two rows a thread), 64-row ones of the mainloop warps where they share the last tile."""
+    forced_schedule_matches(name, shape, "ws_stages", 20, ws_lanes=8, ws_roll=True, ws_chunk=32, **form)
+
+
 @pytest.mark.parametrize("name, form", [("rmsnorm", {}), ("softmax", {}), ("multi_stage", dict(ws_tail=64)),
                                         ("ln_postnorm", {}), ("mblr", dict(ws_tail=96)),
                                         ("ln_postnorm", dict(ws_res_tma=True, ws_keep=False, ws_tail=64))],

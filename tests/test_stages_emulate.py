@@ -56,6 +56,10 @@ FORMS = {  # name -> the settings of one form of the generated kernel
     # the last tile all the mainloop warps' (its exchanges without the epilogue partition)
     "tail128": dict(ws_tail=128), "last_in_ring-roll-tail128": dict(ws_last_in_ring=True, ws_roll=True, ws_tail=128),
     "res_tma-nothing_kept-tail128": dict(ws_res_tma=True, ws_keep=False, ws_tail=128),
+    # 32-row chunks (COMFUSE_WS_CHUNK=32; the mainloop warps' then 64)
+    "chunk32": dict(ws_chunk=32), "roll-chunk32": dict(ws_roll=True, ws_chunk=32),
+    "roll-chunk32-tail64": dict(ws_roll=True, ws_chunk=32, ws_tail=64),
+    "last_in_ring-roll-chunk32-tail128": dict(ws_last_in_ring=True, ws_roll=True, ws_chunk=32, ws_tail=128),
 }
 
 

@@ -140,7 +140,9 @@ def test_generated_kernels_compile_for_sm90():
                                  ("ln_postnorm_merged_res_nokeep_tail_vec8_roll", cases["ln_postnorm"]),
                                  ("multi_stage_merged_tail_vec8_roll_ring", cases["multi_stage"]),
                                  ("softmax_merged_tail_vec8_ring", cases["softmax"]),
-                                 ("multi_stage_merged_tail128_vec8_roll_ring", cases["multi_stage"])]:
+                                 ("multi_stage_merged_tail128_vec8_roll_ring", cases["multi_stage"]),
+                                 ("ln_postnorm_merged_vec8_roll_chunk32", cases["ln_postnorm"]),
+                                 ("multi_stage_merged_tail128_vec8_roll_chunk32_ring", cases["multi_stage"])]:
             (cand,) = find_regions(capture(fn, args))
             with settings.override(schedule="ws_stages", ws_merge="_merged" in name, ws_tma_store=name.endswith("_tma"),
                                    ws_tail=128 if "_tail128" in name else 96 if "_tail" in name else 0, ws_vec=8 if "_vec8" in name else 0,
@@ -149,7 +151,7 @@ def test_generated_kernels_compile_for_sm90():
                                    ws_keep="_nokeep" not in name,
                                    ws_narrow=name.endswith("_narrow"), ws_exp_fma=name.endswith("_expfma"),
                                    ws_tile_n=128 if name.endswith("_tile128") else 256, ws_roll="_roll" in name,
-                                   ws_last_in_ring=name.endswith("_ring")):
+                                   ws_last_in_ring=name.endswith("_ring"), ws_chunk=32 if "_chunk32" in name else 0):
                 p = plan(cand.region, target="cuda")
             k = compile_sm90(p)
             regs = sorted(set(int(v) for v in re.findall(r"setmaxnreg\\.\\w+\\.sync\\.aligned\\.u32\\s+(\\d+);",
@@ -640,3 +642,23 @@ def test_the_last_tile_in_the_ring_only_with_a_shared_last_tile():
     assert "mbarrier.wait(spare_ready, 0)" in text and "spare_smem, spare_ready, True)" in text
     # (an autotuning candidate in one form only: with loops and the whole last tile the mainloop's)
     assert [(q.tail, q.roll) for q in candidates(p.region, target="cuda") if q.last_in_ring] == [(128, True)]
+
+
+def test_32_row_chunks_need_a_tail_the_mainloop_warps_chunks_divide():
+    """COMFUSE_WS_CHUNK=32 (experimental): the epilogue's chunks 32 rows (the launch's CHUNK),
+    the mainloop warps' 64, so a shared tail of 64 or 128 rows only; 16 is the default's."""
+    from comfuse.runtime.stages_kernel import chunk_rows, options
+    with settings.override(ws_chunk=32, ws_roll=True):
+        p = suite_plan("multi_stage", merge=True)
+        with settings.override(ws_tail=128, ws_last_in_ring=True):
+            whole = suite_plan("multi_stage", merge=True)
+        with settings.override(ws_tail=96):
+            refused = suite_plan("multi_stage", merge=True)
+    assert p.chunk == 32 and chunk_rows(p) == 32 and options(p, 1024)["CHUNK"] == 32
+    assert "chunks of 32 rows" in p.describe()
+    assert whole.chunk == 32 and whole.tail == 128 and whole.last_in_ring
+    assert isinstance(refused, NotFused) and "COMFUSE_WS_CHUNK=32 with COMFUSE_WS_TAIL=96" in refused.reason
+    with settings.override(ws_chunk=16):
+        assert suite_plan("multi_stage", merge=True).chunk == 0  # (the default's plan, the same kernel)
+    with settings.override(ws_chunk=24):
+        assert "COMFUSE_WS_CHUNK=24" in suite_plan("multi_stage", merge=True).reason

@@ -90,6 +90,9 @@ class Plan:
     # ws_stages, with ``tail``: each program's last tile handed off in the B operand's ring, its
     # mainloop warps not waiting for the buffer (COMFUSE_WS_LAST_IN_RING)
     last_in_ring: bool = False
+    # ws_stages: rows of an epilogue chunk, 0 for the default (stages_kernel.CHUNK, 16), or 32
+    # (COMFUSE_WS_CHUNK, experimental)
+    chunk: int = 0
 
     @property
     def rollable(self) -> bool:
@@ -121,7 +124,8 @@ class Plan:
                     f"{'; 16-bit adds and products in 16 bits' if self.narrow else ''}"
                     f"{'; exp(x - row max) by one FFMA' if self.exp_fma else ''}"
                     f"{'; each pass a loop over its chunks, not unrolled' if self.roll else ''}"
-                    f"{'; the last tile handed off in the B ring' if self.last_in_ring else ''}")
+                    f"{'; the last tile handed off in the B ring' if self.last_in_ring else ''}"
+                    f"{f'; chunks of {self.chunk} rows' if self.chunk else ''}")
         if self.schedule == "ws_split":
             return (f"ws_split: warp-specialised Gluon template computing the {self.template.describe()}; "
                     f"persistent grid of {self.block_m}x{self.block_n}x{self.block_k} tiles in grouped order, TMA "
@@ -458,7 +462,7 @@ def stages_options(settings) -> dict:
                 tail=settings.ws_tail, res_tma=settings.ws_res_tma, lookahead=settings.ws_lookahead,
                 keep=settings.ws_keep, row_outputs=settings.ws_row_outputs,
                 vec=settings.ws_vec, narrow=settings.ws_narrow, exp_fma=settings.ws_exp_fma, tile_n=settings.ws_tile_n,
-                roll=settings.ws_roll, last_in_ring=settings.ws_last_in_ring)
+                roll=settings.ws_roll, last_in_ring=settings.ws_last_in_ring, chunk=settings.ws_chunk)
 
 
 def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple, target: str,
@@ -467,7 +471,7 @@ def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple,
                          lookahead: bool = False, keep: bool = True, row_outputs: bool = False,
                          vec: int = 0, narrow: bool = False,
                          exp_fma: bool = False, tile_n: int = 256, roll: bool = False,
-                         last_in_ring: bool = False) -> Plan | NotFused:
+                         last_in_ring: bool = False, chunk: int = 0) -> Plan | NotFused:
     """The ws_stages plan for ``region`` (row form), or why the generated Gluon kernel does
     not apply; ``merge``: moment and online-softmax pairs share an exchange (COMFUSE_WS_MERGE, on
     by default)."""
@@ -482,6 +486,11 @@ def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple,
         return no(f"COMFUSE_WS_LANES={lanes}: the epilogue lays a row over 32 or 8 lanes")
     if tail % 32 or not 0 <= tail <= 128:
         return no(f"COMFUSE_WS_TAIL={tail}: rows of the last tile, a multiple of 32 up to 128")
+    if chunk not in (0, 16, 32):
+        return no(f"COMFUSE_WS_CHUNK={chunk}: an epilogue chunk is 16 or 32 rows")
+    if chunk == 32 and tail % 64:
+        return no(f"COMFUSE_WS_CHUNK=32 with COMFUSE_WS_TAIL={tail}: the mainloop warps' chunks are then "
+                  "64 rows, so the tail must be 64 or 128")
     if vec not in (0, 8):
         return no(f"COMFUSE_WS_VEC={vec}: 8 adjacent columns a lane at a time, or 0 (all of a lane's)")
     if tile_n not in (256, 128):
@@ -520,7 +529,8 @@ def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple,
                 # (strip.chunk_load joins a chunk's 64-column pieces in registers: a row's lanes
                 # must span exactly one piece)
                 roll=roll and rollable(lanes, vec or tile_n // lanes, lookahead),
-                last_in_ring=last_in_ring and bool(tail) and not res_tma and not lookahead)
+                last_in_ring=last_in_ring and bool(tail) and not res_tma and not lookahead,
+                chunk=0 if chunk == 16 else chunk)
 
 
 def rollable(lanes: int, vec: int, lookahead: bool) -> bool:

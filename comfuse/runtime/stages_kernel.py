@@ -25,7 +25,7 @@ def chunk_rows(plan: Plan) -> int:
     """Rows of a chunk of the plan's epilogue: CHUNK, or more where the epilogue warps' row
     layout spans more (8 warps at 8 lanes a row cover 32 rows at once; a 16-row chunk would
     have two threads hold each value, and the 8 warps do the work of 4)."""
-    return max(CHUNK, plan.epi_warps * (32 // plan.lanes))
+    return max(plan.chunk or CHUNK, plan.epi_warps * (32 // plan.lanes))
 
 
 @functools.cache
