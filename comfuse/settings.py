@@ -105,7 +105,8 @@ class Settings:
     ws_res_tma: bool
     # COMFUSE_WS_LOOKAHEAD=1: each chunk of a ws_stages epilogue's passes issues the next
     # chunk's loads (the tile's rows from the buffer, [M, N] inputs from global memory) before
-    # its own work (experimental).
+    # its own work (experimental). With COMFUSE_WS_ROLL (twenty-second session, not yet run on
+    # a GPU) only the [M, N] inputs, carried by the pass's loop a chunk ahead.
     ws_lookahead: bool
     # COMFUSE_WS_KEEP=0: a merged ws_stages kernel recomputes an exchange's value in the later
     # passes rather than keep it in the hand-off buffer (the keep's shared-memory stores put two

@@ -579,6 +579,16 @@ def test_generated_kernel_with_the_whole_last_tile_by_the_mainloop_warps_matches
     forced_schedule_matches(name, shape, "ws_stages", 20, ws_lanes=8, ws_tail=128, ws_roll=True, **form)
 
 
+@pytest.mark.parametrize("name, form", [("ln_postnorm", {}), ("ln_postnorm", dict(ws_tail=128, ws_last_in_ring=True)),
+                                        ("ln_postnorm", dict(ws_tail=96))],
+                         ids=["ln_postnorm", "ln_postnorm-tail128-ring", "ln_postnorm-tail96"])
+@pytest.mark.parametrize("shape", [(8192, 1024, 1024), (2048, 1024, 3072)], ids=["paper", "N3072"])
+def test_generated_kernel_with_loops_loading_a_chunk_ahead_matches_the_reference(name, shape, form):
+    """COMFUSE_WS_ROLL=1 with COMFUSE_WS_LOOKAHEAD=1: the residual read from global memory a
+    chunk ahead, carried by the pass's loop."""
+    forced_schedule_matches(name, shape, "ws_stages", 20, ws_lanes=8, ws_roll=True, ws_lookahead=True, **form)
+
+
 @pytest.mark.parametrize("name, form", [("multi_stage", dict(ws_tail=128, ws_last_in_ring=True)),
                                         ("ln_postnorm", dict(ws_tail=128, ws_last_in_ring=True)),
                                         ("rmsnorm", {}), ("softmax", dict(ws_tail=64)),

@@ -60,6 +60,11 @@ FORMS = {  # name -> the settings of one form of the generated kernel
     "chunk32": dict(ws_chunk=32), "roll-chunk32": dict(ws_roll=True, ws_chunk=32),
     "roll-chunk32-tail64": dict(ws_roll=True, ws_chunk=32, ws_tail=64),
     "last_in_ring-roll-chunk32-tail128": dict(ws_last_in_ring=True, ws_roll=True, ws_chunk=32, ws_tail=128),
+    # with loops, the [M, N] inputs a chunk ahead (carried by the loop)
+    "roll-lookahead": dict(ws_roll=True, ws_lookahead=True),
+    "roll-lookahead-tail96": dict(ws_roll=True, ws_lookahead=True, ws_tail=96),
+    "last_in_ring-roll-lookahead-chunk32-tail128": dict(ws_last_in_ring=True, ws_roll=True, ws_lookahead=True,
+                                                        ws_chunk=32, ws_tail=128),
 }
 
 

@@ -142,7 +142,8 @@ def test_generated_kernels_compile_for_sm90():
                                  ("softmax_merged_tail_vec8_ring", cases["softmax"]),
                                  ("multi_stage_merged_tail128_vec8_roll_ring", cases["multi_stage"]),
                                  ("ln_postnorm_merged_vec8_roll_chunk32", cases["ln_postnorm"]),
-                                 ("multi_stage_merged_tail128_vec8_roll_chunk32_ring", cases["multi_stage"])]:
+                                 ("multi_stage_merged_tail128_vec8_roll_chunk32_ring", cases["multi_stage"]),
+                                 ("ln_postnorm_merged_vec8_roll_ahead", cases["ln_postnorm"])]:
             (cand,) = find_regions(capture(fn, args))
             with settings.override(schedule="ws_stages", ws_merge="_merged" in name, ws_tma_store=name.endswith("_tma"),
                                    ws_tail=128 if "_tail128" in name else 96 if "_tail" in name else 0, ws_vec=8 if "_vec8" in name else 0,
@@ -409,6 +410,16 @@ def test_loads_a_chunk_ahead_only_with_its_setting():
     assert "nxt1 = gl.load(in1_ptr + (row + CHUNK)[:, None] * N + col[None, :])" in text  # the residual
     assert "v3 = cur1.to(gl.float32)" in text
     assert "if t + gl.num_programs(0) >= num_tiles:" in text and "2 - last" not in text
+    # with loops (COMFUSE_WS_ROLL): the range at run time, the residual carried by the loop a
+    # chunk ahead (the last chunk loads itself again), and the B ring allowed
+    with settings.override(ws_lookahead=True, ws_roll=True, ws_tail=128, ws_last_in_ring=True):
+        q = suite_plan("ln_postnorm", merge=True)
+    assert q.lookahead and q.roll and q.last_in_ring
+    text = source_text(q, "k")
+    assert "c_lo: gl.constexpr" not in text and "if c == c_lo:" not in text
+    assert text.count("nxt1 = gl.load(in1_ptr + row[:, None] * N + col[None, :])  # r_1") == 1
+    assert text.count("ahead = strip * BM + gl.minimum(c + 1, c_hi - 1) * CHUNK + rows") == 1
+    assert "cur1 = nxt1" in text and "v3 = cur1.to(gl.float32)" in text
 
 
 def test_eight_adjacent_columns_a_lane_by_default():

@@ -85,7 +85,7 @@ class Plan:
     # experimental)
     exp_fma: bool = False
     # ws_stages: each epilogue pass a run-time loop over its chunks rather than unrolled
-    # (COMFUSE_WS_ROLL; only at 8 lanes a row with 8 adjacent columns a lane, no lookahead)
+    # (COMFUSE_WS_ROLL; only at 8 lanes a row with 8 adjacent columns a lane)
     roll: bool = False
     # ws_stages, with ``tail``: each program's last tile handed off in the B operand's ring, its
     # mainloop warps not waiting for the buffer (COMFUSE_WS_LAST_IN_RING)
@@ -97,7 +97,7 @@ class Plan:
     @property
     def rollable(self) -> bool:
         """Whether this plan's passes could loop over their chunks (``rollable``)."""
-        return rollable(self.lanes, self.vec or self.block_n // self.lanes, self.lookahead)
+        return rollable(self.lanes, self.vec or self.block_n // self.lanes)
 
     @property
     def epi_warps(self) -> int:
@@ -528,16 +528,18 @@ def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple,
                 exp_fma=exp_fma and any(n.op is Op.EXP for n in region.nodes),
                 # (strip.chunk_load joins a chunk's 64-column pieces in registers: a row's lanes
                 # must span exactly one piece)
-                roll=roll and rollable(lanes, vec or tile_n // lanes, lookahead),
-                last_in_ring=last_in_ring and bool(tail) and not res_tma and not lookahead,
+                roll=roll and rollable(lanes, vec or tile_n // lanes),
+                # (an unrolled lookahead's chunk ranges are constexpr: one call a range)
+                last_in_ring=last_in_ring and bool(tail) and not res_tma
+                and not (lookahead and not (roll and rollable(lanes, vec or tile_n // lanes))),
                 chunk=0 if chunk == 16 else chunk)
 
 
-def rollable(lanes: int, vec: int, lookahead: bool) -> bool:
+def rollable(lanes: int, vec: int) -> bool:
     """Whether a ws_stages epilogue's passes can loop over their chunks at run time
     (``Plan.roll``): strip.chunk_load joins a chunk's 64-column pieces in registers, so a row's
-    lanes must span one piece, and a pass that loads a chunk ahead is unrolled."""
-    return lanes * vec == 64 and not lookahead
+    lanes must span one piece."""
+    return lanes * vec == 64
 
 
 def template_offers(region: Region, sm_count: int = 132) -> list:

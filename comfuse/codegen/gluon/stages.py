@@ -433,16 +433,15 @@ def emit(region: Region, stages, name: str, describe: str, pairs=(), keep: bool 
     ``roll``: each pass a loop over its chunks at run time, not unrolled (the kernel's epilogue
     then takes an eighth of the instructions: unrolled, multi-stage's was 7 740 SASS instructions,
     and a third of its warps' stall samples on the H200 were for instructions not yet fetched);
-    it needs a row's lanes to span 64 columns (VEC * LANES_N == 64) and no ``lookahead``;
-    ``last_in_ring``: with ``tail``, the program's last tile is handed off into the B operand's ring,
-    free once its last K step is done, so the mainloop's warps need not wait for the epilogue to
-    free the buffer from the tile before (with its own statistics; not with ``residual`` or
-    ``lookahead``)."""
-    if last_in_ring and (not tail or residual is not None or lookahead):
+    it needs a row's lanes to span 64 columns (VEC * LANES_N == 64); with ``lookahead`` the loop
+    carries the next chunk's [M, N] inputs from global memory (the tile's rows, in shared memory,
+    are read in their own iteration); ``last_in_ring``: with ``tail``, the program's last tile is
+    handed off into the B operand's ring, free once its last K step is done, so the mainloop's
+    warps need not wait for the epilogue to free the buffer from the tile before (with its own
+    statistics; not with ``residual``, nor with an unrolled ``lookahead``)."""
+    if last_in_ring and (not tail or residual is not None or (lookahead and not roll)):
         raise ValueError("ws_stages: the last tile in the ring is a shared last tile's form (tail), without the "
-                         "residual by TMA or lookahead")
-    if roll and lookahead:
-        raise ValueError("ws_stages: a pass that loads the next chunk ahead is unrolled (roll without lookahead)")
+                         "residual by TMA or an unrolled lookahead")
     if tile_n not in (256, 128):
         raise ValueError(f"ws_stages: tiles {tile_n} columns wide: 256 or 128")
     if tail and tma_store:
@@ -507,6 +506,12 @@ class _Module:
         return len(self.lay.exchanges)
 
     @property
+    def static_ranges(self) -> bool:
+        """Whether the per-tile function's chunk range is constexpr: an unrolled pass that loads
+        a chunk ahead (its branches on the chunk index then static)."""
+        return self.lookahead and not self.roll
+
+    @property
     def whole_tail(self) -> bool:
         """Whether the mainloop warps take all of each program's last tile (a tail of BM rows):
         the epilogue partition's loop stops a tile early, so the last tile's exchanges need not
@@ -532,7 +537,7 @@ class _Module:
         """``{name}_tile``: one tile's epilogue over a range of its chunks, by a group of warps."""
         region, lay, L, E, name, ptrs = self.region, self.lay, self.w.line, self.E, self.name, self.ptrs
         L("@gluon.jit", 0)
-        if self.lookahead:  # (the chunk range constexpr: chunk_head's static branches)
+        if self.static_ranges:  # (the chunk range constexpr: chunk_head's static branches)
             L(f"def {name}_tile(tile_smem, stat_smem, {ptrs}, ws_ptr, counter_ptr, trace_ptr, t, n, "
               "c_lo: gl.constexpr,", 0)
             L("c_hi: gl.constexpr, share: gl.constexpr, TRACE: gl.constexpr, M, N, TILES_N: gl.constexpr,", 8)
@@ -594,13 +599,32 @@ class _Module:
                         and self.region.inputs[self.region.nodes[i].arg].axes == frozenset("MN")
                         and self.region.nodes[i].arg != w.in_buffer})
         if self.roll:  # (the body at 3 as when unrolled: the writer puts it one level in)
+            if self.lookahead and reads:  # the first chunk's [M, N] inputs, then each iteration the next's
+                L("row = strip * BM + gl.minimum(c_lo, BM // CHUNK - 1) * CHUNK + rows  # (a row of the tile)", 1)
+                for j in reads:
+                    L(f"nxt{j} = gl.load(in{j}_ptr + row[:, None] * N + col[None, :])  "
+                      f"# {self.region.inputs[j].name}", 1)
             L("for c in range(c_lo, c_hi):", 1)
             w.rolled = True
+            if self.lookahead and reads:
+                L("row = strip * BM + c * CHUNK + rows", 3)
+                L("ahead = strip * BM + gl.minimum(c + 1, c_hi - 1) * CHUNK + rows  # (the last chunk: itself again)", 3)
+                for j in reads:
+                    L(f"cur{j} = nxt{j}", 3)
+                    L(f"nxt{j} = gl.load(in{j}_ptr + ahead[:, None] * N + col[None, :])  "
+                      f"# {self.region.inputs[j].name}, a chunk ahead", 3)
+                w.loaded = {j: f"cur{j}" for j in reads}
+                if w.narrow:
+                    L(f"acc_h = {self.read()}", 3)
+                    L("acc = acc_h.to(gl.float32)", 3)
+                else:
+                    L(f"acc = {self.read()}.to(gl.float32)", 3)
+                return
         else:
             L("for c in gl.static_range(BM // CHUNK):", 1)
             L("if (c_lo <= c) & (c < c_hi):", 2)
         L("row = strip * BM + c * CHUNK + rows", 3)
-        if not self.lookahead:
+        if not self.lookahead or self.roll:
             w.loaded = {}
             if w.narrow:  # (the tile as the buffer holds it, for the narrow nodes; fp32 for the rest)
                 L(f"acc_h = {self.read()}", 3)
@@ -760,7 +784,7 @@ class _Module:
             L("_mark(trace_ptr, n, 4, TRACE)", 2)
         if tail and not self.whole_tail:
             L(f"# the program's last tile: its last {tail} rows go to the mainloop's warps, idle by then", 2)
-            if self.lookahead:  # (one call for each constexpr range)
+            if self.static_ranges:  # (one call for each constexpr range)
                 L("if t + gl.num_programs(0) >= num_tiles:", 2)
                 L(f"{name}_tile(tile_smem, stat_smem, {ptrs}, ws_ptr, counter_ptr, trace_ptr, t, n, 0,", 3)
                 L(f"BM // CHUNK - {tail} // CHUNK, 1, TRACE, M, N, TILES_N, TILES_P2, BM, BN, CHUNK, EPI_WARPS, "
