@@ -49,11 +49,9 @@ def phases(E: int) -> list:
 def timeline(trace, grid: int, tiles: int, E: int) -> str:
     t = trace[:grid].double()
     valid = torch.zeros(grid, 64, dtype=torch.bool, device=t.device)
+    last = torch.zeros_like(valid)  # each program's last tile
     for p in range(grid):
         valid[p, :len(range(p, tiles, grid))] = True
-    # each program's last tile
-    last = torch.zeros_like(valid)
-    for p in range(grid):
         last[p, len(range(p, tiles, grid)) - 1] = True
     # (a tile the epilogue partition had no part in, COMFUSE_WS_TAIL=128: its marks not written)
     seen = valid & (t[..., 4] > 0)

@@ -516,6 +516,9 @@ def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple,
     residual = tma_residual(region)
     res_tma = res_tma and residual is not None
     in_buffer = residual if res_tma else None
+    # (strip.chunk_load joins a chunk's 64-column pieces in registers: a row's lanes must span
+    # exactly one piece)
+    roll = roll and rollable(lanes, vec or tile_n // lanes)
     # (128-wide tiles: a 4-slot ring, 160 KB of shared memory; one warpgroup's K step is half
     # the 128x256 form's, so a load has less time to land: a guess, not yet timed against 3)
     return Plan(region, False, "ws_stages", stages, 128, tile_n, 64, 8, 8 if tile_n == 256 else 4,
@@ -526,12 +529,9 @@ def stages_template_plan(region: Region, transposed: bool, stages, forms: tuple,
                 vec=0 if vec == tile_n // lanes else vec,
                 narrow=narrow and bool(narrow_nodes(region, in_buffer)),
                 exp_fma=exp_fma and any(n.op is Op.EXP for n in region.nodes),
-                # (strip.chunk_load joins a chunk's 64-column pieces in registers: a row's lanes
-                # must span exactly one piece)
-                roll=roll and rollable(lanes, vec or tile_n // lanes),
+                roll=roll,
                 # (an unrolled lookahead's chunk ranges are constexpr: one call a range)
-                last_in_ring=last_in_ring and bool(tail) and not res_tma
-                and not (lookahead and not (roll and rollable(lanes, vec or tile_n // lanes))),
+                last_in_ring=last_in_ring and bool(tail) and not res_tma and not (lookahead and not roll),
                 chunk=0 if chunk == 16 else chunk)
 
 

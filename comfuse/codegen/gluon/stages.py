@@ -593,39 +593,35 @@ class _Module:
         ``acc``. With ``lookahead`` (the range constexpr then: the loop unrolled without
         branches) each chunk first issues the next chunk's loads (``nxt*``: the tile's rows, the
         [M, N] inputs among ``nodes`` read from global memory), so that their latency passes under
-        this chunk's work rather than at the start of the next."""
+        this chunk's work rather than at the start of the next; with ``roll`` as well, the loop
+        carries the [M, N] inputs only (``carried``), the range staying a run-time one."""
         L, w = self.w.line, self.w
         reads = sorted({self.region.nodes[i].arg for i in nodes if self.region.nodes[i].op is Op.INPUT
                         and self.region.inputs[self.region.nodes[i].arg].axes == frozenset("MN")
                         and self.region.nodes[i].arg != w.in_buffer})
+        # (with loops, lookahead carries only the [M, N] inputs: the first chunk's before the loop)
+        carried = reads if self.roll and self.lookahead else []
         if self.roll:  # (the body at 3 as when unrolled: the writer puts it one level in)
-            if self.lookahead and reads:  # the first chunk's [M, N] inputs, then each iteration the next's
+            if carried:
                 L("row = strip * BM + gl.minimum(c_lo, BM // CHUNK - 1) * CHUNK + rows  # (a row of the tile)", 1)
-                for j in reads:
+                for j in carried:
                     L(f"nxt{j} = gl.load(in{j}_ptr + row[:, None] * N + col[None, :])  "
                       f"# {self.region.inputs[j].name}", 1)
             L("for c in range(c_lo, c_hi):", 1)
             w.rolled = True
-            if self.lookahead and reads:
-                L("row = strip * BM + c * CHUNK + rows", 3)
-                L("ahead = strip * BM + gl.minimum(c + 1, c_hi - 1) * CHUNK + rows  # (the last chunk: itself again)", 3)
-                for j in reads:
-                    L(f"cur{j} = nxt{j}", 3)
-                    L(f"nxt{j} = gl.load(in{j}_ptr + ahead[:, None] * N + col[None, :])  "
-                      f"# {self.region.inputs[j].name}, a chunk ahead", 3)
-                w.loaded = {j: f"cur{j}" for j in reads}
-                if w.narrow:
-                    L(f"acc_h = {self.read()}", 3)
-                    L("acc = acc_h.to(gl.float32)", 3)
-                else:
-                    L(f"acc = {self.read()}.to(gl.float32)", 3)
-                return
         else:
             L("for c in gl.static_range(BM // CHUNK):", 1)
             L("if (c_lo <= c) & (c < c_hi):", 2)
         L("row = strip * BM + c * CHUNK + rows", 3)
         if not self.lookahead or self.roll:
             w.loaded = {}
+            if carried:  # this chunk's, then the next one's (the last chunk loads itself again)
+                L("ahead = strip * BM + gl.minimum(c + 1, c_hi - 1) * CHUNK + rows", 3)
+                for j in carried:
+                    L(f"cur{j} = nxt{j}", 3)
+                    L(f"nxt{j} = gl.load(in{j}_ptr + ahead[:, None] * N + col[None, :])  "
+                      f"# {self.region.inputs[j].name}, a chunk ahead", 3)
+                w.loaded = {j: f"cur{j}" for j in carried}
             if w.narrow:  # (the tile as the buffer holds it, for the narrow nodes; fp32 for the rest)
                 L(f"acc_h = {self.read()}", 3)
                 L("acc = acc_h.to(gl.float32)", 3)
