@@ -85,7 +85,9 @@ def main(argv=None) -> int:
                               "comfuse, which run when named)")
     p_bench.add_argument("--only", default="", help="comma-separated subset of the suite's workloads")
     p_bench.add_argument("--shapes", default="",
-                         help="paper suite: measure each workload at these M,K,N (';'-separated), e.g. 8191,1024,1024;8192,1024,768")
+                         help="paper suite: measure each workload at these M,K,N (';'-separated), e.g. "
+                              "8191,1024,1024;8192,1024,768; 'suite': each workload at its own shapes, "
+                              "without the extra sweep")
     p_bench.add_argument("--resume", action="store_true", help="keep the cases already in OUT/results.json")
     p_bench.add_argument("--repeat", type=int, default=1,
                          help="time the candidates in this many interleaved rounds; report the median "
@@ -151,15 +153,18 @@ def main(argv=None) -> int:
             cands = [c for c in args.candidates.split(",") if c] or None
             if args.repeat < 1:
                 raise SystemExit("--repeat must be at least 1")
+            own = args.shapes.strip() == "suite"  # each workload's own shapes, no sweep
             try:
-                shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";") if s.strip()]
+                shapes = [] if own else [tuple(int(v) for v in s.split(",")) for s in args.shapes.split(";")
+                                         if s.strip()]
             except ValueError:
                 raise SystemExit(f"--shapes {args.shapes!r}: expected M,K,N[;M,K,N...] integers") from None
             if any(len(s) != 3 or min(s) < 1 for s in shapes):
                 raise SystemExit(f"--shapes {args.shapes!r}: each shape is three positive sizes M,K,N")
             results = runner.run(args.suite, args.quick, args.out, args.device, args.dtype, cands,
                                  args.resume, repeat=args.repeat, graph=args.graph,
-                                 only=[w for w in args.only.split(",") if w] or None, shapes=shapes or None)
+                                 only=[w for w in args.only.split(",") if w] or None, shapes=shapes or None,
+                                 sweep=not own)
         for path in report.write(results, args.out):
             print(f"wrote {path}")
         print(report.markdown(results))

@@ -51,6 +51,7 @@ def test_derive_uses_only_correct_baselines():
     assert d["comfuse_over_gemm"] == pytest.approx(0.5 / 0.4)
     assert d["epilogue_cost_ms"] == pytest.approx(0.1)
     assert d["standalone_epilogue_ms"] == pytest.approx(0.3)
+    assert d["ceiling_vs_best"] == pytest.approx(0.8 / 0.4)  # the best baseline over the GEMM alone
 
 
 def test_missing_candidates_derive_to_none():
@@ -66,6 +67,8 @@ def test_markdown_reports_wrong_and_unavailable_candidates():
     assert "WRONG (err 5.0e-01)" in md
     assert "- tensorrt: torch_tensorrt missing" in md
     assert "Geometric-mean speedup of comfuse over the best baseline: 0.89x" in md  # sqrt(1.6 * 0.5)
+    # the ceilings: 0.8 / 0.4 and 0.8 / 0.4 (the second case's GEMM alone as in the first)
+    assert "Ceiling (best baseline / GEMM alone" in md and "geometric mean 2.00x" in md
 
 
 def test_markdown_says_how_repetitions_were_timed():
@@ -198,6 +201,10 @@ def test_suites_list_the_paper_workloads():
     assert ("paper", "linear_ce", (8192, 4096, 32768)) in quick
     assert ("attention", "self_attention", None) in quick
     assert len(workloads.cases("paper")) > len(workloads.cases("paper", quick=True))
+    own = workloads.cases("paper", sweep=False)  # the suite's own shapes, as the issues name them
+    assert len(own) == sum(len(wl.gpu_shapes) for wl in workloads.SUITE.values()) == 11
+    assert ("paper", "ln_postnorm", (16384, 2048, 8192)) in own
+    assert ("paper", "ln_postnorm", (8191, 1024, 1024)) not in own
     with pytest.raises(ValueError):
         workloads.cases("nope")
 
@@ -240,6 +247,19 @@ def test_bench_measures_the_paper_workloads_at_given_shapes(tmp_path):
     assert all(c["candidates"][n]["status"] == "ok" for c in cases for n in ("eager", "comfuse"))
     with pytest.raises(SystemExit):
         cli.main(["bench", "--suite", "paper", "--device", "cpu", "--shapes", "1,2", "--out", str(out)])
+
+
+def test_bench_suite_shapes_leave_the_sweep_out(tmp_path):
+    """`--shapes suite`: each workload at its own shapes only (LayerNorm's three, not its sweep);
+    on the CPU each shrinks to the workload's small shape."""
+    from comfuse import cli
+    out = tmp_path / "s"
+    assert cli.main(["bench", "--suite", "paper", "--device", "cpu", "--dtype", "fp32", "--only", "ln_postnorm",
+                     "--shapes", "suite", "--candidates", "eager,gemm", "--out", str(out)]) == 0
+    import json
+    results = json.loads((out / "results.json").read_text())
+    assert results["meta"]["sweep"] is False
+    assert len(results["cases"]) == len(workloads.SUITE["ln_postnorm"].gpu_shapes) == 3
 
 
 def test_ratio_rows_take_medians_of_rounds_against_the_base(capsys):

@@ -44,6 +44,9 @@ def derive(case: dict) -> dict:
          "gemm_ms": gemm, "comfuse_over_gemm": comfuse / gemm if comfuse and gemm else None,
          "epilogue_cost_ms": comfuse - gemm if comfuse and gemm else None,
          "baseline_epilogue_cost_ms": best - gemm if best and gemm else None,
+         # the speedup a fused kernel taking exactly the GEMM's time would reach: the most any
+         # fusion can give a program whose GEMM runs at cuBLAS's speed
+         "ceiling_vs_best": best / gemm if best and gemm else None,
          "standalone_epilogue_ms": epilogue,
          "comfuse_tflops": case["flops"] / comfuse / 1e9 if comfuse else None,
          "comfuse_tb_s": case["min_bytes"] / comfuse / 1e9 if comfuse else None}
@@ -133,6 +136,13 @@ def markdown(results: dict) -> str:
         g = geomean(derive(c)["speedup_vs_best"] for c in cases)
         if g:
             lines += ["", f"Geometric-mean speedup of comfuse over the best baseline: {g:.2f}x"]
+        ceiling = [(c, derive(c)["ceiling_vs_best"]) for c in cases]
+        ceiling = [(c, r) for c, r in ceiling if r]
+        if ceiling:
+            lines += ["", "Ceiling (best baseline / GEMM alone, the speedup of a fused kernel as fast as the "
+                      "GEMM alone): " + ", ".join(f"{c['workload']} {'x'.join(map(str, c['shape']))} {r:.2f}x"
+                                                  for c, r in ceiling)
+                      + f"; geometric mean {geomean(r for _, r in ceiling):.2f}x"]
         ro = [(c, derive(c)["reduce_overhead_speedup"]) for c in cases]
         ro = [(c, r) for c, r in ro if r]
         if ro:

@@ -234,9 +234,11 @@ def _tune_timing(graph: bool, device: str) -> str:
 
 def run(suite: str = "all", quick: bool = False, out_dir: str | Path = "bench/results/latest",
         device: str = "auto", dtype: str = "bf16", candidates=None, resume: bool = False,
-        progress=print, repeat: int = 1, only=None, graph: bool = False, shapes=None) -> dict:
+        progress=print, repeat: int = 1, only=None, graph: bool = False, shapes=None,
+        sweep: bool = True) -> dict:
     """Build, check and time the suite's cases into ``out_dir``/results.json (``shapes``: for
-    the paper suite, these (M, K, N) for each workload instead of its own). With ``graph``
+    the paper suite, these (M, K, N) for each workload instead of its own; ``sweep=False``: each
+    workload's own shapes without the paper suite's extra sweep). With ``graph``
     comfuse's autotuning also times its candidates as CUDA-graph replays (COMFUSE_TUNE_TIMING=
     graph), unless COMFUSE_TUNE_TIMING says otherwise: a choice made on launches, Python's host
     time included, is not the fastest kernel for a graph's replay (H200, 2026-12-01: at
@@ -251,7 +253,7 @@ def run(suite: str = "all", quick: bool = False, out_dir: str | Path = "bench/re
     unknown = set(candidates) - set(ALL_CANDIDATES)
     if unknown:
         raise SystemExit(f"unknown candidates {sorted(unknown)}; choose from {', '.join(ALL_CANDIDATES)}")
-    todo = workloads.cases(suite, quick)
+    todo = workloads.cases(suite, quick, sweep)
     if only:  # a subset of the suite's workloads
         unknown = set(only) - {name for _, name, _ in todo}
         if unknown:
@@ -272,7 +274,7 @@ def run(suite: str = "all", quick: bool = False, out_dir: str | Path = "bench/re
         results = {"meta": environment(device), "ceilings": ceilings(device), "cases": []}
         results["meta"].update(suite=suite, quick=quick, dtype=dtype, candidates=list(candidates),
                                repeat=repeat, graph=graph, workloads=list(only or []),
-                               shapes=[list(x) for x in shapes or []],
+                               shapes=[list(x) for x in shapes or []], sweep=sweep,
                                unfused_mode=settings.get().unfused_mode)
     tune_timing = _tune_timing(graph, device)
     results["meta"]["tune_timing"] = tune_timing

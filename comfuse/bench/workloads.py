@@ -281,14 +281,15 @@ SUITES = ("paper", "b2b", "attention", "models")
 B2B = ("dlrm_bottom_mlp", "target_attention", "transformer_mlp")
 
 
-def cases(suite: str, quick: bool = False) -> list[tuple]:
-    """(suite, workload, shape or None) for ``suite`` ("paper", "b2b", "attention", "all")."""
+def cases(suite: str, quick: bool = False, sweep: bool = True) -> list[tuple]:
+    """(suite, workload, shape or None) for ``suite`` ("paper", "b2b", "attention", "all");
+    ``sweep=False``: the paper suite at each workload's own shapes, without the extra ones."""
     if suite == "all":
-        return [c for s in SUITES if s != "models" for c in cases(s, quick)]
+        return [c for s in SUITES if s != "models" for c in cases(s, quick, sweep)]
     if suite == "paper":
         out = []
         for name, wl in SUITE.items():
-            shapes = wl.gpu_shapes[:1] if quick else wl.gpu_shapes + wl.sweep
+            shapes = wl.gpu_shapes[:1] if quick else wl.gpu_shapes + (wl.sweep if sweep else ())
             out += [("paper", name, s) for s in shapes]
         return out
     if suite == "b2b":
