@@ -63,6 +63,8 @@ FORMS = {  # name -> the settings of one form of the generated kernel
     # with loops, the [M, N] inputs a chunk ahead (carried by the loop)
     "roll-lookahead": dict(ws_roll=True, ws_lookahead=True),
     "roll-lookahead-tail96": dict(ws_roll=True, ws_lookahead=True, ws_tail=96),
+    # (the whole last tile in the ring with it: an autotuning candidate where there is a residual)
+    "last_in_ring-roll-lookahead-tail128": dict(ws_last_in_ring=True, ws_roll=True, ws_lookahead=True, ws_tail=128),
     "last_in_ring-roll-lookahead-chunk32-tail128": dict(ws_last_in_ring=True, ws_roll=True, ws_lookahead=True,
                                                         ws_chunk=32, ws_tail=128),
 }

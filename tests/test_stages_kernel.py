@@ -395,11 +395,13 @@ def test_loads_a_chunk_ahead_only_with_its_setting():
     """COMFUSE_WS_LOOKAHEAD=1 (experimental): each chunk of a pass issues the next chunk's
     loads (the tile's rows, the residual) before its own work, the chunk range constexpr (so
     the shared tile's epilogue calls the per-tile function once a range). Without it, the
-    runtime range, and the planner offers no such candidate."""
+    runtime range, and the planner offers it in one candidate only: with loops and the whole
+    last tile in the B ring (timed in the twenty-third session)."""
     from comfuse.runtime.stages_kernel import source_text
     plain = suite_plan("ln_postnorm", merge=True)
     assert not plain.lookahead and "nxt" not in source_text(plain, "k")
-    assert not any(q.lookahead for q in candidates(plain.region, target="cuda") if q.schedule == "ws_stages")
+    assert [(q.roll, q.tail, q.last_in_ring) for q in candidates(plain.region, target="cuda")
+            if q.schedule == "ws_stages" and q.lookahead] == [(True, 128, True)]
     with settings.override(ws_lookahead=True, ws_tail=96):
         p = suite_plan("ln_postnorm", merge=True)
     assert p.lookahead and "each chunk loads the next ahead" in p.describe()
@@ -651,8 +653,14 @@ def test_the_last_tile_in_the_ring_only_with_a_shared_last_tile():
     text = source_text(p, "k")
     assert "spare_smem = b_bufs._reinterpret(gl.bfloat16, [BM, BN], TILE_LAYOUT)" in text
     assert "mbarrier.wait(spare_ready, 0)" in text and "spare_smem, spare_ready, True)" in text
-    # (an autotuning candidate in one form only: with loops and the whole last tile the mainloop's)
-    assert [(q.tail, q.roll) for q in candidates(p.region, target="cuda") if q.last_in_ring] == [(128, True)]
+    # (an autotuning candidate in one form only: with loops and the whole last tile the mainloop's;
+    # where the region has an [M, N] input, LayerNorm's residual, its loops load it a chunk ahead)
+    assert [(q.tail, q.roll, q.lookahead) for q in candidates(p.region, target="cuda")
+            if q.last_in_ring] == [(128, True, False)]
+    ln = suite_plan("ln_postnorm", merge=True)
+    ring = [q for q in candidates(ln.region, target="cuda") if q.last_in_ring]
+    assert [(q.tail, q.roll, q.lookahead) for q in ring] == [(128, True, True)]
+    assert "a chunk ahead" in source_text(ring[0], "k")
 
 
 def test_32_row_chunks_need_a_tail_the_mainloop_warps_chunks_divide():

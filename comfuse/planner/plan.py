@@ -681,8 +681,13 @@ def candidates(region: Region, target: str = "cuda", settings=None, sm_count: in
                     # off in the B ring (H200, twenty-second session, sustained, x cuBLAS's
                     # GEMM at 8192x1024x1024, against the shared tile with loops: multi-stage
                     # 1.604x -> 1.464x, LayerNorm 1.462x -> 1.378x)
+                    # With an [M, N] input (a residual) its loops load each chunk's a chunk ahead
+                    # (H200, twenty-third session, sustained, x cuBLAS's GEMM, LayerNorm
+                    # 8192x1024x1024: 1.387x -> 1.347x, its first pass 12.8 -> 9.7 us a tile;
+                    # without such an input the loops carry nothing and the form is the same)
                     if not gen.res_tma and not gen.lookahead:
-                        out.append(dataclasses.replace(gen, tail=128, roll=True, last_in_ring=True))
+                        ahead = any(inp.axes == frozenset("MN") for inp in first.region.inputs)
+                        out.append(dataclasses.replace(gen, tail=128, roll=True, last_in_ring=True, lookahead=ahead))
         if first.schedule == "split":  # a loss over wide rows: the template's terminal kind
             lse = lse_template_plan(first.region, first.transposed, first.stages, first.forms, target)
             if isinstance(lse, Plan):
