@@ -74,6 +74,16 @@ def _fmt(cand: dict | None) -> str:
     return status or "-"
 
 
+def _ratio_line(cases, key: str, title: str) -> list:
+    """A paragraph of one derived ratio per case and their geometric mean (none if no case has it)."""
+    pairs = [(c, derive(c)[key]) for c in cases]
+    pairs = [(c, r) for c, r in pairs if r]
+    if not pairs:
+        return []
+    return ["", f"{title}: " + ", ".join(f"{c['workload']} {'x'.join(map(str, c['shape']))} {r:.2f}x"
+                                         for c, r in pairs) + f"; geometric mean {geomean(r for _, r in pairs):.2f}x"]
+
+
 def markdown(results: dict) -> str:
     meta, ceil = results["meta"], results.get("ceilings", {})
     lines = ["# comfuse bench results", ""]
@@ -136,19 +146,10 @@ def markdown(results: dict) -> str:
         g = geomean(derive(c)["speedup_vs_best"] for c in cases)
         if g:
             lines += ["", f"Geometric-mean speedup of comfuse over the best baseline: {g:.2f}x"]
-        ceiling = [(c, derive(c)["ceiling_vs_best"]) for c in cases]
-        ceiling = [(c, r) for c, r in ceiling if r]
-        if ceiling:
-            lines += ["", "Ceiling (best baseline / GEMM alone, the speedup of a fused kernel as fast as the "
-                      "GEMM alone): " + ", ".join(f"{c['workload']} {'x'.join(map(str, c['shape']))} {r:.2f}x"
-                                                  for c, r in ceiling)
-                      + f"; geometric mean {geomean(r for _, r in ceiling):.2f}x"]
-        ro = [(c, derive(c)["reduce_overhead_speedup"]) for c in cases]
-        ro = [(c, r) for c, r in ro if r]
-        if ro:
-            lines += ["", "torch.compile(comfuse) against torch.compile, both in mode reduce-overhead (CUDA graphs): "
-                      + ", ".join(f"{c['workload']} {'x'.join(map(str, c['shape']))} {r:.2f}x" for c, r in ro)
-                      + f"; geometric mean {geomean(r for _, r in ro):.2f}x"]
+        lines += _ratio_line(cases, "ceiling_vs_best", "Ceiling (best baseline / GEMM alone, the speedup of a "
+                             "fused kernel as fast as the GEMM alone)")
+        lines += _ratio_line(cases, "reduce_overhead_speedup", "torch.compile(comfuse) against torch.compile, "
+                             "both in mode reduce-overhead (CUDA graphs)")
         lines.append("")
     forced = sorted({n for c in results["cases"] for n in c["candidates"] if n.startswith("comfuse[")})
     if forced:
