@@ -106,8 +106,8 @@ def test_every_chain_candidate_matches_the_reference(monkeypatch, case):
     """Each plan autotuning may pick (warps, program height, chunk width) computes the same
     chain: one chunk and one K step (attention), several chunks with a K loop (a three-GEMM
     MLP), and the GPU's plans for such an MLP (64- and 128-row programs, 64- and 128-column
-    chunks, GEMM2's operand loaded before GEMM1's K loop, later GEMMs padded to 64 columns)
-    run through the interpreter."""
+    chunks, GEMM2's operand loaded before GEMM1's K loop, GEMM1's rows loaded once over all of
+    K, later GEMMs padded to 64 columns) run through the interpreter."""
     from comfuse.planner import chain as planner_chain
     from comfuse.planner.chain import chain_candidates
     from comfuse.runtime import compiled as compiled_mod
@@ -128,8 +128,10 @@ def test_every_chain_candidate_matches_the_reference(monkeypatch, case):
     plans = chain_candidates(chain.plan)
     assert len(plans) >= 2
     if case == "dlrm_gpu_plans":
-        assert {p.stream_n for p in plans} == {64, 128} and {p.block_m for p in plans} == {64, 128}
+        assert {p.stream_n for p in plans} >= {64, 128} and {p.block_m for p in plans} == {64, 128}
         assert {p.early_w for p in plans} == {False, True}
+        # GEMM1's rows loaded once, K = 96 padded to 128 (masked), 130 rows (a partial program)
+        assert {p.resident_a for p in plans} == {False, True}
     seen, forward = [], chain.forward  # the chain's own arguments (views, constants)
     chain.forward = lambda *ext: seen.append(ext) or forward(*ext)
     compiled(*args)
@@ -138,6 +140,35 @@ def test_every_chain_candidate_matches_the_reference(monkeypatch, case):
         chain.kernel = build_chain(plan)
         (out,) = chain.run(ext, ext[chain.a_ext], check=False)
         assert_matches_reference(fn, args, out)
+
+
+def _gpu_chain_plan(monkeypatch, args):
+    """The chain plan a GPU would get for ``dlrm`` on ``args`` (planned, not run)."""
+    from comfuse.planner import chain as planner_chain
+    from comfuse.runtime import compiled as compiled_mod
+    real = planner_chain.plan_chain
+    monkeypatch.setattr(compiled_mod, "plan_chain", lambda regions, links, writes, target, settings=None: real(
+        regions, links, writes, "cuda", settings))
+    (r,) = comfuse.explain(dlrm, args).regions
+    assert r.kind == "b2b" and r.fused, r.reason
+    return r.planned
+
+
+def test_resident_rows_are_candidates_only_where_they_fit_shared_memory(monkeypatch):
+    """GEMM1's A rows are held for every chunk only when they fit beside two pipeline stages
+    in the 227 KB a program may have: at the DLRM bottom MLP's K = 512 the 128-row form in
+    chunks of 32 takes 224 KB (the fastest on the H200); at K = 2048 no form fits."""
+    from comfuse.planner.chain import SMEM_LIMIT, resident_candidates, resident_smem
+    bf = torch.bfloat16
+    dlrm_like = _gpu_chain_plan(monkeypatch, (torch.empty(256, 512, dtype=bf), torch.empty(512, 512, dtype=bf),
+                                              torch.empty(512, 256, dtype=bf), torch.empty(256, 128, dtype=bf)))
+    forms = {(p.block_m, p.stream_n, p.num_warps, p.num_stages) for p in resident_candidates(dlrm_like)}
+    assert (128, 32, 8, 2) in forms and all(p.resident_a and p.block_k == 512 for p in resident_candidates(dlrm_like))
+    assert resident_smem(dlrm_like, 128, 32, 2) == 2 * (128 * 512 + 2 * (512 * 32 + 32 * 256)) <= SMEM_LIMIT
+    assert "A rows loaded once" in resident_candidates(dlrm_like)[0].describe()
+    long_k = _gpu_chain_plan(monkeypatch, (torch.empty(256, 2048, dtype=bf), torch.empty(2048, 512, dtype=bf),
+                                           torch.empty(512, 256, dtype=bf), torch.empty(256, 128, dtype=bf)))
+    assert resident_candidates(long_k) == []
 
 
 def test_an_intermediate_read_elsewhere_is_not_a_link():

@@ -49,6 +49,7 @@ class ChainPlan:
     num_stages: int
     onepass: object = None  # GEMM1's epilogue in one-pass form, when it reduces over a long N1
     early_w: bool = False  # load each chunk's rows of GEMM2's B before GEMM1's K loop (in flight during it)
+    resident_a: bool = False  # GEMM1's A rows loaded once, all of K (block_k = K padded), reused by every chunk
 
     def describe(self) -> str:
         dims = " -> ".join(str(r.sizes.N) for r in self.regions)
@@ -59,6 +60,7 @@ class ChainPlan:
                     else f"GEMM2 accumulates {len(self.onepass.link.terms)} term(s), scaled by F1's row "
                          "statistics at the end"))
         early = "; GEMM2's B chunk loaded before GEMM1's K loop" if self.early_w else ""
+        early += "; GEMM1's A rows loaded once, all of K" if self.resident_a else ""
         return (f"b2b: {len(self.regions)} GEMMs (K={self.regions[0].sizes.K} -> {dims}); GEMM1 "
                 f"streamed in chunks of {self.stream_n} into GEMM2{how}{early}; rows per program {self.block_m}")
 
@@ -132,6 +134,7 @@ def chain_candidates(plan: ChainPlan) -> list[ChainPlan]:
             # it (one program per SM at 142 registers has nothing else to hide it; a single-step
             # attention chain was slower this way: 0.0888 vs 0.0779 ms, H200 2026-11-30)
             out.append(dataclasses.replace(plan, block_m=64, num_warps=8, early_w=True))
+    out += resident_candidates(plan)
     unique = []
     for p in out:
         if p not in unique:
@@ -139,7 +142,43 @@ def chain_candidates(plan: ChainPlan) -> list[ChainPlan]:
     return unique
 
 
-__all__ = ["ChainPlan", "chain_candidates", "plan_chain"]
+# Shared memory a program may have at sm_90 (227 KB; Triton's count for the 128-row DLRM form
+# equals ``resident_smem``'s, and a form it refuses only scores inf in autotuning)
+SMEM_LIMIT = 232448
+# (rows, chunk, warps, stages) of the resident-A forms, fastest first on the H200 (DLRM bottom
+# MLP, 65536 x 512 -> 512 -> 256 -> 128, bf16, 2026-12-03, scripts/dlrm_variants.py: 128 rows in
+# chunks of 32 with two stages 0.1433 ms against the streamed plans' best 0.1898; 128 rows
+# need 8 warps to hold GEMM2's [128, 256] fp32 accumulator)
+RESIDENT_FORMS = ((128, 32, 8, 2), (128, 16, 8, 3), (64, 32, 4, 3))
+
+
+def resident_smem(plan: ChainPlan, block_m: int, stream_n: int, stages: int) -> int:
+    """Shared memory of a resident-A form: A's rows over all of K, and per pipeline stage a
+    chunk of GEMM1's B ([K, chunk]) and of GEMM2's ([chunk, width])."""
+    k = _pow2(plan.regions[0].sizes.K)
+    size = plan.regions[0].gemm.a.dtype.itemsize
+    return size * (block_m * k + stages * (k * stream_n + stream_n * plan.widths[0]))
+
+
+def resident_candidates(plan: ChainPlan) -> list[ChainPlan]:
+    """GEMM1's A rows loaded once for every chunk of N1 (when they fit shared memory beside
+    two pipeline stages): the streamed plans run GEMM1's K loop once per chunk, reading the
+    rows from L2 again each time and restarting the loop's pipeline, and at K = 512 a
+    program's rows outweigh the weights it reads. Elementwise first links only, and rows that
+    fill a 64-row program."""
+    first = plan.regions[0]
+    if plan.onepass is not None or first.sizes.M < 64 or plan.block_m < 64:
+        return []
+    out = []
+    for bm, sn, warps, stages in RESIDENT_FORMS:
+        if sn > _pow2(first.sizes.N) or resident_smem(plan, bm, sn, stages) > SMEM_LIMIT:
+            continue
+        out.append(dataclasses.replace(plan, block_m=bm, stream_n=sn, num_warps=warps, num_stages=stages,
+                                       block_k=max(16, _pow2(first.sizes.K)), early_w=False, resident_a=True))
+    return out
+
+
+__all__ = ["ChainPlan", "chain_candidates", "plan_chain", "resident_candidates"]
 
 
 def attention_scale(first: Region, second: Region, link: int) -> float | None:

@@ -19,7 +19,7 @@ from ..planner import Plan
 from ..planner.onepass import parts
 from . import cache
 
-CODEGEN_VERSION = "triton-21"  # bumped when generated code or launch cost changes: stored tuning decisions are re-measured
+CODEGEN_VERSION = "triton-22"  # bumped when generated code or launch cost changes: stored tuning decisions are re-measured
 
 
 class ComfuseWarning(UserWarning):

@@ -160,6 +160,13 @@ class _ChainEmitter:
         ``early_w_base``, GEMM2's B rows for the chunk are loaded first (``w``)."""
         p = self.plan
         n0, k = p.regions[0].sizes.N, p.regions[0].sizes.K
+        b0_base = "r0_b_ptr + pid_b * stride_r0_b_b" if batched else "r0_b_ptr"
+        if p.resident_a:
+            k_mask = "" if k == p.block_k else " & (offs_k < K)[None, :]"
+            self.line("# GEMM1's A: the program's rows over all of K (BLOCK_K), loaded once for every chunk")
+            self.line("offs_k = tl.arange(0, BLOCK_K)")
+            self.line(f"a_rows = tl.load({a_base} + offs_m[:, None] * stride_a_m + offs_k[None, :] * stride_a_k, "
+                      f"mask=mask_m[:, None]{k_mask}, other=0.0{self.read_once()})")
         if n0 <= p.stream_n:  # one chunk: unrolled, no loop for the compiler to keep
             self.line("for n0 in tl.static_range(0, STREAM_N, STREAM_N):  # N0 fits one chunk")
         else:
@@ -170,6 +177,13 @@ class _ChainEmitter:
         if early_w_base is not None:
             self.line("# GEMM2's B rows for this chunk, loaded now: in flight during GEMM1's K loop", 2)
             self.load_w1(early_w_base)
+        if p.resident_a:
+            k_mask = "" if k == p.block_k else "(offs_k < K)[:, None] & "
+            self.line(f"b = tl.load({b0_base} + offs_k[:, None] * stride_r0_b_k + offs_n[None, :] * stride_r0_b_n, "
+                      f"mask={k_mask}mask_n[None, :], other=0.0{self.read_once()})", 2)
+            self.line("a = a_rows  # (one product over all of K)", 2)
+            self.dot("acc0", "a", "b", 2)
+            return
         if k <= p.block_k:
             self.line("for k0 in tl.static_range(0, BLOCK_K, BLOCK_K):  # K fits one step", 2)
         else:
@@ -178,7 +192,6 @@ class _ChainEmitter:
         k_mask = "" if k % p.block_k == 0 else " & (offs_k < K)[None, :]"
         self.line(f"a = tl.load({a_base} + offs_m[:, None] * stride_a_m + offs_k[None, :] * stride_a_k, "
                   f"mask=mask_m[:, None]{k_mask}, other=0.0{self.read_once()})", 3)
-        b0_base = "r0_b_ptr + pid_b * stride_r0_b_b" if batched else "r0_b_ptr"
         k_mask = "" if k % p.block_k == 0 else "(offs_k < K)[:, None] & "
         self.line(f"b = tl.load({b0_base} + offs_k[:, None] * stride_r0_b_k + offs_n[None, :] * stride_r0_b_n, "
                   f"mask={k_mask}mask_n[None, :], other=0.0{self.read_once()})", 3)
