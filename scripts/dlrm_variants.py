@@ -12,7 +12,8 @@ chunks. Per 128-row tile that is 1 MB of x against 0.8 MB of weights, and the ch
   pipeliner prefetches the next chunk of w1 and w2 while this one computes, and the tile's
   L2 traffic is x once plus the weights once;
 - ``resident persistent``: the same, a grid of SMs x programs walking the row blocks;
-- comfuse's generated chain kernels, each candidate plan of ``chain_candidates``.
+- comfuse's generated chain kernels, each candidate plan of ``chain_candidates`` (timed with a
+  copy of their output, 16 MB: "output copy alone" is its time).
 
 Each form is checked against float64 PyTorch before it is timed (graph replays, L2 flushed
 by do_bench); the GEMMs alone (cuBLAS), eager and torch.compile run in the same call, and
@@ -197,7 +198,7 @@ def _generated_chains(x, ws, out) -> dict:
             chain.kernel = kernel
             out.copy_(chain.run(ext, ext[chain.a_ext], check=False)[0])
         runs[f"generated bm{plan.block_m} sn{plan.stream_n} w{plan.num_warps}"
-             f"{' early_w' if plan.early_w else ''}"] = run
+             f"{' early_w' if plan.early_w else ''}{' resident_a s' + str(plan.num_stages) if plan.resident_a else ''}"] = run
     return runs
 
 
@@ -248,9 +249,12 @@ def main() -> None:
     if not INTERPRET:
         h1 = torch.relu(x @ ws[0])
         h2 = torch.relu(h1 @ ws[1])
+        spare = torch.empty_like(out)
         base = {"cuBLAS GEMMs alone": lambda: (x @ ws[0], h1 @ ws[1], h2 @ ws[2]),
                 "eager": lambda: dlrm(x, *ws),
-                "torch.compile": torch.compile(lambda: dlrm(x, *ws), dynamic=False)}
+                "torch.compile": torch.compile(lambda: dlrm(x, *ws), dynamic=False),
+                # the generated forms are timed with a copy of their output into ``out``: this much
+                "output copy alone": lambda: out.copy_(spare)}
         for name, run in base.items():
             t = measure(graphed(run, warmup_calls=2))
             rows.append({"name": name, "status": "ok", **t.as_dict(), "tflops": flops / t.median_ms / 1e9})
@@ -280,7 +284,7 @@ def main() -> None:
     result = {"M": M, "flops": flops, "rows": rows}
     if not INTERPRET:
         timed = sorted((r for r in rows if "median_ms" in r and r["name"] in variants), key=lambda r: r["median_ms"])
-        finalists = ["cuBLAS GEMMs alone", "eager", "torch.compile"] + [r["name"] for r in timed[:4]]
+        finalists = ["cuBLAS GEMMs alone", "eager", "torch.compile", "output copy alone"] + [r["name"] for r in timed[:4]]
         best_generated = next((r["name"] for r in timed if r["name"].startswith("generated")), None)
         if best_generated and best_generated not in finalists:
             finalists.append(best_generated)

@@ -12,7 +12,8 @@ checked against eager first.
 Tuning decisions are read from ``$COMFUSE_CACHE_DIR/tuning`` when present (seed it from an
 earlier run's ``tuning/`` folder with ``--seed DIR`` to skip the autotuning).
 
-    python scripts/model_anatomy.py [--models bert_layer] [--seed DIR]   # on the GPU machine
+    python scripts/model_anatomy.py [--models bert_layer] [--seed DIR] [--grad off|on|both]
+        [--forms eager,inductor,max-autotune,comfuse,comfuse-max-autotune]   # on the GPU machine
 """
 from __future__ import annotations
 
@@ -38,6 +39,10 @@ from host_overhead import host_us  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="bert_layer")
+    ap.add_argument("--grad", default="both", choices=["off", "on", "both"])
+    ap.add_argument("--forms", default="eager,inductor,comfuse",
+                    help="comma-separated: eager, inductor, max-autotune (max-autotune-no-cudagraphs), "
+                         "comfuse, comfuse-max-autotune (the backend with Inductor's max-autotune-no-cudagraphs around the regions)")
     ap.add_argument("--seed", default="", help="a folder of tuning decisions (*.json) to start the cache with")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/comfuse-out"))
     args = ap.parse_args()
@@ -56,14 +61,24 @@ def main() -> None:
         say(f"tuning decisions seeded from {args.seed} into {dest}")
     table = []
     from comfuse import backend
-    for name, grad in ((n, g) for n in args.models.split(",") for g in (False, True)):
+    grads = {"off": (False,), "on": (True,), "both": (False, True)}[args.grad]
+    no_cg = "max-autotune-no-cudagraphs"
+    makers = {"eager": lambda fn: fn,
+              "inductor": lambda fn: torch.compile(fn, dynamic=False),
+              "max-autotune": lambda fn: torch.compile(fn, dynamic=False, mode=no_cg),
+              "comfuse": lambda fn: torch.compile(fn, backend="comfuse", dynamic=False),
+              "comfuse-max-autotune": lambda fn: torch.compile(fn, backend="comfuse", dynamic=False, mode=no_cg)}
+    labels = {"comfuse": "comfuse backend", "comfuse-max-autotune": "comfuse backend, max-autotune around"}
+    forms = args.forms.split(",")
+    unknown = set(forms) - set(makers)
+    if unknown:
+        ap.error(f"unknown forms {sorted(unknown)}; choose from {', '.join(makers)}")
+    for name, grad in ((n, g) for n in args.models.split(",") for g in grads):
         prog = model_program(name, torch.bfloat16, "cuda")
         with torch.no_grad():
             ref = prog.fn(*prog.args).float()
         with torch.set_grad_enabled(grad):
-            for label, make in (("eager", lambda: prog.fn),
-                                ("inductor", lambda: torch.compile(prog.fn, dynamic=False)),
-                                ("comfuse backend", lambda: torch.compile(prog.fn, backend="comfuse", dynamic=False))):
+            for label, make in ((labels.get(f, f), lambda f=f: makers[f](prog.fn)) for f in forms):
                 label += ", grad on" if grad else ", no_grad"
                 torch._dynamo.reset()
                 checks = len(backend.GRAPH_CHECKS)

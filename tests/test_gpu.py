@@ -29,6 +29,38 @@ def test_suite_at_real_shapes(name, shape):
     assert_matches_reference(wl.fn, args, out)
 
 
+@pytest.mark.parametrize("M", [65536, 1000])
+def test_every_chain_plan_of_the_dlrm_mlp_matches_the_reference(M):
+    """Each plan autotuning may pick for the DLRM bottom MLP (512 -> 512 -> 256 -> 128, bf16),
+    the resident-A forms included (224 KB of shared memory at 128 rows), at the real rows and
+    at rows that leave a partial program."""
+    from comfuse.planner.chain import chain_candidates
+    from comfuse.runtime.chain import build_chain
+
+    def dlrm(x, w1, w2, w3):
+        return torch.relu(torch.relu(torch.relu(x @ w1) @ w2) @ w3)
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(M, 512, generator=g),) + tuple(
+        torch.randn(a, b, generator=g) / a ** 0.5 for a, b in ((512, 512), (512, 256), (256, 128)))
+    args = tuple(t.to("cuda", torch.bfloat16) for t in args)
+    with warnings.catch_warnings(), comfuse.settings.override(autotune="0", validate="0"):
+        warnings.simplefilter("ignore", comfuse.ComfuseWarning)
+        compiled = comfuse.compile(dlrm, args)
+        compiled(*args)
+    chain = next(m for m in next(iter(compiled._specs.values())).gm.modules()
+                 if m.__class__.__name__ == "FusedChain")
+    seen, forward = [], chain.forward
+    chain.forward = lambda *ext: seen.append(ext) or forward(*ext)
+    compiled(*args)
+    ext = seen[-1]
+    plans = chain_candidates(chain.plan)
+    assert any(p.resident_a for p in plans)
+    for plan in plans:
+        chain.kernel = build_chain(plan)
+        (out,) = chain.run(ext, ext[chain.a_ext], check=False)
+        assert_matches_reference(dlrm, args, out)
+
+
 @pytest.mark.parametrize("name", ["ln_postnorm", "rmsnorm", "softmax", "multi_stage"])
 @pytest.mark.parametrize("form", ["prefetch", "overlap"])
 @pytest.mark.parametrize("mainloop", ["pointer", "tma"])
