@@ -132,9 +132,11 @@ def skewed(x_ptr, w1_ptr, w2_ptr, w3_ptr, o_ptr, M, K: tl.constexpr, N0: tl.cons
 @triton.jit
 def flat(x_ptr, w1_ptr, w2_ptr, w3_ptr, o_ptr, M, K: tl.constexpr, N0: tl.constexpr,
          N1: tl.constexpr, N2: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, SN: tl.constexpr,
-         STAGES: tl.constexpr, UPCAST: tl.constexpr):
+         STAGES: tl.constexpr, UPCAST: tl.constexpr, ZERO_FIRST: tl.constexpr = False):
     """GEMM1's chunks and K steps in one loop (the pipeline never restarts): x is read per
-    chunk as in the generated kernel; at a chunk's last K step GEMM2 takes it."""
+    chunk as in the generated kernel; at a chunk's last K step GEMM2 takes it. ``ZERO_FIRST``:
+    the chunk's accumulator cleared by a select at its first K step, not by zeros after its
+    last (ptxas serialises the wgmmas of the latter, C7515; not the former)."""
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     KS: tl.constexpr = K // BK
     kr = tl.arange(0, BK)
@@ -150,6 +152,8 @@ def flat(x_ptr, w1_ptr, w2_ptr, w3_ptr, o_ptr, M, K: tl.constexpr, N0: tl.conste
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
+        if ZERO_FIRST:
+            acc0 = tl.where(it % KS == 0, 0.0, acc0)
         acc0 = tl.dot(a, b, acc0)
         if it % KS == KS - 1:
             w2 = tl.load(w2_ptr + (c * SN + chunk)[:, None] * N1 + c1[None, :])
@@ -158,7 +162,8 @@ def flat(x_ptr, w1_ptr, w2_ptr, w3_ptr, o_ptr, M, K: tl.constexpr, N0: tl.conste
                 w2 = w2.to(tl.float32)
                 h = h.to(tl.float32)
             acc1 = tl.dot(h, w2, acc1)
-            acc0 = tl.zeros((BM, SN), dtype=tl.float32)
+            if not ZERO_FIRST:
+                acc0 = tl.zeros((BM, SN), dtype=tl.float32)
     h2 = tl.maximum(acc1, 0.0).to(w3_ptr.dtype.element_ty)
     c2 = tl.arange(0, N2)
     w3 = tl.load(w3_ptr + c1[:, None] * N2 + c2[None, :])
@@ -240,6 +245,10 @@ def main() -> None:
         variants[f"flat bm{bm} bk{bk} sn{sn} w{warps} s{stages}"] = (
             lambda bm=bm, bk=bk, sn=sn, w=warps, s=stages: flat[(M // bm,)](
                 x, *ws, out, M, K, N0, N1, N2, bm, bk, sn, s, INTERPRET, num_warps=w))
+    for bm, bk, sn, warps, stages in [(128, 64, 128, 8, 3), (128, 64, 128, 8, 4)] if not INTERPRET else [(64, 64, 64, 4, 1)]:
+        variants[f"flat zero-first bm{bm} bk{bk} sn{sn} w{warps} s{stages}"] = (
+            lambda bm=bm, bk=bk, sn=sn, w=warps, s=stages: flat[(M // bm,)](
+                x, *ws, out, M, K, N0, N1, N2, bm, bk, sn, s, INTERPRET, True, num_warps=w))
     only = os.environ.get("DLRM_ONLY")  # name prefixes, comma-separated
     if only:
         variants = {n: v for n, v in variants.items() if n.startswith(tuple(only.split(",")))}
