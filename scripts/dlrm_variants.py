@@ -203,7 +203,7 @@ def _generated_chains(x, ws, out) -> dict:
             chain.kernel = kernel
             out.copy_(chain.run(ext, ext[chain.a_ext], check=False)[0])
         runs[f"generated bm{plan.block_m} sn{plan.stream_n} w{plan.num_warps}"
-             f"{' early_w' if plan.early_w else ''}{' resident_a s' + str(plan.num_stages) if plan.resident_a else ''}"] = run
+             f"{' early_w' if plan.early_w else ''}{' resident_a s' + str(plan.num_stages) if plan.resident_a else ''}{' flat s' + str(plan.num_stages) if plan.flat else ''}"] = run
     return runs
 
 

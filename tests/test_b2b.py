@@ -107,7 +107,7 @@ def test_every_chain_candidate_matches_the_reference(monkeypatch, case):
     chain: one chunk and one K step (attention), several chunks with a K loop (a three-GEMM
     MLP), and the GPU's plans for such an MLP (64- and 128-row programs, 64- and 128-column
     chunks, GEMM2's operand loaded before GEMM1's K loop, GEMM1's rows loaded once over all of
-    K, later GEMMs padded to 64 columns) run through the interpreter."""
+    K, chunks and K steps in one loop, later GEMMs padded to 64 columns) run through the interpreter."""
     from comfuse.planner import chain as planner_chain
     from comfuse.planner.chain import chain_candidates
     from comfuse.runtime import compiled as compiled_mod
@@ -132,6 +132,8 @@ def test_every_chain_candidate_matches_the_reference(monkeypatch, case):
         assert {p.early_w for p in plans} == {False, True}
         # GEMM1's rows loaded once, K = 96 padded to 128 (masked), 130 rows (a partial program)
         assert {p.resident_a for p in plans} == {False, True}
+        # GEMM1's chunks and K steps in one loop: 3 chunks of 128 over N0 = 300, 2 K steps over 96
+        assert {p.flat for p in plans} == {False, True}
     seen, forward = [], chain.forward  # the chain's own arguments (views, constants)
     chain.forward = lambda *ext: seen.append(ext) or forward(*ext)
     compiled(*args)

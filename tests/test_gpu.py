@@ -32,7 +32,7 @@ def test_suite_at_real_shapes(name, shape):
 @pytest.mark.parametrize("M", [65536, 1000])
 def test_every_chain_plan_of_the_dlrm_mlp_matches_the_reference(M):
     """Each plan autotuning may pick for the DLRM bottom MLP (512 -> 512 -> 256 -> 128, bf16),
-    the resident-A forms included (224 KB of shared memory at 128 rows), at the real rows and
+    the resident-A forms (224 KB of shared memory at 128 rows) and the one-loop forms included, at the real rows and
     at rows that leave a partial program."""
     from comfuse.planner.chain import chain_candidates
     from comfuse.runtime.chain import build_chain
@@ -54,7 +54,7 @@ def test_every_chain_plan_of_the_dlrm_mlp_matches_the_reference(M):
     compiled(*args)
     ext = seen[-1]
     plans = chain_candidates(chain.plan)
-    assert any(p.resident_a for p in plans)
+    assert any(p.resident_a for p in plans) and any(p.flat for p in plans)
     for plan in plans:
         chain.kernel = build_chain(plan)
         (out,) = chain.run(ext, ext[chain.a_ext], check=False)

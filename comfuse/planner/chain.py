@@ -50,6 +50,7 @@ class ChainPlan:
     onepass: object = None  # GEMM1's epilogue in one-pass form, when it reduces over a long N1
     early_w: bool = False  # load each chunk's rows of GEMM2's B before GEMM1's K loop (in flight during it)
     resident_a: bool = False  # GEMM1's A rows loaded once, all of K (block_k = K padded), reused by every chunk
+    flat: bool = False  # GEMM1's chunks and K steps in one loop (GEMM2 at each chunk's last step)
 
     def describe(self) -> str:
         dims = " -> ".join(str(r.sizes.N) for r in self.regions)
@@ -61,6 +62,7 @@ class ChainPlan:
                          "statistics at the end"))
         early = "; GEMM2's B chunk loaded before GEMM1's K loop" if self.early_w else ""
         early += "; GEMM1's A rows loaded once, all of K" if self.resident_a else ""
+        early += "; GEMM1's chunks and K steps in one loop" if self.flat else ""
         return (f"b2b: {len(self.regions)} GEMMs (K={self.regions[0].sizes.K} -> {dims}); GEMM1 "
                 f"streamed in chunks of {self.stream_n} into GEMM2{how}{early}; rows per program {self.block_m}")
 
@@ -137,7 +139,7 @@ def chain_candidates(plan: ChainPlan) -> list[ChainPlan]:
             # it (one program per SM at 142 registers has nothing else to hide it; a single-step
             # attention chain was slower this way: 0.0888 vs 0.0779 ms, H200 2026-11-30)
             out.append(dataclasses.replace(plan, block_m=64, num_warps=8, early_w=True))
-    out += resident_candidates(plan)
+    out += resident_candidates(plan) + flat_candidates(plan)
     unique = []
     for p in out:
         if p not in unique:
@@ -181,7 +183,26 @@ def resident_candidates(plan: ChainPlan) -> list[ChainPlan]:
     return out
 
 
-__all__ = ["ChainPlan", "chain_candidates", "plan_chain", "resident_candidates"]
+# (rows, chunk, warps, stages) of the one-loop forms (DLRM bottom MLP, H200, 2026-12-03,
+# scripts/dlrm_variants.py, by hand: 128 rows in chunks of 128, 3 stages, 0.1355 ms, the
+# fastest chain measured; the generated streamed plans' best 0.1930)
+FLAT_FORMS = ((128, 128, 8, 3), (128, 128, 8, 4))
+
+
+def flat_candidates(plan: ChainPlan) -> list[ChainPlan]:
+    """GEMM1's chunks and K steps in one loop: the nested loops restart GEMM1's pipeline at
+    every chunk. Elementwise first links with several chunks and several K steps, rows that
+    fill a 64-row program."""
+    first = plan.regions[0]
+    if (plan.onepass is not None or first.sizes.M < 64 or plan.block_m < 64
+            or first.sizes.K <= plan.block_k):
+        return []
+    return [dataclasses.replace(plan, block_m=bm, stream_n=sn, num_warps=warps, num_stages=stages, flat=True,
+                                early_w=False, resident_a=False)
+            for bm, sn, warps, stages in FLAT_FORMS if sn < _pow2(first.sizes.N)]
+
+
+__all__ = ["ChainPlan", "chain_candidates", "flat_candidates", "plan_chain", "resident_candidates"]
 
 
 def attention_scale(first: Region, second: Region, link: int) -> float | None:

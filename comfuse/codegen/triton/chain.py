@@ -122,14 +122,19 @@ class _ChainEmitter:
             self.line("# ---- GEMM1 -> F1, chunk by chunk along N1, each chunk straight into GEMM2 ----")
             self.line("offs_w1 = tl.arange(0, WIDTH1)  # GEMM2's output columns, all held")
             self.line("acc1 = tl.zeros((BLOCK_M, WIDTH1), dtype=tl.float32)")
-            self.chunk_loop_head(a_base, batched, b1_base if p.early_w else None)
-            self.line("# F1 on this chunk", 2)
-            self.epilogue(0, 2)
-            self.line("# the chunk is GEMM2's A for rows offs_n of its B: into acc1, never to memory", 2)
-            self.line(f"p = {self.operand(1, self.ems[0].ref(p.regions[0].outputs[p.links[0]].node))}", 2)
+            if p.flat:
+                self.flat_loop_head(a_base, batched)
+                self.line("if step % K_STEPS == K_STEPS - 1:  # the chunk's last K step: F1, then GEMM2", 2)
+            else:
+                self.chunk_loop_head(a_base, batched, b1_base if p.early_w else None)
+            body = 3 if p.flat else 2
+            self.line("# F1 on this chunk", body)
+            self.epilogue(0, body)
+            self.line("# the chunk is GEMM2's A for rows offs_n of its B: into acc1, never to memory", body)
+            self.line(f"p = {self.operand(1, self.ems[0].ref(p.regions[0].outputs[p.links[0]].node))}", body)
             if not p.early_w:
-                self.load_w1(b1_base)
-            self.dot("acc1", "p", "w", 2)
+                self.load_w1(b1_base, body)
+            self.dot("acc1", "p", "w", body)
         for k in range(1, len(p.regions)):
             self.line()
             self.line(f"# ---- F{k + 1} over GEMM{k + 1}'s resident output ----")
@@ -211,10 +216,35 @@ class _ChainEmitter:
             return f"mask_n = tl.full(({block_name},), 1, tl.int1)  # {size_name} = {size}: whole blocks"
         return f"mask_n = offs_n < {size_name}"
 
-    def load_w1(self, b1_base: str) -> None:
+    def load_w1(self, b1_base: str, indent: int = 2) -> None:
         cols = "" if self.plan.regions[1].sizes.N == self.plan.widths[0] else " & (offs_w1 < N1)[None, :]"
         self.line(f"w = tl.load({b1_base} + offs_n[:, None] * stride_r1_b_k + offs_w1[None, :] * stride_r1_b_n, "
-                  f"mask=mask_n[:, None]{cols}, other=0.0{self.read_once()})", 2)
+                  f"mask=mask_n[:, None]{cols}, other=0.0{self.read_once()})", indent)
+
+    def flat_loop_head(self, a_base: str, batched: bool) -> None:
+        """One loop over GEMM1's chunks and K steps together (``step``), so the loads' pipeline
+        runs through from one chunk into the next; the chunk's sum starts afresh at its first
+        K step by a select (clearing it after the last step instead made ptxas serialise the
+        wgmmas, C7515)."""
+        p = self.plan
+        n0, k = p.regions[0].sizes.N, p.regions[0].sizes.K
+        chunks, k_steps = -(-n0 // p.stream_n), -(-k // p.block_k)
+        self.line(f"K_STEPS: tl.constexpr = {k_steps}  # GEMM1's K steps a chunk (K = {k})")
+        self.line("acc0 = tl.zeros((BLOCK_M, STREAM_N), dtype=tl.float32)")
+        self.line(f"for step in range(0, {chunks * k_steps}):  # {chunks} chunks of N0 = {n0}, K_STEPS each")
+        self.line("n0 = (step // K_STEPS) * STREAM_N", 2)
+        self.line("offs_n = n0 + tl.arange(0, STREAM_N)", 2)
+        self.line(self.column_mask("N0", n0, p.stream_n, "STREAM_N"), 2)
+        self.line("offs_k = (step % K_STEPS) * BLOCK_K + tl.arange(0, BLOCK_K)", 2)
+        k_mask = "" if k % p.block_k == 0 else " & (offs_k < K)[None, :]"
+        self.line(f"a = tl.load({a_base} + offs_m[:, None] * stride_a_m + offs_k[None, :] * stride_a_k, "
+                  f"mask=mask_m[:, None]{k_mask}, other=0.0{self.read_once()})", 2)
+        b0_base = "r0_b_ptr + pid_b * stride_r0_b_b" if batched else "r0_b_ptr"
+        k_mask = "" if k % p.block_k == 0 else "(offs_k < K)[:, None] & "
+        self.line(f"b = tl.load({b0_base} + offs_k[:, None] * stride_r0_b_k + offs_n[None, :] * stride_r0_b_n, "
+                  f"mask={k_mask}mask_n[None, :], other=0.0{self.read_once()})", 2)
+        self.line("acc0 = tl.where(step % K_STEPS == 0, 0.0, acc0)", 2)
+        self.dot("acc0", "a", "b", 2)
 
     def deferred_first_link(self, a_base: str, b1_base: str, batched: bool) -> None:
         """F1 reduces over a long N1: gather its statistics chunk by chunk while GEMM2
