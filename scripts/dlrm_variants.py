@@ -39,6 +39,20 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
+def _last_gemm(acc1, w3_ptr, o_ptr, rows, N1: tl.constexpr, N2: tl.constexpr, UPCAST: tl.constexpr):
+    """relu(relu(acc1) @ w3) stored for ``rows``: GEMM3 on GEMM2's resident output."""
+    h2 = tl.maximum(acc1, 0.0).to(w3_ptr.dtype.element_ty)
+    c1 = tl.arange(0, N1)
+    c2 = tl.arange(0, N2)
+    w3 = tl.load(w3_ptr + c1[:, None] * N2 + c2[None, :])
+    if UPCAST:
+        h2 = h2.to(tl.float32)
+        w3 = w3.to(tl.float32)
+    out = tl.maximum(tl.dot(h2, w3), 0.0)
+    tl.store(o_ptr + rows[:, None] * N2 + c2[None, :], out.to(o_ptr.dtype.element_ty))
+
+
+@triton.jit
 def _row_block(x_ptr, w1_ptr, w2_ptr, w3_ptr, o_ptr, rows, K: tl.constexpr, N0: tl.constexpr,
                N1: tl.constexpr, N2: tl.constexpr, SN: tl.constexpr, STAGES: tl.constexpr,
                UPCAST: tl.constexpr):
@@ -60,14 +74,7 @@ def _row_block(x_ptr, w1_ptr, w2_ptr, w3_ptr, o_ptr, rows, K: tl.constexpr, N0: 
         if UPCAST:
             h = h.to(tl.float32)
         acc1 = tl.dot(h, w2, acc1)
-    h2 = tl.maximum(acc1, 0.0).to(w3_ptr.dtype.element_ty)
-    c2 = tl.arange(0, N2)
-    w3 = tl.load(w3_ptr + c1[:, None] * N2 + c2[None, :])
-    if UPCAST:
-        h2 = h2.to(tl.float32)
-        w3 = w3.to(tl.float32)
-    out = tl.maximum(tl.dot(h2, w3), 0.0)
-    tl.store(o_ptr + rows[:, None] * N2 + c2[None, :], out.to(o_ptr.dtype.element_ty))
+    _last_gemm(acc1, w3_ptr, o_ptr, rows, N1, N2, UPCAST)
 
 
 @triton.jit
@@ -119,14 +126,7 @@ def skewed(x_ptr, w1_ptr, w2_ptr, w3_ptr, o_ptr, M, K: tl.constexpr, N0: tl.cons
         w2 = w2.to(tl.float32)
         h = h.to(tl.float32)
     acc1 = tl.dot(h, w2, acc1)
-    h2 = tl.maximum(acc1, 0.0).to(w3_ptr.dtype.element_ty)
-    c2 = tl.arange(0, N2)
-    w3 = tl.load(w3_ptr + c1[:, None] * N2 + c2[None, :])
-    if UPCAST:
-        h2 = h2.to(tl.float32)
-        w3 = w3.to(tl.float32)
-    out = tl.maximum(tl.dot(h2, w3), 0.0)
-    tl.store(o_ptr + rows[:, None] * N2 + c2[None, :], out.to(o_ptr.dtype.element_ty))
+    _last_gemm(acc1, w3_ptr, o_ptr, rows, N1, N2, UPCAST)
 
 
 @triton.jit
@@ -164,22 +164,16 @@ def flat(x_ptr, w1_ptr, w2_ptr, w3_ptr, o_ptr, M, K: tl.constexpr, N0: tl.conste
             acc1 = tl.dot(h, w2, acc1)
             if not ZERO_FIRST:
                 acc0 = tl.zeros((BM, SN), dtype=tl.float32)
-    h2 = tl.maximum(acc1, 0.0).to(w3_ptr.dtype.element_ty)
-    c2 = tl.arange(0, N2)
-    w3 = tl.load(w3_ptr + c1[:, None] * N2 + c2[None, :])
-    if UPCAST:
-        h2 = h2.to(tl.float32)
-        w3 = w3.to(tl.float32)
-    out = tl.maximum(tl.dot(h2, w3), 0.0)
-    tl.store(o_ptr + rows[:, None] * N2 + c2[None, :], out.to(o_ptr.dtype.element_ty))
+    _last_gemm(acc1, w3_ptr, o_ptr, rows, N1, N2, UPCAST)
 
 
 def dlrm(x, w1, w2, w3):
     return torch.relu(torch.relu(torch.relu(x @ w1) @ w2) @ w3)
 
 
-def _generated_chains(x, ws, out) -> dict:
-    """{name: launch} for each chain plan comfuse's autotuner times on this program."""
+def generated_chain_runs(fn, args, out) -> list:
+    """[(plan, launch)] for each chain plan comfuse's autotuner times on ``fn(*args)``, each
+    launch writing the chain's output into ``out`` (a copy, timed with the launch)."""
     import warnings
 
     import comfuse
@@ -187,24 +181,29 @@ def _generated_chains(x, ws, out) -> dict:
     from comfuse.runtime.chain import build_chain
     with warnings.catch_warnings(), comfuse.settings.override(autotune="0", validate="0"):
         warnings.simplefilter("ignore")
-        compiled = comfuse.compile(dlrm, (x, *ws))
-        compiled(x, *ws)
+        compiled = comfuse.compile(fn, args)
+        compiled(*args)
     chain = next(m for m in next(iter(compiled._specs.values())).gm.modules()
                  if m.__class__.__name__ == "FusedChain")
-    seen, forward = [], chain.forward
+    seen, forward = [], chain.forward  # the chain's own arguments (views)
     chain.forward = lambda *ext: seen.append(ext) or forward(*ext)
-    compiled(x, *ws)
+    compiled(*args)
     ext = seen[-1]
-    runs = {}
+    runs = []
     for plan in chain_candidates(chain.plan):
         kernel = build_chain(plan)
 
         def run(kernel=kernel):
             chain.kernel = kernel
             out.copy_(chain.run(ext, ext[chain.a_ext], check=False)[0])
-        runs[f"generated bm{plan.block_m} sn{plan.stream_n} w{plan.num_warps}"
-             f"{' early_w' if plan.early_w else ''}{' resident_a s' + str(plan.num_stages) if plan.resident_a else ''}{' flat s' + str(plan.num_stages) if plan.flat else ''}"] = run
+        runs.append((plan, run))
     return runs
+
+
+def plan_label(plan) -> str:
+    form = " early_w" if plan.early_w else f" resident_a s{plan.num_stages}" if plan.resident_a else (
+        f" flat s{plan.num_stages}" if plan.flat else "")
+    return f"generated bm{plan.block_m} sn{plan.stream_n} w{plan.num_warps}{form}"
 
 
 def main() -> None:
@@ -253,7 +252,7 @@ def main() -> None:
     if only:
         variants = {n: v for n, v in variants.items() if n.startswith(tuple(only.split(",")))}
     if not INTERPRET:
-        variants.update(_generated_chains(x, ws, out))
+        variants.update({plan_label(p): r for p, r in generated_chain_runs(dlrm, (x, *ws), out)})
     rows, runs = [], {}
     if not INTERPRET:
         h1 = torch.relu(x @ ws[0])

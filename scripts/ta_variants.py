@@ -33,6 +33,9 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from comfuse.bench.timing import graphed, measure  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from dlrm_variants import generated_chain_runs  # noqa: E402
+
 
 @triton.jit
 def _softmax_parts(q, kt):
@@ -132,38 +135,6 @@ def persistent_tma(q_desc, k_desc, v_desc, o_desc, B, LQ: tl.constexpr, LK: tl.c
         o_desc.store([b * LQ, 0], o.to(tl.bfloat16))
 
 
-def _generated_chains(q, k, v, out) -> dict:
-    """{name: launch} for each chain plan comfuse's autotuner would time on this program
-    (``chain_candidates``), writing into ``out``: the generated kernels beside the
-    hand-written ones (their 4-warp form ran 10 % slower than 8 warps, 2026-11-30, with
-    fewer registers than the hand-written 4-warp kernel)."""
-    import warnings
-
-    import comfuse
-    from comfuse.planner.chain import chain_candidates
-    from comfuse.runtime.chain import build_chain
-    fn = lambda q, k, v: torch.softmax(q @ k.transpose(1, 2), dim=-1) @ v  # noqa: E731
-    with warnings.catch_warnings(), comfuse.settings.override(autotune="0", validate="0"):
-        warnings.simplefilter("ignore")
-        compiled = comfuse.compile(fn, (q, k, v))
-        compiled(q, k, v)
-    chain = next(m for m in next(iter(compiled._specs.values())).gm.modules()
-                 if m.__class__.__name__ == "FusedChain")
-    seen, forward = [], chain.forward  # the chain's own arguments (views)
-    chain.forward = lambda *ext: seen.append(ext) or forward(*ext)
-    compiled(q, k, v)
-    ext = seen[-1]
-    runs = {}
-    for plan in chain_candidates(chain.plan):
-        kernel = build_chain(plan)
-
-        def run(kernel=kernel):
-            chain.kernel = kernel
-            out.copy_(chain.run(ext, ext[chain.a_ext], check=False)[0])
-        runs[f"generated chain w{plan.num_warps} bm{plan.block_m}"] = run
-    return runs
-
-
 def main() -> None:
     out_dir = Path(os.environ.get("OUT", "/tmp/comfuse-out"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -213,8 +184,11 @@ def main() -> None:
                     lambda w=warps, g=grid, s=stages: persistent_tma[g](
                         *descs, B, LQ, LK, s, True, num_warps=w))
     fn = lambda: torch.softmax(q @ k.transpose(1, 2), dim=-1) @ v  # noqa: E731
-    for name, run in _generated_chains(q, k, v, out).items():  # comfuse's own, in the same run
-        variants[name] = run
+    # comfuse's own, in the same run (their 4-warp form ran 10 % slower than 8 warps,
+    # 2026-11-30, with fewer registers than the hand-written 4-warp kernel)
+    attention = lambda q, k, v: torch.softmax(q @ k.transpose(1, 2), dim=-1) @ v  # noqa: E731
+    for plan, run in generated_chain_runs(attention, (q, k, v), out):
+        variants[f"generated chain w{plan.num_warps} bm{plan.block_m}"] = run
     compiled = torch.compile(fn, dynamic=False)
     rows = []
     for name, run in [("eager", fn), ("torch.compile", compiled),
