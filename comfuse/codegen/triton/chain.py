@@ -202,12 +202,7 @@ class _ChainEmitter:
         else:
             self.line("for k0 in range(0, K, BLOCK_K):", 2)
         self.line("offs_k = k0 + tl.arange(0, BLOCK_K)", 3)
-        k_mask = "" if k % p.block_k == 0 else " & (offs_k < K)[None, :]"
-        self.line(f"a = tl.load({a_base} + offs_m[:, None] * stride_a_m + offs_k[None, :] * stride_a_k, "
-                  f"mask=mask_m[:, None]{k_mask}, other=0.0{self.read_once()})", 3)
-        k_mask = "" if k % p.block_k == 0 else "(offs_k < K)[:, None] & "
-        self.line(f"b = tl.load({b0_base} + offs_k[:, None] * stride_r0_b_k + offs_n[None, :] * stride_r0_b_n, "
-                  f"mask={k_mask}mask_n[None, :], other=0.0{self.read_once()})", 3)
+        self.gemm1_operands(a_base, b0_base, 3)
         self.dot("acc0", "a", "b", 3)
 
     @staticmethod
@@ -226,7 +221,7 @@ class _ChainEmitter:
     def flat_loop_head(self, a_base: str, batched: bool) -> None:
         """One loop over GEMM1's chunks and K steps together (``step``), so the loads' pipeline
         runs through from one chunk into the next; the chunk's sum is cleared after its last K
-        step (``flat_chunk_end``). Clearing it by a select at the first step instead keeps
+        step, where GEMM2 takes it. Clearing it by a select at the first step instead keeps
         ptxas from serialising the wgmmas (C7515) but ran slower by hand on the H200 (DLRM:
         0.1457 against 0.1323 ms; generated 0.1576)."""
         p = self.plan
@@ -239,14 +234,18 @@ class _ChainEmitter:
         self.line("offs_n = n0 + tl.arange(0, STREAM_N)", 2)
         self.line(self.column_mask("N0", n0, p.stream_n, "STREAM_N"), 2)
         self.line("offs_k = (step % K_STEPS) * BLOCK_K + tl.arange(0, BLOCK_K)", 2)
-        k_mask = "" if k % p.block_k == 0 else " & (offs_k < K)[None, :]"
-        self.line(f"a = tl.load({a_base} + offs_m[:, None] * stride_a_m + offs_k[None, :] * stride_a_k, "
-                  f"mask=mask_m[:, None]{k_mask}, other=0.0{self.read_once()})", 2)
-        b0_base = "r0_b_ptr + pid_b * stride_r0_b_b" if batched else "r0_b_ptr"
-        k_mask = "" if k % p.block_k == 0 else "(offs_k < K)[:, None] & "
-        self.line(f"b = tl.load({b0_base} + offs_k[:, None] * stride_r0_b_k + offs_n[None, :] * stride_r0_b_n, "
-                  f"mask={k_mask}mask_n[None, :], other=0.0{self.read_once()})", 2)
+        self.gemm1_operands(a_base, "r0_b_ptr + pid_b * stride_r0_b_b" if batched else "r0_b_ptr", 2)
         self.dot("acc0", "a", "b", 2)
+
+    def gemm1_operands(self, a_base: str, b0_base: str, indent: int) -> None:
+        """``a`` and ``b``: GEMM1's operands at K step ``offs_k``, columns ``offs_n``."""
+        k = self.plan.regions[0].sizes.K
+        k_mask = "" if k % self.plan.block_k == 0 else " & (offs_k < K)[None, :]"
+        self.line(f"a = tl.load({a_base} + offs_m[:, None] * stride_a_m + offs_k[None, :] * stride_a_k, "
+                  f"mask=mask_m[:, None]{k_mask}, other=0.0{self.read_once()})", indent)
+        k_mask = "" if k % self.plan.block_k == 0 else "(offs_k < K)[:, None] & "
+        self.line(f"b = tl.load({b0_base} + offs_k[:, None] * stride_r0_b_k + offs_n[None, :] * stride_r0_b_n, "
+                  f"mask={k_mask}mask_n[None, :], other=0.0{self.read_once()})", indent)
 
     def deferred_first_link(self, a_base: str, b1_base: str, batched: bool) -> None:
         """F1 reduces over a long N1: gather its statistics chunk by chunk while GEMM2
