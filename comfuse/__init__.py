@@ -3,9 +3,11 @@
     fused = comfuse.compile(fn, example_inputs)   # call it like fn
     print(comfuse.explain(fn, example_inputs))    # what was fused, and why not
 
-Pipeline, in order (one folder each): frontend (capture, region finding) -> ir
-(Fusion Spec IR, verifier, reference interpreter) -> planner (reduction axis,
-stages, schedule) -> codegen (Triton source) -> runtime (cache, launch, fallback).
+Layers, each importing only those before it: frontend (capture, region finding) and ir
+(Fusion Spec IR, verifier, reference interpreter) -> planner (passes, stages, schedules,
+search space) -> codegen (Triton and Gluon source) -> runtime (cache, build, launch,
+autotuning, fallback) -> pipeline (every step in order) -> this API and the torch.compile
+backend. settings.py and errors.py serve every layer.
 """
 from __future__ import annotations
 
@@ -26,11 +28,14 @@ def _choose_interpreter() -> None:
 _choose_interpreter()
 
 
+from . import settings  # noqa: E402
+
+
 def _log_handler() -> None:
     # COMFUSE_LOG=info (or debug): progress of long work (autotuning each region: which
     # candidates, their times, the choice) on stderr. Without it the "comfuse" logger
     # follows the application's logging configuration, as a library's should.
-    level = os.environ.get("COMFUSE_LOG", "").strip().upper()
+    level = settings.get().log
     if not level:
         return
     import logging
@@ -39,15 +44,14 @@ def _log_handler() -> None:
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("comfuse: %(message)s"))
         logger.addHandler(handler)
-    logger.setLevel(getattr(logging, level, logging.INFO))
+    logger.setLevel(getattr(logging, level.upper()))
 
 
 _log_handler()
 
-from . import settings  # noqa: E402
+from .compiled import CompiledFunction, explain  # noqa: E402
+from .errors import ComfuseWarning  # noqa: E402
 from .report import RegionReport, Report  # noqa: E402
-from .runtime.compiled import CompiledFunction, explain  # noqa: E402
-from .runtime.kernel import ComfuseWarning  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -25,7 +25,7 @@ from ..planner import SCHEDULES
 from ..runtime.check import compare, tolerance
 from . import workloads
 from .env import ceilings, environment
-from .timing import graphed, measure, measure_rounds
+from ..runtime.timing import graphed, measure, measure_rounds
 
 BASELINES = ("eager", "inductor", "inductor-max-autotune")
 # torch.compile's CUDA-graph mode, for Inductor alone and with comfuse's regions: asked for by

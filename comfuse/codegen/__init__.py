@@ -1,2 +1,3 @@
-"""Code generation (owns: kernel source text). ``triton/`` is portable and runs in the CPU
-interpreter; Hopper-specific back ends (clusters, DSMEM) will sit beside it."""
+"""Code generation (owns: kernel source text from a plan). ``triton/`` is portable and runs in
+Triton's CPU interpreter; ``gluon/`` holds the warp-specialised sm_90 kernels; ``source``
+what both share. Generated sources open with the IR they came from."""

@@ -20,11 +20,8 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from ..errors import CaptureError
 from .decompositions import DECOMPOSITIONS
-
-
-class CaptureError(RuntimeError):
-    """The function could not be traced into a graph."""
 
 
 def _portable_attention():

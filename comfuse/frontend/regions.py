@@ -748,3 +748,19 @@ def find_chains(cands: list) -> list:
 
 __all__ = ["Candidate", "InputBinding", "OutputBinding", "RULES", "Unfusible", "find_chains",
            "find_regions"]
+
+
+def merge(cands: list) -> Candidate:
+    """One candidate for the whole chain: its members, the values it reads from outside,
+    and the values read after it (the links are neither)."""
+    members = [m for c in cands for m in c.members]
+    inside = set(members)
+    externals = []
+    for c in cands:
+        for e in c.externals:
+            if e not in inside and e not in externals:
+                externals.append(e)
+    links = {cands[i + 1].anchor.args[0] for i in range(len(cands) - 1)}
+    outputs = [ob for c in cands for ob in c.outputs if ob.node not in links]
+    return Candidate(anchor=cands[0].anchor, members=members, externals=externals,
+                     outputs=outputs, region=cands[0].region)

@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from .. import settings as settings_mod
-from ..ir import Region, verify
+from ..ir import Op, Region, verify
 from . import passes
 from .onepass import NotOnePass, one_pass
-from .plan import NotFused, _pow2
+from .plan import pow2
+from .records import NotFused
 from .stages import Stage, partition
 
 
@@ -67,9 +67,8 @@ class ChainPlan:
                 f"streamed in chunks of {self.stream_n} into GEMM2{how}{early}; rows per program {self.block_m}")
 
 
-def plan_chain(regions, links, writes, target: str = "cuda", settings=None) -> ChainPlan | NotFused:
+def plan_chain(regions, links, writes, target: str = "cuda") -> ChainPlan | NotFused:
     """Plan a chain; ``writes`` lists per region the outputs read outside the chain."""
-    settings = settings or settings_mod.get()
     regions = [verify(passes.cse(passes.dce(r))) for r in regions]
     first = regions[0]
     width_limit = 256
@@ -83,27 +82,27 @@ def plan_chain(regions, links, writes, target: str = "cuda", settings=None) -> C
         if out.axes != regions[i].tile_axes:
             return NotFused(f"GEMM{i + 2} reads a reduced value of GEMM{i + 1}'s epilogue")
     for i, r in enumerate(regions[1:], start=2):
-        if _pow2(r.sizes.N) > width_limit:
+        if pow2(r.sizes.N) > width_limit:
             return NotFused(f"GEMM{i}'s output row (N={r.sizes.N}) is wider than one program holds "
                             f"({width_limit}); fusing would recompute GEMM{i - 1} for every output "
                             "tile, which costs more than the intermediate's round trip")
     n1 = first.sizes.N
     onepass = None
-    if first.reductions() and _pow2(n1) <= width_limit:
-        stream = max(16, _pow2(n1))  # the whole row in one chunk: F1 reduces it in registers
+    if first.reductions() and pow2(n1) <= width_limit:
+        stream = max(16, pow2(n1))  # the whole row in one chunk: F1 reduces it in registers
     elif first.reductions():
         try:  # defer F1's reductions: statistics along the way, GEMM2 corrected at the end
             onepass = one_pass(first, links[0])
         except NotOnePass as e:
             return NotFused(f"GEMM1's epilogue reduces over N1={n1}, more than one chunk holds, "
                             f"and cannot be deferred ({e})")
-        stream = 64 if target != "interpreter" else min(32, max(16, _pow2(n1)))
+        stream = 64 if target != "interpreter" else min(32, max(16, pow2(n1)))
     else:
-        stream = 64 if target != "interpreter" else min(32, max(16, _pow2(n1)))
-    widths = tuple(max(16, _pow2(r.sizes.N)) for r in regions[1:])
+        stream = 64 if target != "interpreter" else min(32, max(16, pow2(n1)))
+    widths = tuple(max(16, pow2(r.sizes.N)) for r in regions[1:])
     if target == "interpreter":
-        bm = min(64, max(16, _pow2(first.sizes.M)))
-        bk = min(64, max(16, _pow2(first.sizes.K)))
+        bm = min(64, max(16, pow2(first.sizes.M)))
+        bk = min(64, max(16, pow2(first.sizes.K)))
         return ChainPlan(tuple(regions), tuple(links), tuple(tuple(w) for w in writes),
                          tuple(partition(r) for r in regions), bm, bk, stream, widths, 4, 1, onepass)
     # later GEMMs at least 64 columns wide on a GPU (masks keep the padding out): at 16 and
@@ -113,7 +112,7 @@ def plan_chain(regions, links, writes, target: str = "cuda", settings=None) -> C
     widths = tuple(max(64, w) for w in widths)
     held = max(widths + (stream,))
     bm = 128 if held <= 128 else 64
-    bm = min(bm, max(16, _pow2(first.sizes.M)))  # short rows per batch (attention over few queries)
+    bm = min(bm, max(16, pow2(first.sizes.M)))  # short rows per batch (attention over few queries)
     return ChainPlan(tuple(regions), tuple(links), tuple(tuple(w) for w in writes),
                      tuple(partition(r) for r in regions), bm, 64, stream, widths,
                      8 if bm * held >= 128 * 128 else 4, 3, onepass)
@@ -160,7 +159,7 @@ RESIDENT_FORMS = ((128, 32, 8, 2), (128, 16, 8, 3), (64, 32, 4, 3))
 def resident_smem(plan: ChainPlan, block_m: int, stream_n: int, stages: int) -> int:
     """Shared memory of a resident-A form: A's rows over all of K, and per pipeline stage a
     chunk of GEMM1's B ([K, chunk]) and of GEMM2's ([chunk, width])."""
-    k = _pow2(plan.regions[0].sizes.K)
+    k = pow2(plan.regions[0].sizes.K)
     size = plan.regions[0].gemm.a.dtype.itemsize
     return size * (block_m * k + stages * (k * stream_n + stream_n * plan.widths[0]))
 
@@ -176,10 +175,10 @@ def resident_candidates(plan: ChainPlan) -> list[ChainPlan]:
         return []
     out = []
     for bm, sn, warps, stages in RESIDENT_FORMS:
-        if sn > _pow2(first.sizes.N) or resident_smem(plan, bm, sn, stages) > SMEM_LIMIT:
+        if sn > pow2(first.sizes.N) or resident_smem(plan, bm, sn, stages) > SMEM_LIMIT:
             continue
         out.append(dataclasses.replace(plan, block_m=bm, stream_n=sn, num_warps=warps, num_stages=stages,
-                                       block_k=max(16, _pow2(first.sizes.K)), early_w=False, resident_a=True))
+                                       block_k=max(16, pow2(first.sizes.K)), early_w=False, resident_a=True))
     return out
 
 
@@ -199,16 +198,12 @@ def flat_candidates(plan: ChainPlan) -> list[ChainPlan]:
         return []
     return [dataclasses.replace(plan, block_m=bm, stream_n=sn, num_warps=warps, num_stages=stages, flat=True,
                                 early_w=False, resident_a=False)
-            for bm, sn, warps, stages in FLAT_FORMS if sn < _pow2(first.sizes.N)]
-
-
-__all__ = ["ChainPlan", "chain_candidates", "flat_candidates", "plan_chain", "resident_candidates"]
+            for bm, sn, warps, stages in FLAT_FORMS if sn < pow2(first.sizes.N)]
 
 
 def attention_scale(first: Region, second: Region, link: int) -> float | None:
     """The scale s when the chain is exactly ``softmax(s * (q @ k^T)) @ v`` (GEMM2 with no
     epilogue of its own), else None. Casts between floats are looked through."""
-    from ..ir import Op
     r = passes.cse(passes.dce(first))
     if not r.gemm.batched or len(second.nodes) != 1 or len(r.outputs) != 1:
         return None

@@ -19,7 +19,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from ..planner import Plan
-from .kernel import build, even_n, interpreting
+from .build import build
+from .chain import build_chain
+from .kernel import even_n
+from .launch import interpreting
 
 _PTR = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.bool: "*i1",
         torch.int64: "*i64", torch.int32: "*i32", torch.int16: "*i16", torch.int8: "*i8",
@@ -151,7 +154,6 @@ def compile_chain_for_gpu(plan, arch: int = 90) -> dict:
     """As ``compile_for_gpu``, for a back-to-back chain's kernel."""
     if interpreting():
         raise RuntimeError("Triton is in interpreter mode in this process; set TRITON_INTERPRET=0")
-    from .chain import build_chain
     kernel = build_chain(plan)
     sig = {}
     for p in kernel.source.params:

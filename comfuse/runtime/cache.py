@@ -17,6 +17,7 @@ from pathlib import Path
 
 from .. import settings
 
+CODEGEN_VERSION = "triton-23"  # bumped when generated code or launch cost changes: stored tuning decisions are re-measured
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
 
@@ -52,7 +53,7 @@ def load_source(name: str, text: str):
         if name in _loaded:
             return _loaded[name]
         path = kernel_dir() / f"{name}.py"
-        if not path.exists() or path.read_text() != text:
+        if not path.exists() or path.read_bytes() != text.encode():  # (a damaged file is rewritten)
             atomic_write(path, text)
         spec = importlib.util.spec_from_file_location(f"comfuse_kernels.{name}", path)
         module = importlib.util.module_from_spec(spec)

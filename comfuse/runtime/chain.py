@@ -1,40 +1,28 @@
-"""Back-to-back GEMM chains at run time: the merged candidate, the kernel, the module.
+"""Back-to-back GEMM chains at run time: the chain's kernel and the modules that run it.
 
-A chain's regions are contracted into one ``FusedChain`` module in the captured graph;
-the links between them (GEMM1's post-epilogue tile feeding GEMM2) never become tensors.
-Failures fall back to the chain's original ops, as for single regions.
+A chain's regions are contracted into one ``FusedChain`` module in the captured graph; the
+links between them (GEMM1's post-epilogue tile feeding GEMM2) never become tensors. Failures
+fall back to the chain's original ops, as for single regions (runtime/fused.py). Attention
+over long rows is routed to ``scaled_dot_product_attention`` instead (``FusedAttention``).
 """
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import torch
 import triton
 
 from .. import settings as settings_mod
 from ..codegen.triton.chain import emit_chain
-from ..frontend.regions import Candidate
+from ..errors import KernelMismatch
 from ..ir import canonical_shape, evaluate, structural_text
+from ..planner.chain import chain_candidates
 from . import cache, tuning
-from .check import KernelMismatch, agreement_tolerance, compare, region_tolerance
-from .kernel import CODEGEN_VERSION, ComfuseWarning, can_run_on, interpreting, launch_direct, notice_once
-
-
-def merge(cands: list) -> Candidate:
-    """One candidate for the whole chain: its members, the values it reads from outside,
-    and the values read after it (the links are neither)."""
-    members = [m for c in cands for m in c.members]
-    inside = set(members)
-    externals = []
-    for c in cands:
-        for e in c.externals:
-            if e not in inside and e not in externals:
-                externals.append(e)
-    links = {cands[i + 1].anchor.args[0] for i in range(len(cands) - 1)}
-    outputs = [ob for c in cands for ob in c.outputs if ob.node not in links]
-    return Candidate(anchor=cands[0].anchor, members=members, externals=externals,
-                     outputs=outputs, region=cands[0].region)
+from .cache import CODEGEN_VERSION
+from .check import agreement_tolerance, compare, region_tolerance
+from .fused import Fused
+from .launch import interpreting, launch_direct
+from .operands import operand3, prepare
 
 
 def chain_name(plan) -> str:
@@ -137,15 +125,14 @@ def build_chain(plan) -> ChainKernel:
     return _kernels[name]
 
 
-class FusedChain(torch.nn.Module):
+class FusedChain(Fused):
     """A back-to-back GEMM chain inside a captured graph: one kernel, or its original ops."""
+    kind = "chain"
 
-    def __init__(self, cands: list, merged: Candidate, plan, unfused, report):
-        super().__init__()
+    def __init__(self, cands: list, merged, plan, unfused, report):
+        super().__init__(unfused, report)
         index = {e: i for i, e in enumerate(merged.externals)}
         self.plan = plan
-        self.unfused = unfused
-        self.report = report
         self.a_ext = index[cands[0].externals[cands[0].operands[0]]]
         self.b_ext = [index[c.externals[c.operands[1]]] for c in cands]
         self.inputs = [[(index[c.externals[b.ext]], b) for b in c.inputs] for c in cands]
@@ -153,97 +140,31 @@ class FusedChain(torch.nn.Module):
         self.outputs = [(k, j, ob.shape) for k, c in enumerate(cands)
                         for j, ob in enumerate(c.outputs) if ob.node in written]
         self.regions = [c.region for c in cands]  # as found, for checks
-        self.kernel = None
-        self.failed = ""
-        self.tuned: set = set()
-        self.validated: set = set()  # devices where the first call was compared with the ops
-        self.prefer_unfused = False
-        self.separate = None  # the unfused ops as autotuning timed them (Inductor on a GPU)
-        self._out_specs = None  # ((k, j), canonical shape, dtype) per written output
+        self.tolerance = max(agreement_tolerance(r) for r in self.regions)
+        self._out_specs = [((k, j), canonical_shape(self.regions[k], self.regions[k].outputs[j].axes),
+                            self.regions[k].outputs[j].dtype) for k, j, _ in self.outputs]
 
     @property
     def output_specs(self) -> list:
         return [(shape, self.regions[k].outputs[j].dtype) for k, j, shape in self.outputs]
 
-    def forward(self, *ext):
-        settings = settings_mod.get()  # (once: a call's Python is target attention's bottleneck)
-        if self.failed or settings.disable:
-            return self.unfused(*ext)
-        a = ext[self.a_ext]
-        device = a.device
-        why = can_run_on(device)
-        if why:
-            notice_once(f"device:{why}", f"comfuse: running unfused: {why}")
-            return self.unfused(*ext)
-        try:
-            if device not in self.tuned and tuning.enabled(device):
-                self.tune(ext, a)
-            if self.prefer_unfused:
-                return self.separate(*ext)
-            outs = self.run(ext, a, check=settings.check)
-            if device not in self.tuned and device not in self.validated:
-                return self.validate(ext, device, outs)
-            return outs
-        except KernelMismatch:
-            raise
-        except Exception as e:
-            if settings.strict:
-                raise
-            self.fail(f"kernel failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
-            return self.unfused(*ext)
+    def device_of(self, ext) -> torch.device:
+        return ext[self.a_ext].device
 
-    def validate(self, ext, device, outs):
-        """The first call's outputs against the chain's own ops (COMFUSE_VALIDATE); on
-        disagreement the chain runs unfused from now on, with a warning."""
-        self.validated.add(device)
-        if not tuning.validating(device, self.regions):
-            return outs
-        return tuning.check_first_call(outs, lambda: self.unfused(*ext),
-                                       max(agreement_tolerance(r) for r in self.regions),
-                                       f"chain at {self.report.anchor}", self.fail,
-                                       exact=lambda: self.exact(ext))
-
-    def fail(self, reason: str) -> None:
-        self.failed = reason
-        self.report.fused, self.report.reason = False, reason
-        warnings.warn(f"comfuse: chain at {self.report.anchor} runs unfused: {reason}",
-                      ComfuseWarning, stacklevel=4)
-
-    def tune(self, ext, a) -> None:
+    def tune(self, ext, device) -> None:
         """Time the chain's candidate plans and its ops compiled by Inductor; keep the fastest."""
-        from ..planner.chain import chain_candidates
         plans = chain_candidates(self.plan)
         names = [chain_name(p) for p in plans]
-        k = tuning.key(self.plan.regions[0], a.device) + "-" + chain_name(self.plan)[-8:]
-        decision = tuning.load(k)
-        if not tuning.reusable(decision, names):
-            kernels = {}  # built on the first call: the timed calls only launch
 
-            def run_fused(i):
-                if i not in kernels:
-                    kernels[i] = build_chain(plans[i])
-                self.kernel = kernels[i]
-                return self.run(ext, a, check=False)
-            tuning.log.info("autotuning the back-to-back chain at %s", self.report.anchor)
-            self.separate, form = tuning.separate(self.unfused, ext)
-            decision = tuning.decide(names, run_fused,
-                                     lambda: tuple(self.separate(*ext)), a.device,
-                                     max(agreement_tolerance(r) for r in self.regions),
-                                     exact=lambda: self.exact(ext))
-            decision["separate"] = form  # (a later process runs the same form without timing it)
-            tuning.store(k, decision)
-        self.tuned.add(a.device)
-        times = decision["times_ms"]
+        def run_fused(i):
+            self.kernel = build_chain(plans[i])
+            return self.run(ext, device)
+        key = tuning.key(self.plan.regions[0], device) + "-" + chain_name(self.plan)[-8:]
+        decision = self.autotune(ext, device, key, names, run_fused)
         if decision["choice"] == tuning.UNFUSED:
-            self.prefer_unfused = True
-            if self.separate is None:
-                self.separate, _ = tuning.separate(self.unfused, ext, form=decision.get("separate"))
-            self.report.fused = False
-            fused_ms = min((t for n, t in times.items() if n != tuning.UNFUSED), default=float("inf"))
-            self.report.reason = (f"autotune: the unfused ops ({decision.get('separate', 'ops')}, "
-                                  f"{times[tuning.UNFUSED]:.4f} ms) beat the "
-                                  f"fused chain ({fused_ms:.4f} ms)")
+            self.keep_unfused(ext, decision, "the fused chain")
             return
+        times = decision["times_ms"]
         self.prefer_unfused = False
         self.plan = plans[names.index(decision["choice"])]
         self.kernel = build_chain(self.plan)
@@ -252,38 +173,31 @@ class FusedChain(torch.nn.Module):
                             f"{times[decision['choice']]:.4f} ms vs {times[tuning.UNFUSED]:.4f} ms unfused)")
         self.report.planned, self.report.kernel_path = self.plan, self.kernel.path
 
-    def run(self, ext, a, check: bool = False):
+    def run(self, ext, device, check: bool = False):
         """One launch of the chain on ``ext``; ``check``: against the IR's interpreter (COMFUSE_CHECK)."""
         if self.kernel is None:
             self.kernel = build_chain(self.plan)
             self.report.kernel_path = self.kernel.path
-        device = a.device
-        a3, b3s, ins = self.operands(ext, a)
-        if self._out_specs is None:
-            self._out_specs = [((k, j), canonical_shape(self.regions[k], self.regions[k].outputs[j].axes),
-                                self.regions[k].outputs[j].dtype) for k, j, _ in self.outputs]
+        a3, b3s, ins = self.operands(ext)
         outs = {key: torch.empty(shape, dtype=dtype, device=device) for key, shape, dtype in self._out_specs}
         self.kernel.launch(a3, b3s, ins, outs)
         if check:
             self.check(a3, b3s, ins, outs)
         return tuple(outs[(k, j)].view(shape) for k, j, shape in self.outputs)
 
-    def operands(self, ext, a):
+    def operands(self, ext):
         """(a3, [b3 per GEMM], [side inputs per GEMM]) in the regions' canonical 3-D layout."""
-        from .compiled import FusedRegion  # (compiled imports this module)
         batched = self.regions[0].gemm.batched
-        a3 = a if batched else a.unsqueeze(0)
-        b3s = [ext[i] if batched else ext[i].unsqueeze(0) for i in self.b_ext]
-        ins = [[FusedRegion.prepare(ext[e], bind, a.device) for e, bind in region_inputs]
-               for region_inputs in self.inputs]
-        return a3, b3s, ins
+        a = ext[self.a_ext]
+        ins = [[prepare(ext[e], bind, a.device) for e, bind in region_inputs] for region_inputs in self.inputs]
+        return operand3(a, batched), [operand3(ext[i], batched) for i in self.b_ext], ins
 
     def exact(self, ext) -> list:
         """The chain's outputs in float64 (the IR's interpreter, region after region), shaped
         like a call's: the second opinion when the kernel and the unfused ops disagree."""
         tuning.exact_fits(self.regions)
         with torch.no_grad():
-            a3, b3s, ins = self.operands(ext, ext[self.a_ext])
+            a3, b3s, ins = self.operands(ext)
             refs = self.evaluate64(a3.detach(), [b.detach() for b in b3s], [[t.detach() for t in g] for g in ins])
         return [refs[k][j].reshape(shape) for k, j, shape in self.outputs]
 
@@ -312,7 +226,7 @@ class FusedAttention(torch.nn.Module):
     """softmax(s * q @ k^T) @ v routed to scaled_dot_product_attention (flash attention on
     a GPU): for long rows it is faster than anything comfuse would generate."""
 
-    def __init__(self, cands: list, merged: Candidate, scale: float, unfused, report):
+    def __init__(self, cands: list, merged, scale: float, unfused, report):
         super().__init__()
         index = {e: i for i, e in enumerate(merged.externals)}
         self.q = index[cands[0].externals[cands[0].operands[0]]]

@@ -1,105 +1,30 @@
-"""Compiled kernels: from a plan to a launchable function, and the launch itself.
+"""The Triton kernel of a tile, row-in-CTA, cooperative or split plan, and its launches.
 
-On CUDA tensors the kernel runs through Triton's JIT. On CPU tensors it runs
-through Triton's interpreter, which must be chosen before Triton is imported
-(``comfuse`` does that on machines without a GPU); a one-time notice says so.
+``Kernel.launch`` takes canonical views (a3 [B, M, K], b3 [B, K, N], side inputs and outputs
+[B|1, M|1, N|1]). On a GPU each layout of the tensors is bound once (grids, constexprs, sizes,
+strides, scratch), and a later call only fills in the tensors (``launch.launch_direct``).
+Under the interpreter a cooperative plan runs as consecutive phase kernels (a strip's
+programs run one after another there, so none may wait for another).
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
-import warnings
 
 import torch
 import triton
 
-from ..codegen.triton import KernelSource, emit
-from ..ir import structural_text
+from ..codegen.source import KernelSource
+from ..errors import UnsupportedLayout
 from ..planner import Plan
 from ..planner.onepass import parts
 from . import cache
-
-CODEGEN_VERSION = "triton-22"  # bumped when generated code or launch cost changes: stored tuning decisions are re-measured
-
-
-class ComfuseWarning(UserWarning):
-    """Something was not fused, or ran on a slower path than asked."""
-
-
-def launch_direct(fn, grid, args: list, options: dict, fresh: set):
-    """Launch ``fn[grid](*args, **options)`` through Triton's JIT once; return (run,
-    statics): ``run(*full)`` launches the compiled kernel directly, ``statics`` its full
-    argument list with None at the positions in ``fresh`` (each call's own tensors). Later
-    calls with the same layout skip the JIT's argument binding and specialisation (about
-    half the Python time of a launch, measured on the H200). The layout must include each
-    tensor's 16-byte alignment, which Triton specialises on."""
-    compiled = fn[grid](*args, **options)
-    names = fn.arg_names[len(args):]
-    if compiled is None or any(n not in options for n in names):  # pragma: no cover
-        run = lambda *a: fn[grid](*a, **options)  # noqa: E731
-        full = list(args)
-    else:
-        run = compiled[(*grid, 1, 1)[:3]]  # (its launcher takes three grid sizes)
-        full = list(args) + [options[n] for n in names]  # the launcher takes constexprs too
-    return run, [None if j in fresh else v for j, v in enumerate(full)]  # scratch stays referenced
-
-
-def layout_key(tensors) -> tuple:
-    """What a direct launch depends on besides the data: each tensor's shape, strides, dtype,
-    device and 16-byte alignment (Triton specialises on alignment too)."""
-    return tuple((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors)
-
-
-class UnsupportedLayout(RuntimeError):
-    """These tensors cannot go through this kernel (a TMA operand that is not 16-byte aligned
-    or not unit-stride along its rows): the call runs unfused and the kernel stays for the
-    next call."""
-
-
-_notices: set[str] = set()
-
-
-def notice_once(key: str, message: str) -> None:
-    if key not in _notices:
-        _notices.add(key)
-        warnings.warn(message, ComfuseWarning, stacklevel=3)
-
-
-def interpreting() -> bool:
-    """True when Triton runs kernels through its CPU interpreter in this process."""
-    return bool(triton.knobs.runtime.interpret)
-
-
-@functools.cache
-def _cuda_available() -> bool:  # (asked on every fused call; it does not change in a process)
-    return torch.cuda.is_available()
-
-
-def can_run_on(device: torch.device) -> str:
-    """'' when a kernel can run on ``device``, else the reason it cannot."""
-    if device.type == "cuda":
-        return "" if _cuda_available() else "CUDA is not available"
-    if device.type == "cpu":
-        if interpreting():
-            return ""
-        return ("CPU tensors need Triton's interpreter, which is off in this process; set "
-                "TRITON_INTERPRET=1 before importing comfuse (or triton) to run fused kernels "
-                "on the CPU")
-    return f"no kernels for {device.type} tensors"
-
-
-def kernel_name(plan: Plan) -> str:
-    # every field of the plan that the source depends on (the region is hashed separately)
-    params = tuple((f.name, getattr(plan, f.name)) for f in dataclasses.fields(plan)
-                   if f.name not in ("region", "stages", "forms", "onepass"))
-    key = cache.digest(structural_text(plan.region), repr(params), CODEGEN_VERSION)
-    return f"comfuse_{plan.schedule}_{key}"
+from .launch import interpreting, launch_direct, layout_key, wide_index
 
 
 def even_n(plan: Plan, N: int) -> bool:
     """Whether every tile's columns lie inside N (the EVEN_N constexpr: no column masks): N a
     multiple of BLOCK_N. (A split plan's last slice stops at the last tile rather than run
-    tiles past N: at vocabulary 128256 its 501 tiles make 32 slices of 16.)"""
+    tiles past N.)"""
     return N % plan.block_n == 0
 
 
@@ -175,12 +100,12 @@ class Kernel:
         options = self.options(a3, b3, ins, outs, on_cpu)
         if plan.schedule == "split":
             row_blocks = triton.cdiv(M, plan.block_m)
-            slots = sum(len(parts(st)) for st in plan.onepass.stats)
-            ws, _ = self.scratch(a3.device, slots * plan.chunks * M)
+            slots = sum(len(parts(st)) for st in plan.form.onepass.stats)
+            ws, _ = self.scratch(a3.device, slots * plan.form.chunks * M)
             args = self.arguments(a3, b3, ins, outs, ws, None, 0)
-            return [(self.fn, (row_blocks * plan.chunks,), args, options),
+            return [(self.fn, (row_blocks * plan.form.chunks,), args, options),
                     (self.combine, (row_blocks,), args, options)]
-        if plan.persistent:  # one program per SM (three under the interpreter: still a walk)
+        if getattr(plan.form, "persistent", False):  # one program per SM (three under the interpreter: still a walk)
             tiles = triton.cdiv(M, plan.block_m) * triton.cdiv(N, plan.block_n)
             sms = 3 if on_cpu else torch.cuda.get_device_properties(a3.device).multi_processor_count
             programs = min(tiles, sms)
@@ -189,13 +114,12 @@ class Kernel:
             grid = (triton.cdiv(M, plan.block_m) * triton.cdiv(N, plan.block_n), B)
             return [(self.fn, grid, self.arguments(a3, b3, ins, outs, None, None, 0), options)]
         strips = triton.cdiv(M, plan.block_m) * B
-        per_slot = plan.exchanges + 1 if plan.overlap else 1  # counters (see codegen emit_overlapped)
         if on_cpu and plan.tiles_n == 1:
             # a strip of one tile never waits for another program: the interpreter can run
             # the GPU form itself, two slots walking the strips (its persistent loop, its
             # exchanges through the workspace)
             groups = min(strips, 2)
-            ws, counters = self.scratch(a3.device, self.workspace_size(groups), groups * per_slot)
+            ws, counters = self.scratch(a3.device, self.workspace_size(groups), groups)
             return [(self.fn, (groups,), self.arguments(a3, b3, ins, outs, ws, counters, groups), options)]
         if on_cpu:
             # interpreter form: one slot per strip, phases as consecutive launches
@@ -203,7 +127,7 @@ class Kernel:
             args = self.arguments(a3, b3, ins, outs, ws, counters, strips)
             return [(fn, (strips * plan.tiles_n,), args, options) for fn in self.phases]
         groups = min(strips, self.resident_slots(a3.device, a3, b3, ins, outs, options))
-        ws, counters = self.scratch(a3.device, self.workspace_size(groups), groups * per_slot)
+        ws, counters = self.scratch(a3.device, self.workspace_size(groups), groups)
         return [(self.fn, (groups * plan.tiles_n,),
                  self.arguments(a3, b3, ins, outs, ws, counters, groups), options)]
 
@@ -220,16 +144,17 @@ class Kernel:
     def split_workspace(self, device, M: int) -> torch.Tensor:
         """A split plan's workspace as its last launch on ``device`` over M rows left it:
         [statistic arrays, CHUNKS, M] fp32, a view valid until this kernel runs again."""
-        slots = sum(len(parts(st)) for st in self.plan.onepass.stats)
-        ws, _ = self.scratch(device, slots * self.plan.chunks * M)
-        return ws[:slots * self.plan.chunks * M].view(slots, self.plan.chunks, M)
+        form = self.plan.form
+        slots = sum(len(parts(st)) for st in form.onepass.stats)
+        ws, _ = self.scratch(device, slots * form.chunks * M)
+        return ws[:slots * form.chunks * M].view(slots, form.chunks, M)
 
     def options(self, a3, b3, ins, outs, on_cpu: bool) -> dict:
         """Compile-time arguments of a launch (constexprs, warps, stages)."""
         low = a3.dtype in (torch.float16, torch.bfloat16)
         tf32 = torch.backends.cuda.matmul.allow_tf32 and not on_cpu
         return dict(self.source.constexprs, UPCAST_OPERANDS=on_cpu and low,
-                    DOT_PRECISION="tf32" if tf32 else "ieee", WIDE_INDEX=_wide(a3, b3, *ins, *outs),
+                    DOT_PRECISION="tf32" if tf32 else "ieee", WIDE_INDEX=wide_index(a3, b3, *ins, *outs),
                     EVEN_N=even_n(self.plan, b3.shape[2]),
                     num_warps=self.source.num_warps, num_stages=self.source.num_stages)
 
@@ -257,10 +182,9 @@ class Kernel:
 
     def workspace_size(self, slots: int) -> int:
         """fp32 elements of a cooperative plan's partials for ``slots`` strips in flight."""
-        p = self.plan
+        form = self.plan.form
         pow2 = dict(self.source.constexprs)["TILES_POW2"]
-        buffers = p.exchanges * 4 if p.overlap else max(p.exchanges, 2)  # per slot
-        return slots * buffers * max(p.exchange_width, 1) * pow2 * p.block_m
+        return slots * max(form.exchanges, 2) * max(form.exchange_width, 1) * pow2 * self.plan.block_m
 
     def scratch(self, device, numel: int, counters: int = 1):
         """Workspace (fp32) and arrival counters, kept per device and grown as needed;
@@ -319,9 +243,9 @@ class Kernel:
             elif p.role == "groups":
                 args.append(groups)
             elif p.role == "chunks":
-                args.append(self.plan.chunks)
+                args.append(self.plan.form.chunks)
             elif p.role == "tiles_per_chunk":
-                args.append(self.plan.tiles_per_chunk)
+                args.append(self.plan.form.tiles_per_chunk)
             elif p.role == "stride_a":
                 args.append(a3.stride({"B": 0, "M": 1, "K": 2}[p.axis]))
             elif p.role == "stride_b":
@@ -333,48 +257,3 @@ class Kernel:
             else:  # pragma: no cover
                 raise AssertionError(p)
         return args
-
-
-def _wide(*tensors: torch.Tensor) -> bool:
-    limit = 2**31 - 1
-    for t in tensors:
-        span = sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()) if s > 0)
-        if span >= limit:
-            return True
-    return False
-
-
-_kernels: dict[str, Kernel] = {}
-
-
-def build(plan: Plan) -> Kernel:
-    """Generate (or reuse) the kernel for ``plan``; under the interpreter a cooperative plan
-    also gets its phase kernels (see codegen.triton.emit)."""
-    name = kernel_name(plan)
-    if plan.schedule == "ws_strip":  # a hand-written Gluon template, not generated source
-        from .strip_kernel import build as build_strip
-        if name not in _kernels:
-            _kernels[name] = build_strip(plan, name)
-        return _kernels[name]
-    if plan.schedule == "ws_stages":  # a Gluon kernel generated from the region's stages
-        from .stages_kernel import build as build_stages
-        if name not in _kernels:
-            _kernels[name] = build_stages(plan, name)
-        return _kernels[name]
-    if plan.schedule == "ws_split":  # the template's terminal kind and a generated combine
-        from .strip_kernel import build_lse
-        if name not in _kernels:
-            _kernels[name] = build_lse(plan, name)
-        return _kernels[name]
-    if name not in _kernels:
-        source = emit(plan, name)
-        module = cache.load_source(name, source.text)
-        phases = []
-        if plan.schedule == "cooperative" and interpreting():
-            for phase in range(plan.exchanges + 1):
-                phase_name = f"{name}_phase{phase}"
-                text = emit(plan, phase_name, phase=phase).text
-                phases.append(getattr(cache.load_source(phase_name, text), phase_name))
-        combine = getattr(module, f"{name}_combine", None)
-        _kernels[name] = Kernel(plan, source, getattr(module, name), tuple(phases), combine)
-    return _kernels[name]

@@ -1,5 +1,9 @@
-"""Launching the warp-specialised Gluon template (codegen/gluon/strip.py) for a ws_strip plan,
-with the same interface as runtime.kernel.Kernel (``launch(a3, b3, ins, outs)``)."""
+"""Launching the warp-specialised Gluon template (codegen/gluon/strip.py): a ws_strip plan
+(``StripKernel``) and a ws_split plan (``LseKernel``, the template's terminal kind and a
+generated combine kernel), with the interface of runtime.kernel.Kernel
+(``launch(a3, b3, ins, outs)``). The first call per layout of the tensors checks them and
+launches through Triton's JIT; later calls launch the compiled kernel directly with new
+descriptors (``launch.launch_direct``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,19 +12,24 @@ from pathlib import Path
 
 import torch
 
-from ..codegen.triton import KernelSource
+from ..codegen.gluon import strip
+from ..codegen.source import KernelSource
+from ..codegen.triton import emit
+from ..codegen.triton.split import as_split
 from ..planner import Plan
-from .kernel import UnsupportedLayout, launch_direct, layout_key
+from ..planner.onepass import parts
+from . import cache
+from .kernel import Kernel
+from .launch import launch_direct, layout_key, sm90_only, sm_count, tma_ready
 
 
 def config(plan: Plan):
-    """The template's constexprs for ``plan`` (prefetch: the residual TMA-loaded into the
+    """The template's constexprs for ``plan`` (``residual_tma``: the residual TMA-loaded into the
     hand-off buffer while the mainloop runs, else loaded by the epilogue chunk by chunk)."""
-    from ..codegen.gluon import strip
-    t = plan.template
+    t = plan.form.template
     kind = {"layernorm": strip.KIND_LAYERNORM, "rmsnorm": strip.KIND_RMSNORM, "softmax": strip.KIND_SOFTMAX}[t.kind]
     return strip.StripConfig(kind=kind, has_bias=t.bias is not None,
-                             residual=0 if t.residual is None else (2 if plan.prefetch else 1),
+                             residual=0 if t.residual is None else (2 if plan.form.residual_tma else 1),
                              has_gamma=t.gamma is not None, has_beta=t.beta is not None, relu=t.relu,
                              b_kmajor=plan.region.gemm.b.major == "K")
 
@@ -28,20 +37,13 @@ def config(plan: Plan):
 def operands(plan: Plan, a3, b3, ins, outs) -> tuple:
     """(a, b, out, bias, residual, gamma, beta): the template's 2-D and 1-D views of a call's
     tensors (None for a role the template does not take)."""
-    t = plan.template
+    t = plan.form.template
     out = outs[0][0]
 
     def vec(i):
         return None if i is None else ins[i].reshape(-1).contiguous()
     return (a3[0], b3[0].t() if plan.region.gemm.b.major == "K" else b3[0], out, vec(t.bias),
             None if t.residual is None else ins[t.residual].reshape(out.shape), vec(t.gamma), vec(t.beta))
-
-
-def _tma_ready(t: torch.Tensor, what: str) -> torch.Tensor:
-    if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:-1]):
-        raise UnsupportedLayout(f"ws_strip: {what} needs unit inner stride and 16-byte aligned rows; "
-                                f"got strides {t.stride()}")
-    return t
 
 
 @dataclasses.dataclass
@@ -53,7 +55,6 @@ class StripKernel:
 
     @property
     def path(self) -> str:
-        from ..codegen.gluon import strip
         return str(Path(strip.__file__))
 
     def operands(self, a3, b3, ins, outs) -> tuple:
@@ -64,7 +65,6 @@ class StripKernel:
         them and launches through Triton's JIT; later calls launch the compiled kernel directly
         with new descriptors (``kernel.launch_direct``: the JIT's argument binding and
         specialisation skipped)."""
-        from ..codegen.gluon import strip
         layout = layout_key((a3, b3, *ins, *outs))
         bound = self._bound.get(layout)
         a, b, out, bias, residual, gamma, beta = self.operands(a3, b3, ins, outs)
@@ -78,15 +78,13 @@ class StripKernel:
 
     def bind(self, a, b, out, bias, residual, gamma, beta):
         """Check a layout's tensors, launch once through the JIT; return (run, statics, config)."""
-        from ..codegen.gluon import strip
         dev = a.device
-        if dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] != 9:
-            raise UnsupportedLayout("ws_strip: the Gluon template runs on sm_90 (Hopper) GPUs only")
-        _tma_ready(a, "A")
-        _tma_ready(b, "B")
-        _tma_ready(out, "the output")
+        sm90_only(dev, "ws_strip")
+        tma_ready(a, "A")
+        tma_ready(b, "B")
+        tma_ready(out, "the output")
         if residual is not None:
-            _tma_ready(residual, "the residual")
+            tma_ready(residual, "the residual")
         M, N = out.shape
         key = (dev, M, N)
         if key not in self._scratch:
@@ -95,13 +93,9 @@ class StripKernel:
         ws, counters = self._scratch[key]
         cfg = config(self.plan)
         grid, args, options = strip.arguments(cfg, a, b, out, bias=bias, residual=residual, gamma=gamma, beta=beta,
-                                              eps=self.plan.template.eps, ws=ws, counters=counters,
-                                              num_sms=_sm_count(dev))
+                                              eps=self.plan.form.template.eps, ws=ws, counters=counters,
+                                              num_sms=sm_count(dev))
         return (*launch_direct(strip.strip_kernel, grid, args, options, set(range(strip.PER_CALL))), cfg)
-
-
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def build(plan: Plan, name: str) -> StripKernel:
@@ -112,7 +106,7 @@ def build(plan: Plan, name: str) -> StripKernel:
 class LseKernel:
     """A ws_split plan: the Gluon template's terminal kind (KIND_LSE: per tile and row the
     log-sum-exp of its columns, and the logit at the row's target) and the generated Triton
-    combine kernel that merges them and computes the outputs (codegen/triton/emit.py,
+    combine kernel that merges them and computes the outputs (codegen/triton/split.py,
     ``emit_lse_combine``). Memory besides inputs and outputs: (N / 256 + 1) fp32 per row, 0.8 %
     of the bf16 logits."""
     plan: Plan
@@ -124,23 +118,19 @@ class LseKernel:
 
     @property
     def path(self) -> str:
-        from ..codegen.gluon import strip
         return str(Path(strip.__file__))
 
     @functools.cached_property
     def helper(self):
         """The combine's arguments and options, as a generated split kernel takes them (made once)."""
-        from .kernel import Kernel
-        return Kernel(dataclasses.replace(self.plan, schedule="split", mainloop="pointer"), self.source,
-                      self.combine_fn)
+        return Kernel(as_split(self.plan), self.source, self.combine_fn)
 
     def config(self):
-        from ..codegen.gluon import strip
         return strip.StripConfig(kind=strip.KIND_LSE, residual=0, b_kmajor=self.plan.region.gemm.b.major == "K",
                                  group_m=strip.GROUP_M)
 
     def operands(self, a3, b3, ins):
-        t = self.plan.template
+        t = self.plan.form.template
         b = b3[0].t() if self.plan.region.gemm.b.major == "K" else b3[0]
         M = a3.shape[1]
         targets = ins[t.target].reshape(-1).contiguous() if t.target is not None else \
@@ -148,7 +138,6 @@ class LseKernel:
         return a3[0], b, targets
 
     def workspace(self, device, M: int, N: int):
-        from ..codegen.gluon import strip
         key = (str(device), M, N)
         if key not in self._scratch:
             self._scratch[key] = (torch.empty(strip.workspace_numel(M, N, strip.KIND_LSE), dtype=torch.float32,
@@ -175,7 +164,6 @@ class LseKernel:
             ws, dummy = self.workspace(a.device, a.shape[0], b3.shape[2])
             return ws
         run, statics, cfg = bound
-        from ..codegen.gluon import strip
         ws, dummy = self.workspace(a.device, a.shape[0], b3.shape[2])
         run(*strip.call_arguments(cfg, a, b, dummy, targets=targets), *statics[strip.PER_CALL:])
         return ws
@@ -183,23 +171,21 @@ class LseKernel:
     def launch(self, a3: torch.Tensor, b3: torch.Tensor, ins: list, outs: list) -> None:
         ws = self.statistics(a3, b3, ins)
         self.combine(a3, b3, ins, outs, ws)
-        t = self.plan.template.target
+        t = self.plan.form.template.target
         self._last = (ins[t] if t is not None else None, b3.shape[2])  # (for split_workspace)
 
     def bind(self, a, b, targets):
         """Check a layout's tensors, launch the template once through the JIT; return (run,
         statics, config)."""
-        from ..codegen.gluon import strip
         dev = a.device
-        if dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] != 9:
-            raise UnsupportedLayout("ws_split: the Gluon template runs on sm_90 (Hopper) GPUs only")
-        _tma_ready(a, "A")
-        _tma_ready(b, "B")
+        sm90_only(dev, "ws_split")
+        tma_ready(a, "A", "ws_split")
+        tma_ready(b, "B", "ws_split")
         cfg = self.config()
         M = a.shape[0]
         N = b.shape[0] if cfg.b_kmajor else b.shape[1]
         ws, dummy = self.workspace(dev, M, N)
-        grid, args, options = strip.arguments(cfg, a, b, dummy, ws=ws, targets=targets, num_sms=_sm_count(dev))
+        grid, args, options = strip.arguments(cfg, a, b, dummy, ws=ws, targets=targets, num_sms=sm_count(dev))
         if len(self._bound) > 64:
             self._bound.clear()
         return (*launch_direct(strip.strip_kernel, grid, args, options, set(range(strip.PER_CALL))), cfg)
@@ -208,7 +194,7 @@ class LseKernel:
         """The one-pass form's statistics for the backward, as a split kernel's workspace of one
         slice ([statistic arrays, 1, M]; ``Kernel.split_statistics``): the log-sum-exp (its parts:
         max = the log-sum-exp, sum = 1) and the max it stands in for, and the target pick."""
-        t = self.plan.template
+        t = self.plan.form.template
         ws = self.statistics(a3, b3, ins)
         return self.as_split(ws, ins[t.target] if t.target is not None else None, a3.shape[1], b3.shape[2])
 
@@ -219,8 +205,7 @@ class LseKernel:
         return self.as_split(self.workspace(device, M, N)[0], targets, M, N)
 
     def as_split(self, ws, targets, M: int, N: int) -> torch.Tensor:
-        from ..planner.onepass import parts
-        t, op = self.plan.template, self.plan.onepass
+        t, op = self.plan.form.template, self.plan.form.onepass
         tiles = N // self.plan.block_n
         lse = torch.logsumexp(ws[:tiles * M].view(tiles, M), 0)
         if t.target is not None:
@@ -238,8 +223,6 @@ class LseKernel:
 
 
 def build_lse(plan: Plan, name: str) -> LseKernel:
-    from ..codegen.triton import emit
-    from . import cache
     source = emit(plan, name)
     module = cache.load_source(name, source.text)
     return LseKernel(plan, source, getattr(module, f"{name}_combine"))

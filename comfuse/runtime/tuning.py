@@ -10,38 +10,42 @@ sizes, the GPU, and the torch, triton and code generator versions.
 """
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import logging
 import math
-import os
 import time
+import warnings
 
 import torch
 import triton
 
 from .. import settings as settings_mod
-from ..bench.timing import graphed, measure, measure_rounds
+from ..errors import ComfuseWarning, KernelMismatch
 from ..ir import structural_text
 from . import cache
 from .check import compare, tolerance
+from .timing import graphed, measure, measure_rounds
 
 log = logging.getLogger("comfuse.tuning")
 
 UNFUSED = "unfused"
 # A split region (a loss or statistic over a vocabulary-wide row) stays fused even when its
-# unfused ops are faster if they would materialise an fp32 [M, N] intermediate at least
-# this large: avoiding that tensor is the point of the schedule (COMFUSE_MEMORY_FIRST_MB).
-MEMORY_FIRST_BYTES = int(os.environ.get("COMFUSE_MEMORY_FIRST_MB", "1024")) << 20
+# unfused ops are faster if they would materialise an fp32 [M, N] intermediate at least this
+# large: avoiding that tensor is the point of the schedule.
+MEMORY_FIRST_BYTES = 1 << 30
 # Contenders whose first time is within this factor of the fastest are timed again in
-# interleaved rounds before the choice (the H200 here is power-capped: its clock falls by a
-# quarter within a second of load, so the first contender timed ran on a cooler GPU and a
-# one-pass choice between close contenders followed the order, not the kernels). 10 %: on
-# the H200 (thirteenth session) the same kernel's first time and its round median differed
-# by 13 %, and a LayerNorm region kept Inductor's code (first time 0.4046 ms, 5.1 % behind)
-# over the template (rounds 0.434 ms; 0.4517 against Inductor's 0.4532 in the bench after).
+# interleaved rounds before the choice: the H200 is power-capped (its clock falls by a quarter
+# within a second of load), so the first contender timed runs on a cooler GPU, and the same
+# kernel's first time and its round median were seen to differ by 13 %.
 FINALIST_MARGIN = 1.10
 FINAL_ROUNDS = 3
+# the Inductor forms of a region's unfused ops autotuning compiles and times, each by the name
+# a decision stores and the torch.compile mode it is compiled in: neither wins everywhere
+# (GEMM + LayerNorm: the default's 0.0420 ms against max-autotune's 0.0524; the multi-stage
+# epilogue: max-autotune's 0.0541 against 0.0598), so a region is never slower than either
+INDUCTOR_FORMS = {"inductor": None, "inductor-max-autotune": "max-autotune-no-cudagraphs"}
 
 
 def final_rounds(times: dict, call) -> dict:
@@ -113,21 +117,15 @@ def reusable(decision: dict | None, names: list) -> bool:
 def enabled(device: torch.device, settings=None) -> bool:
     """Whether a region autotunes on ``device`` (COMFUSE_AUTOTUNE; ``settings``: the caller's,
     when it has them: asked on every fused call until a choice is made)."""
-    mode = (settings or settings_mod.get()).autotune.strip().lower()
-    if mode in ("0", "off", "false", "no"):
-        return False
-    if mode in ("1", "on", "true", "yes"):
-        return True
-    return device.type == "cuda"  # "auto": timing through the interpreter means nothing
+    mode = (settings or settings_mod.get()).autotune
+    return mode == "1" or (mode == "auto" and device.type == "cuda")  # (the interpreter's times mean nothing)
 
 
 def validating(device: torch.device, regions) -> bool:
     """Whether a region (a chain: its regions) is compared with its own ops on its first
     call (COMFUSE_VALIDATE): not where those ops would hold a memory-first intermediate."""
-    mode = settings_mod.get().validate.strip().lower()
-    if mode not in ("auto", "0", "1", "on", "off", "true", "false", "yes", "no"):
-        raise ValueError(f"COMFUSE_VALIDATE={mode!r}: choose auto, 1 or 0")
-    if mode in ("0", "off", "false", "no") or (mode == "auto" and device.type != "cuda"):
+    mode = settings_mod.get().validate
+    if mode == "0" or (mode == "auto" and device.type != "cuda"):
         return False
     return all(r.sizes.B * r.sizes.M * r.sizes.N * 4 < MEMORY_FIRST_BYTES for r in regions)
 
@@ -137,7 +135,6 @@ def check_first_call(outs, run_unfused, tol: float, where: str, turn_off, exact=
     autotuning compares its candidates (``exact``: see ``_disagreement``): ``outs`` when they
     agree, else the ops' outputs, after ``turn_off(reason)`` (COMFUSE_STRICT=1:
     KernelMismatch instead)."""
-    from .check import KernelMismatch
     refs = tuple(run_unfused())
     bad = _disagreement(outs, refs, tol, exact)
     if not bad:
@@ -152,14 +149,12 @@ def check_first_call(outs, run_unfused, tol: float, where: str, turn_off, exact=
 def key(region, device: torch.device) -> str:
     """The decision's cache key: the region, its sizes, the GPU, the versions, and every
     setting that changes the candidates or how they are timed."""
-    from .kernel import CODEGEN_VERSION
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu-interpreter"
     s = region.sizes
     st = settings_mod.get()
-    chosen = ",".join(f"{name}={getattr(st, name)!r}"
-                      for name in settings_mod.CODEGEN_SETTINGS + ("unfused_mode", "tune_timing"))
+    chosen = ",".join(f"{name}={getattr(st, name)!r}" for name in settings_mod.KEYED)
     return cache.digest(structural_text(region), f"{s.B},{s.M},{s.N},{s.K}", gpu, torch.__version__,
-                        triton.__version__, CODEGEN_VERSION, chosen)
+                        triton.__version__, cache.CODEGEN_VERSION, chosen)
 
 
 def _path(k: str):
@@ -225,21 +220,12 @@ def _disagreement(outs, refs, tol: float | None, exact=None) -> str:
     return ""
 
 
-# the Inductor forms of a region's unfused ops, by the name a decision stores, and the
-# torch.compile mode each is compiled in
-INDUCTOR_FORMS = {"inductor": None, "inductor-max-autotune": "max-autotune-no-cudagraphs"}
-# COMFUSE_UNFUSED_MODE -> the Inductor forms autotuning compiles and times
-MODE_FORMS = {"default": ("inductor",), "max-autotune": ("inductor-max-autotune",),
-              "best": ("inductor", "inductor-max-autotune")}
-
-
 def _on_gpu(ext) -> bool:
     return any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in ext)
 
 
 def _inductor(unfused, ext, form: str):
     """``unfused`` compiled by Inductor in ``form``'s mode, run once."""
-    import copy
     from torch._inductor.compile_fx import compile_fx
     mode = INDUCTOR_FORMS[form]
     patches = torch._inductor.list_mode_options(mode) if mode else {}
@@ -251,30 +237,21 @@ def _inductor(unfused, ext, form: str):
     return compiled
 
 
-def separate(unfused, ext, on_cpu: bool = False, form: str | None = None) -> tuple:
-    """The region's own ops as the best separate execution comfuse can offer, and which
-    form it is: on a GPU, the fastest of the ops run one by one ("ops") and their Inductor
-    compilations (cuBLAS or Triton GEMMs plus generated kernels) that COMFUSE_UNFUSED_MODE
-    names: "default" Inductor's default mode ("inductor"), "max-autotune"
-    max-autotune-no-cudagraphs ("inductor-max-autotune"), "best" both. ``form``, a stored
-    decision's, is taken without measuring again. Falls back to the ops themselves when
-    Inductor cannot compile them."""
+def separate(unfused, ext, on_cpu: bool = False, form: str | None = None, forms=tuple(INDUCTOR_FORMS)) -> tuple:
+    """The region's own ops as the best separate execution comfuse can offer, and which form
+    it is: on a GPU, the fastest of the ops run one by one ("ops") and their Inductor
+    compilations in ``forms`` (INDUCTOR_FORMS: Inductor's default mode and
+    max-autotune-no-cudagraphs). ``form``, a stored decision's, is taken without measuring
+    again. Falls back to the ops themselves when Inductor cannot compile them."""
     gpu = _on_gpu(ext)
     if form == "ops" or not (gpu or on_cpu):
         return unfused, "ops"
-    mode = settings_mod.get().unfused_mode
-    if mode not in MODE_FORMS:
-        raise ValueError(f"COMFUSE_UNFUSED_MODE={mode!r}: choose {', '.join(MODE_FORMS)}")
-    if form == "inductor" and mode == "max-autotune":
-        form = "inductor-max-autotune"  # (decisions stored before the forms had names of their own)
-    forms = (form,) if form in INDUCTOR_FORMS else MODE_FORMS[mode]
+    forms = (form,) if form in INDUCTOR_FORMS else forms
     built = {}
     for name in forms:
         try:
             built[name] = _inductor(unfused, ext, name)
         except Exception as e:  # the plain ops still run
-            import warnings
-            from .kernel import ComfuseWarning
             warnings.warn(f"comfuse: Inductor ({name}) could not compile a region's unfused ops "
                           f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
                           "timing them as they are", ComfuseWarning, stacklevel=2)
@@ -304,8 +281,6 @@ def decide(names: list, run_fused, run_unfused, device: torch.device, tol: float
     ``tol``, by default the outputs' dtype tolerance, and with the float64 ``exact()`` when
     given (see ``_disagreement``), or fails)."""
     timing = settings_mod.get().tune_timing
-    if timing not in ("launch", "graph"):
-        raise ValueError(f"COMFUSE_TUNE_TIMING={timing!r}: choose launch or graph")
     if device.type != "cuda":
         timing = "launch"
 

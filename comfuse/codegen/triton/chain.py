@@ -8,7 +8,10 @@ on. Each region's values and parameters carry a prefix (``r0_``, ``r1_``, ...).
 from __future__ import annotations
 
 from ...ir import Op, format_region
-from .emit import TL_DTYPE, KernelSource, Param, _Emitter, module_header, stat_init, stat_update
+from ..source import KernelSource, Param
+from .emit import module_header
+from .exprs import TL_DTYPE, Exprs
+from .statistics import stat_init, stat_update
 
 
 class _ChainEmitter:
@@ -17,13 +20,7 @@ class _ChainEmitter:
         self.name = name
         self.lines: list[str] = []
         self.params: list[Param] = []
-        self.ems = []
-        for k, r in enumerate(plan.regions):
-            em = _Emitter.__new__(_Emitter)
-            em.region, em.lines, em.base, em.phase, em.cooperative = r, self.lines, 0, None, False
-            em.vp, em.pp, em.acc = f"r{k}v", f"r{k}_", f"acc{k}"
-            em.plan = None
-            self.ems.append(em)
+        self.ems = [Exprs(r, vp=f"r{k}v", pp=f"r{k}_", acc=f"acc{k}") for k, r in enumerate(plan.regions)]
 
     def line(self, text: str = "", indent: int = 1) -> None:
         self.lines.append("    " * indent + text if text else "")
@@ -71,8 +68,9 @@ class _ChainEmitter:
         em, r = self.ems[k], self.plan.regions[k]
         for stage in self.plan.stages[k]:
             for i in stage.nodes:
-                if r.nodes[i].op is not Op.CONST:
-                    self.line(f"{em.vp}{i} = {em.expr(i)}  # {em.comment(i)}", indent)
+                line = em.value_line(i)
+                if line:
+                    self.line(line, indent)
             for j in stage.stores:
                 if j not in self.plan.writes[k]:
                     continue
@@ -154,7 +152,7 @@ class _ChainEmitter:
                           f"stride_r{k + 1}_b_n, mask=mask_n[:, None]{cols}, other=0.0{self.read_once()})")
                 self.line(f"acc{k + 1} = tl.zeros((BLOCK_M, WIDTH{k + 1}), dtype=tl.float32)")
                 self.dot(f"acc{k + 1}", "p", "w", 1)
-        header = module_header(f"comfuse kernel {self.name}: {p.describe()}", "\n".join(
+        header = module_header(self.name, p.describe(), "\n".join(
             format_region(r) + (f"\n  (out{p.links[k]} feeds GEMM{k + 2})" if k < len(p.links) else "")
             for k, r in enumerate(p.regions)))
         constexprs = (("BLOCK_M", p.block_m), ("BLOCK_K", p.block_k), ("STREAM_N", p.stream_n)) + tuple(
@@ -288,8 +286,9 @@ class _ChainEmitter:
                 self.line(f"first_mean = tl.sum(tl.where(mask_n[None, :], {base}, 0.0), axis=1) / "
                           "tl.maximum(tl.sum(mask_n.to(tl.float32), axis=0), 1.0)", 2)
                 self.line(f"stat{node.arg} = tl.where(n0 == 0, first_mean, stat{node.arg})", 2)
-            if node.op is not Op.CONST:
-                self.line(f"{em.vp}{i} = {em.expr(i)}  # {em.comment(i)}", 2)
+            line = em.value_line(i)
+            if line:
+                self.line(line, 2)
         for line in stat_update(op.stats, em.ref):
             self.line(line, 2)
         self.load_w1(b1_base)
@@ -316,14 +315,12 @@ class _ChainEmitter:
         for i, st in enumerate(op.stats):
             if st.kind == "lse":
                 self.line(f"stat{i} = stat{i}_m + tl.log(stat{i}_s)")
-        rows = _Emitter.__new__(_Emitter)
-        rows.region = self.plan.regions[0].replace(nodes=op.combine, outputs=op.outputs,
-                                                   inputs=op.tile.inputs)
-        rows.lines, rows.base, rows.phase, rows.cooperative, rows.plan = self.lines, 0, None, False, None
-        rows.vp, rows.pp, rows.acc = "r0c", "r0_", "acc0"
-        for i, node in enumerate(op.combine):
-            if node.op is not Op.CONST:
-                self.line(f"r0c{i} = {rows.expr(i)}  # {rows.comment(i)}")
+        rows = Exprs(self.plan.regions[0].replace(nodes=op.combine, outputs=op.outputs, inputs=op.tile.inputs),
+                     vp="r0c", pp="r0_", acc="acc0")
+        for i in range(len(op.combine)):
+            line = rows.value_line(i)
+            if line:
+                self.line(line)
         if exp_link:
             arg = "run_max[:, None]" if link.shift is None else f"({rows.ref(link.shift)} + run_max[:, None])"
             factor = f"tl.exp({arg})" + (f" * {rows.ref(link.scale)}" if link.scale is not None else "")

@@ -1,23 +1,14 @@
-"""The warp-specialised Gluon kernels run on the CPU: the generated ws_stages module
-(``stages.emit``'s text) and the hand-written template (strip.py's ``strip_kernel``, also its
-terminal kind for ws_split) executed by Python over torch tensors, so that CI checks their
-arithmetic and their strip exchanges against the IR's float64 reference. Gluon kernels do not
-run in Triton's interpreter; this runs the kernels' own function bodies (each ``gluon.jit``
-function's Python code) with ``gl``, ``mbarrier`` and ``tma`` bound to the small stand-ins
-below.
+"""Gluon, emulated on the CPU: the stand-ins of ``gl``, ``mbarrier`` and ``tma`` that the
+warp-specialised kernels' own Python bodies run over (runtime/emulate.py runs plans with them).
 
-What is emulated: each program of the persistent grid is a Python thread, and so is each of
-its partitions (``gl.warp_specialize``); a partition's values are whole [rows, columns]
-tensors (layouts do not matter: all of a group's threads compute at once, so
-``gl.thread_barrier`` is a no-op); shared memory (the hand-off buffer, the statistics) and
-global memory (inputs, outputs, the strips' partials and arrival counters) are torch
-tensors; mbarriers count arrivals and phases; ``gl.atomic_add`` is atomic under a lock, and a
-spin loop's polls yield, so all programs of a strip run at once, as the persistent grid's
-co-residency guarantees. What is not: the mainloop partition and the residual's TMA load
-(strip.py's ``_mma_partition`` and ``_load_residual``), replaced by the fp32 product of A and
-B handed off in bf16 (the buffer's residual added first where the plan adds it there);
-layouts, so bit-level disagreements between groups that sum in different orders; the order
-of floating-point sums; and time.
+Each program of the persistent grid is a Python thread, and so is each of its partitions
+(``gl.warp_specialize``); a partition's values are whole [rows, columns] tensors (layouts do not
+matter: all of a group's threads compute at once, so ``gl.thread_barrier`` is a no-op); shared
+memory and global memory are torch tensors; mbarriers count arrivals and phases;
+``gl.atomic_add`` is atomic under a lock, and a spin loop's polls yield, so all programs of a
+strip run at once, as the persistent grid's co-residency guarantees. The mainloop partition and
+the residual's TMA load (parts.py's ``mma_partition`` and ``load_residual``) are replaced by the
+fp32 product of A and B handed off in bf16 (``module_env``).
 """
 from __future__ import annotations
 
@@ -27,12 +18,12 @@ import types
 
 import torch
 
-from ...ir import canonical_shape
+from ..codegen.gluon import parts
 
-BM, BN = 128, 256
+BM, BN = parts.BM, parts.BN
 
 
-class _Ptr:
+class Ptr:
     """A pointer into a flat tensor, ``ptr + offsets`` as in Gluon: the offsets an int or a
     tensor of them."""
 
@@ -41,7 +32,7 @@ class _Ptr:
         self.dtype = types.SimpleNamespace(element_ty=base.dtype)
 
     def __add__(self, other):
-        return _Ptr(self.base, self.offset + other)
+        return Ptr(self.base, self.offset + other)
 
     __radd__ = __add__
 
@@ -147,7 +138,7 @@ class _Gl:
         return torch.full([int(s) for s in shape], value, dtype=dtype)
 
     @staticmethod
-    def load(ptr: _Ptr, mask=None, other=None, cache_modifier=None):
+    def load(ptr: Ptr, mask=None, other=None, cache_modifier=None):
         idx = ptr.index()
         if mask is None:
             return ptr.base[idx]
@@ -156,7 +147,7 @@ class _Gl:
         return torch.where(mask, vals, torch.as_tensor(0 if other is None else other, dtype=vals.dtype))
 
     @staticmethod
-    def store(ptr: _Ptr, value, mask=None):
+    def store(ptr: Ptr, value, mask=None):
         idx = ptr.index()
         value = torch.as_tensor(value).to(ptr.base.dtype).expand(idx.shape)
         if mask is not None:
@@ -164,10 +155,10 @@ class _Gl:
             idx, value = idx[keep], value[keep]
         ptr.base[idx] = value
 
-    def atomic_add(self, ptr: _Ptr, value, sem=None, scope=None):
+    def atomic_add(self, ptr: Ptr, value, sem=None, scope=None):
         if not value:  # a poll: let the other groups of the strip run
             if self._cancelled.is_set():
-                raise _Cancelled()
+                raise Cancelled()
             time.sleep(1e-4)
         with self._lock:
             i = int(ptr.offset)
@@ -243,7 +234,7 @@ class _Tma:
         """Nothing to wait for: the copy above is synchronous."""
 
 
-class _Cancelled(Exception):
+class Cancelled(Exception):
     """A launch given up (it did not finish in time): each waiting thread leaves."""
 
 
@@ -273,10 +264,10 @@ class _Barriers:
         with self.cond:
             while not self.cond.wait_for(lambda: self.state[key][2] % 2 != int(phase) % 2, timeout=0.05):
                 if self.cancelled.is_set():
-                    raise _Cancelled()
+                    raise Cancelled()
 
 
-class _Desc:
+class Desc:
     """A TMA descriptor stand-in: the whole tensor it covers, its block shape."""
 
     def __init__(self, t: torch.Tensor, block):
@@ -289,7 +280,7 @@ class _Program(threading.local):
     programs = 1
 
 
-class _Emulation:
+class Emulation:
     """One launch's machinery: the lock, the cancel flag, the ``gl`` stand-in, the barriers and
     each thread's program id."""
 
@@ -299,7 +290,7 @@ class _Emulation:
 
 
 def _tile_coords(t, num_tiles, TILES_N, GROUP_M):
-    """(row block, column tile) of tile t, as strip._tile_coords orders them (the stand-in
+    """(row block, column tile) of tile t, as parts.tile_coords orders them (the stand-in
     mainloop's own copy: a disagreement with the epilogue's shows as wrong results)."""
     if GROUP_M == 0:
         return t // TILES_N, t % TILES_N
@@ -309,21 +300,19 @@ def _tile_coords(t, num_tiles, TILES_N, GROUP_M):
     return first + (t % per_group) % rows, (t % per_group) // rows
 
 
-STANDINS = ("_mma_partition", "_load_residual", "_mark", "exp_fast", "exp2_fast", "tanh_fast",
-            "bf16_pairs")
+STANDINS = ("mma_partition", "load_residual", "exp_fast", "exp2_fast", "tanh_fast", "bf16_pairs")
 
 
-def _module_env(module, em: _Emulation):
+def module_env(module, em: Emulation):
     """The module's globals with Gluon bound to the emulation and its gluon.jit functions
-    rebound over them, but for strip.py's hand-written mainloop partition and residual load
-    (``STANDINS``): the mainloop hands off each tile of the fp32 product of A and B (from their
+    rebound over them, but for the shared mainloop partition and residual load (``STANDINS``,
+    parts.py's): the mainloop hands off each tile of the fp32 product of A and B (from their
     descriptors), adding the buffer's residual first where it holds one (RES 2), in bf16."""
     gl, bars, prog = em.gl, em.bars, em.prog
     products = {}
 
     def mma_partition(a_desc, b_desc, a_bufs, b_bufs, ready, tile_smem, tile_ready, tile_free, num_tiles, k_steps,
-                      trace_ptr, TRACE, RES, B_KMAJOR, TILES_N, GROUP_M, BM_, BN_, BK, num_warps, spare_smem,
-                      spare_ready, SPARE):
+                      RES, B_KMAJOR, TILES_N, GROUP_M, BM, BN, BK, num_warps, spare_smem, spare_ready, SPARE):
         key = (id(a_desc), id(b_desc))
         with em.lock:
             if key not in products:
@@ -333,7 +322,7 @@ def _module_env(module, em: _Emulation):
         mine = range(prog.pid, int(num_tiles), prog.programs)
         for n, t in enumerate(mine):
             pid_m, pid_n = _tile_coords(t, int(num_tiles), TILES_N, GROUP_M)
-            tile = acc[pid_m * BM_:(pid_m + 1) * BM_, pid_n * BN_:(pid_n + 1) * BN_]
+            tile = acc[pid_m * BM:(pid_m + 1) * BM, pid_n * BN:(pid_n + 1) * BN]
             if SPARE and n == len(mine) - 1:  # the last tile into the ring, the buffer not waited for
                 spare_smem.store(tile.to(torch.bfloat16))
                 bars.arrive(spare_ready)
@@ -346,10 +335,10 @@ def _module_env(module, em: _Emulation):
             tile_smem.store(tile.to(torch.bfloat16))
             bars.arrive(tile_ready)
 
-    def load_residual(r_desc, tile_smem, bar, t, num_tiles, TILES_N, BM_, BN_):
+    def load_residual(r_desc, tile_smem, bar, t, num_tiles, TILES_N, BM, BN):
         if int(t) < int(num_tiles):
-            r, c = (int(t) // TILES_N) * BM_, (int(t) % TILES_N) * BN_
-            tile_smem.store(r_desc.t[r:r + BM_, c:c + BN_])
+            r, c = (int(t) // TILES_N) * BM, (int(t) % TILES_N) * BN
+            tile_smem.store(r_desc.t[r:r + BM, c:c + BN])
             bars.arrive(bar)
 
     def warp_specialize(partitions, worker_warps, worker_regs):
@@ -382,22 +371,21 @@ def _module_env(module, em: _Emulation):
     gl.zeros = lambda shape, dtype, layout=None: torch.zeros([int(v) for v in shape], dtype=dtype)
     gl.SwizzledSharedLayout = gl.BlockedLayout
     gl.warp_specialize = warp_specialize
-    from . import strip
     env = dict(vars(module))
-    for key, value in vars(module).items():  # (the module's own and those it imports from strip.py)
+    for key, value in vars(module).items():  # (the module's own and those it imports from parts.py)
         if hasattr(value, "fn") and key not in STANDINS:
             env[key] = rebind(value)
     env.update(gl=gl, tma=_Tma, fence_async_shared=lambda: None,
                mbarrier=types.SimpleNamespace(init=bars.init, arrive=bars.arrive, wait=bars.wait,
                                               expect=lambda *a, **k: None, MBarrierLayout=lambda: None),
-               exp_fast=torch.exp, exp2_fast=torch.exp2, tanh_fast=torch.tanh, _mark=lambda *a: None,
+               exp_fast=torch.exp, exp2_fast=torch.exp2, tanh_fast=torch.tanh,
                bf16_pairs=lambda x: x.to(torch.bfloat16),
-               _mma_partition=mma_partition, _load_residual=load_residual, LOG2E=1.4426950408889634,
-               PIECE=int(strip.PIECE))  # (strip.py's constants its rebound helpers read)
+               mma_partition=mma_partition, load_residual=load_residual, LOG2E=1.4426950408889634,
+               PIECE=int(parts.PIECE))  # (parts.py's constants its rebound helpers read)
     return env
 
 
-def _launch(em: _Emulation, kernel, args, options, programs: int, timeout: float) -> None:
+def launch(em: Emulation, kernel, args, options, programs: int, timeout: float) -> None:
     """One launch: each program a thread (all at once, as the persistent grid's co-residency
     has them); the first error raised once all have stopped."""
     errors = []
@@ -422,142 +410,8 @@ def _launch(em: _Emulation, kernel, args, options, programs: int, timeout: float
         th.join()
     if hung:
         raise RuntimeError("emulate.run: the launch did not finish (an exchange or a barrier waits forever)")
-    errors = [e for e in errors if not isinstance(e, _Cancelled)] or errors
+    errors = [e for e in errors if not isinstance(e, Cancelled)] or errors
     if errors:
         raise errors[0]
 
 
-def _grid(M: int, N: int, programs: int, strips: bool = True, bn: int = BN) -> int:
-    if M % BM or N % bn:
-        raise ValueError(f"emulate.run: M a multiple of {BM}, N of {bn} (got {M}x{N})")
-    tiles_n = N // bn
-    programs = min(programs, (M // BM) * tiles_n)
-    if strips and programs < tiles_n:
-        raise ValueError(f"emulate.run: {programs} programs cannot hold a strip of {tiles_n} tiles at once")
-    return programs
-
-
-def _b_operand(plan, b3):
-    """B as the kernels take it: [N, K] where the region's B is K-major (nn.Linear's weight)."""
-    return b3[0].t() if plan.region.gemm.b.major == "K" else b3[0]
-
-
-def run(plan, a3: torch.Tensor, b3: torch.Tensor, ins, outs=None, programs: int = 132, launches: int = 1,
-        name: str = "k", timeout: float = 120.0, source: str | None = None):
-    """Run ``plan``'s kernel on CPU tensors in canonical 3-D layout: a ws_stages plan's
-    generated kernel, or a ws_strip plan's template (strip.py's ``strip_kernel``); row form,
-    unbatched. Each of the persistent grid's ``programs`` programs (at least a strip's tiles,
-    which must be resident at once) is a thread, and each program's two partitions are threads.
-    The kernel function, its partitions and its per-tile function are the module's own; the
-    mainloop partition and the residual's TMA load are stand-ins (``_module_env``). Returns the
-    outputs in canonical 3-D layout (written into ``outs`` when given). ``launches``: how many
-    times to run it with the same counters (they only grow; each strip's is checked after each
-    launch); ``timeout``: seconds a launch may take before it is taken to wait forever;
-    ``source``: a ws_stages module's text in place of the plan's (tests of the emulation)."""
-    region = plan.region
-    builders = {"ws_stages": _stages, "ws_strip": _strip, "ws_split": _split}
-    if plan.schedule not in builders or plan.transposed or region.gemm.batched:
-        raise ValueError("emulate.run: a ws_stages, ws_strip or ws_split plan, row form, unbatched")
-    s = region.sizes
-    programs = _grid(s.M, s.N, programs, strips=plan.schedule != "ws_split", bn=plan.block_n)
-    if outs is None:
-        outs = [torch.empty(canonical_shape(region, o.axes), dtype=o.dtype) for o in region.outputs]
-    em = _Emulation()
-    kernel, args, options, counters, arrivals, finish = builders[plan.schedule](plan, em, a3, b3, ins, outs, name,
-                                                                                source)
-    for launch in range(launches):
-        _launch(em, kernel, args, options, programs, timeout)
-        expected = (launch + 1) * arrivals
-        if any(int(c) != expected for c in counters):
-            raise RuntimeError(f"emulate.run: the strips' counters are {counters.tolist()}, not {expected} each")
-        if finish is not None:
-            finish()
-    return outs
-
-
-def _stages(plan, em, a3, b3, ins, outs, name, source):
-    """(kernel, arguments, constexprs, counters, arrivals a strip a launch) of a ws_stages plan."""
-    from . import stages
-    from ...runtime import cache, stages_kernel
-    region = plan.region
-    M, N, K = region.sizes.M, region.sizes.N, region.sizes.K
-    text = source if source is not None else stages_kernel.source_text(plan, name)
-    module = cache.load_source(f"{name}_emulated_{abs(hash(text)) % 10**12}", text)
-    kernel = _module_env(module, em)[name]
-    residual = stages.tma_residual(region) if plan.res_tma else None
-    flat_in = [t[0].contiguous().reshape(-1) if spec.axes == frozenset("MN") else t.reshape(-1).contiguous()
-               for t, spec in zip(ins, region.inputs)]
-    flat_out = [o.view(-1) for o in outs]
-    bn = plan.block_n
-    args = [_Desc(a3[0], (BM, 64)), _Desc(_b_operand(plan, b3), (64, bn)), *[_Ptr(t) for t in flat_in + flat_out]]
-    if residual is not None:  # r_desc
-        args.append(_Desc(flat_in[residual].view(M, N), (BM, bn)))
-    if plan.tma_store:  # o_desc: the [M, N] output
-        args.append(_Desc(outs[-1][0], (BM, bn)))
-    ws = torch.zeros(stages.workspace_numel(M, N, plan.stages, plan.moments, bn), dtype=torch.float32)
-    counters = torch.zeros(M // BM, dtype=torch.int64)
-    args += [_Ptr(ws), _Ptr(counters), M, N, K, None]
-    options = {k: v for k, v in stages_kernel.options(plan, N).items() if k != "maxnreg"}
-    E = len(stages.layout_of(plan.stages, plan.moments).exchanges)
-    return kernel, args, options, counters, E * 2 * (N // bn), None
-
-
-def _strip(plan, em, a3, b3, ins, outs, name, source):
-    """(kernel, arguments, constexprs, counters, arrivals a strip a launch) of a ws_strip plan:
-    the template's roles as runtime/strip_kernel.py fills them."""
-    from . import strip
-    from ...runtime import strip_kernel
-    if source is not None:
-        raise ValueError("emulate.run: the template's source is strip.py's")
-    kernel = _module_env(strip, em)["strip_kernel"]
-    a, b, out, bias, residual, gamma, beta = strip_kernel.operands(plan, a3, b3, ins, outs)
-    cfg = strip_kernel.config(plan)
-    M, N, K = out.shape[0], out.shape[1], a.shape[1]
-
-    def ptr(t):
-        return _Ptr((out if t is None else t).reshape(-1))
-    args = [_Desc(a, (BM, 64)), _Desc(b, (BN, 64) if cfg.b_kmajor else (64, BN)),
-            _Desc(residual if residual is not None else out, (BM, BN)), ptr(bias), ptr(residual), ptr(gamma),
-            ptr(beta), ptr(out), ptr(None)]
-    ws = torch.zeros(strip.workspace_numel(M, N, cfg.kind), dtype=torch.float32)
-    counters = torch.zeros(M // BM, dtype=torch.int64)
-    args += [_Ptr(ws), _Ptr(counters), M, N, K, plan.template.eps, None]
-    options = dict(cfg.constexprs(N // BN), num_warps=8)
-    arrivals = N // BN if cfg.kind in (strip.KIND_LAYERNORM, strip.KIND_RMSNORM, strip.KIND_SOFTMAX) else 0
-    return kernel, args, options, counters, arrivals, None
-
-
-def _split(plan, em, a3, b3, ins, outs, name, source):
-    """The same for a ws_split plan: the template's terminal kind (KIND_LSE, grouped tile
-    order) leaves each tile's log-sum-exp per row and the logits at the targets in the
-    workspace (NaN where it writes nothing), then the generated Triton combine kernel (Triton's
-    interpreter on the CPU) turns them into the outputs, as runtime/strip_kernel.LseKernel does."""
-    from . import strip
-    from ...runtime.kernel import build
-    if source is not None:
-        raise ValueError("emulate.run: the template's source is strip.py's")
-    lse = build(plan)
-    kernel = _module_env(strip, em)["strip_kernel"]
-    a, b, targets = lse.operands(a3, b3, ins)
-    cfg = lse.config()
-    M, K = a.shape
-    N = b.shape[0] if cfg.b_kmajor else b.shape[1]
-    dummy = torch.empty(BM, BN, dtype=torch.bfloat16)
-    ws = torch.full((strip.workspace_numel(M, N, strip.KIND_LSE), ), float("nan"))
-    counters = torch.zeros(M // BM, dtype=torch.int64)
-    args = [_Desc(a, (BM, 64)), _Desc(b, (BN, 64) if cfg.b_kmajor else (64, BN)), _Desc(dummy, (BM, BN)),
-            *[_Ptr(dummy.view(-1))] * 5, _Ptr(targets), _Ptr(ws), _Ptr(counters), M, N, K, 1e-5, None]
-    options = dict(cfg.constexprs(N // BN), num_warps=8)
-    return kernel, args, options, counters, 0, lambda: lse.combine(a3, b3, ins, outs, ws)
-
-
-def check(plan, a3, b3, ins, **kw) -> list:
-    """``run``'s outputs against the IR's float64 reference, judged as ``COMFUSE_CHECK`` judges
-    a kernel's (``runtime.check``: the region's tolerance, errors in units of the reference
-    interpreter's error scale): the list of comparisons, each with ``.ok``."""
-    from ...ir import evaluate_with_scale
-    from ...runtime.check import compare, region_tolerance
-    outs = run(plan, a3, b3, ins, **kw)
-    refs, scales = evaluate_with_scale(plan.region, a3, b3, ins)
-    tol = region_tolerance(plan.region)
-    return [compare(o, r, tol, s) for o, r, s in zip(outs, refs, scales)]

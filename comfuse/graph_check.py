@@ -1,0 +1,172 @@
+"""The backend's whole-graph check: a graph that keeps fused regions is timed at its first
+call against Inductor's compilation of the same graph without them, and the faster is kept
+for good (``GraphChoice``). A region that wins its own timing can still cost the model: its
+calls add host time, and Inductor can no longer fuse across it. Each decision is logged
+(``COMFUSE_LOG=info``) and the last ones are in ``GRAPH_CHECKS``.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+import torch
+import torch.fx as fx
+
+from . import settings as settings_mod
+from .errors import fallback
+from .runtime import tuning
+
+log = logging.getLogger("comfuse.backend")
+
+
+GRAPH_MARGIN = 0.99  # the graph with fused regions must run at least 1 % faster than Inductor's
+GRAPH_CHECKS: list = []  # the last few whole-graph comparisons (dicts), newest last, for inspection
+
+
+def _checks_graph(gm: fx.GraphModule, example_inputs) -> bool:
+    """Whether to time the fused graph against Inductor's (COMFUSE_GRAPH_CHECK): graphs on
+    real tensors that write to none of their inputs (running them again repeats no write)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    s = settings_mod.get()
+    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+    if not tensors or s.graph_check == "0" or any(isinstance(t, FakeTensor) for t in tensors):
+        return False
+    if s.graph_check != "1" and not (tensors[0].device.type == "cuda" and tuning.enabled(tensors[0].device)):
+        return False
+    return not mutates(gm)
+
+
+def _training(example_inputs) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
+
+
+def _step(fn, args):
+    """A call of ``fn`` and the backward of its differentiable outputs (gradients of ones)
+    into the inputs that require them, returned rather than accumulated into ``.grad``."""
+    leaves = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    grads = {}
+
+    def run():
+        outs = fn(*args)
+        outs = [o for o in (outs if isinstance(outs, (list, tuple)) else [outs])
+                if isinstance(o, torch.Tensor) and o.requires_grad]
+        if not outs:
+            return None
+        key = tuple((o.shape, o.dtype) for o in outs)
+        if key not in grads:
+            grads[key] = [torch.ones_like(o) for o in outs]
+        return torch.autograd.grad(outs, leaves, grads[key], allow_unused=True)
+    return run
+
+
+def mutates(gm: fx.GraphModule) -> bool:
+    return any(n.op == "call_function" and getattr(n.target, "_schema", None) is not None
+               and n.target._schema.is_mutable for n in gm.graph.nodes)
+
+
+GRAPH_TIMING_S = 0.3  # about how long each form is timed per round (3 rounds of 3-20 calls)
+
+
+def _time_graphs(calls: dict, device) -> dict:
+    """name -> ms per call of ``calls``, each timed as Python calls queued back to back with
+    one synchronisation at the end (what a model's caller waits for, host time included, as
+    in a training or serving loop), in three interleaved rounds with a rotating order: the
+    median of the rounds. 3 to 20 calls a round, fewer the slower a call (a one-second
+    training step costs ~20 s here, not minutes)."""
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    names = list(calls)
+    slowest = 0.0
+    for name in names:  # a first call each (its compilation and autotuning stay out), then one timed
+        calls[name]()
+        sync()
+        t0 = time.perf_counter()
+        calls[name]()
+        sync()
+        slowest = max(slowest, time.perf_counter() - t0)
+    reps = max(3, min(20, int(GRAPH_TIMING_S / max(slowest, 1e-6))))
+    rounds = {n: [] for n in names}
+    for r in range(3):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                calls[name]()
+            sync()
+            rounds[name].append((time.perf_counter() - t0) / reps * 1e3)
+    return {n: statistics.median(t) for n, t in rounds.items()}
+
+
+def faster_graph(gm: fx.GraphModule, example_inputs, fused, lowered, compile_plain, plain=None):
+    """``fused`` (Inductor's compilation of the graph with comfuse's regions in it) or, when
+    the graph is checked (COMFUSE_GRAPH_CHECK), a ``GraphChoice`` between it and Inductor's
+    compilation of ``gm`` as Dynamo gave it (``plain``, or ``compile_plain()`` when not given).
+    ``lowered``: the backend's Lowered record of the fused graph."""
+    if not _checks_graph(gm, example_inputs):
+        return fused
+    if lowered.saves_memory:  # Inductor's graph would hold (and, timed, allocate) that tensor
+        log.info("backend: a fused region saves a large intermediate (a loss over a vocabulary): "
+                 "the graph keeps it without timing Inductor's")
+        return fused
+    try:
+        if plain is None:
+            with torch._guards.tracing(None):  # a compilation of its own, as PerShape's
+                plain = compile_plain()
+    except Exception as e:  # keep the fused graph: each of its regions won its own timing
+        fallback("compiling the graph without fused regions, to time it, failed", e, "the fused graph runs")
+        return fused
+    return GraphChoice(fused, plain, sum(bool(r.fused) for r in lowered.report.regions))
+
+
+class GraphChoice:
+    """A graph with fused regions and Inductor's compilation of it without them; the first
+    call times both on its arguments and keeps, for good, the fused one only where it is at
+    least 1 % faster (``GRAPH_MARGIN``). With grad on, the forward alone and the training
+    step (forward and backward, gradients returned rather than accumulated) must both win.
+    A region that wins its own timing can still cost the model: its calls add host time,
+    and Inductor can no longer fuse across it. (Timed at the first call, not at compile
+    time: a backward compiled inside Dynamo's compilation fails.)"""
+
+    def __init__(self, fused, plain, regions: int):
+        self.fused, self.plain, self.regions = fused, plain, regions
+        self.chosen = None
+
+    def __call__(self, *args):
+        if self.chosen is None:
+            self.chosen = self._choose(list(args))
+            self.fused = self.plain = None  # (the other form's code and buffers go)
+        return self.chosen(*args)
+
+    def _choose(self, args):
+        device = next(t for t in args if isinstance(t, torch.Tensor)).device
+        training = _training(args)
+        try:
+            # the random state is put back afterwards: the caller's first call draws the same
+            # numbers (dropout, say) as it would have without the timing
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                times = _time_graphs({"fused": lambda: self.fused(*args), "inductor": lambda: self.plain(*args)},
+                                     device)
+                if training:
+                    steps = _time_graphs({"fused": _step(self.fused, args), "inductor": _step(self.plain, args)},
+                                         device)
+                    times.update({f"{n} step": t for n, t in steps.items()})
+        except Exception as e:  # (Inductor's own graph compiled: it runs)
+            fallback("timing the fused graph against Inductor's failed", e, "Inductor's graph runs")
+            return self.plain
+        keep = all(times[f"fused{w}"] <= times[f"inductor{w}"] * GRAPH_MARGIN for w in ("", " step")
+                   if f"fused{w}" in times)
+        GRAPH_CHECKS.append({"regions": self.regions, "training": training,
+                             **{f"{n.replace(' ', '_')}_ms": t for n, t in times.items()},
+                             "kept": "fused" if keep else "inductor"})
+        del GRAPH_CHECKS[:-16]
+        log.info("backend: the graph with %d fused region(s) ran %s; Inductor's alone %s; keeping %s",
+                 self.regions, _times_text(times, "fused"), _times_text(times, "inductor"),
+                 "the fused graph" if keep else "Inductor's")
+        return self.fused if keep else self.plain
+
+
+def _times_text(times: dict, form: str) -> str:
+    text = f"{times[form]:.4f} ms a call"
+    return text + (f", {times[form + ' step']:.4f} ms a training step" if form + " step" in times else "")

@@ -1,0 +1,118 @@
+"""The module that runs a fused region or chain inside a captured graph: its kernel, or its
+original ops.
+
+Failures never give a wrong answer: a kernel that fails at launch, or whose first call
+disagrees with the region's own ops (``validate``), turns the region off with a
+``ComfuseWarning`` (``COMFUSE_STRICT=1`` raises); tensors a kernel cannot take (a misaligned
+TMA operand) run this call unfused. On a GPU the first call autotunes (``autotune``): the
+candidate plans and the region's ops compiled by Inductor are timed, and the fastest runs.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .. import settings as settings_mod
+from ..errors import ComfuseWarning, KernelMismatch, UnsupportedLayout, notice_once, summary
+from . import tuning
+from .launch import can_run_on
+
+
+class Fused(torch.nn.Module):
+    """Subclasses give ``kind`` ("region", "chain"), ``regions`` (as found), ``unfused`` (the
+    ops), ``report``, and ``device_of(ext)``, ``run(ext, device, check)``, ``tune(ext, device)``,
+    ``exact(ext)`` (the float64 outputs) and ``tolerance`` (their agreement tolerance)."""
+
+    kind = "region"
+
+    def __init__(self, unfused, report):
+        super().__init__()
+        self.unfused = unfused
+        self.report = report
+        self.kernel = None
+        self.failed = ""
+        self.tuned: set = set()  # devices whose choice is made
+        self.validated: set = set()  # devices where the first call was compared with the ops
+        self.prefer_unfused = False
+        self.separate = None  # the unfused ops as autotuning timed them (Inductor on a GPU)
+
+    def forward(self, *ext):
+        settings = settings_mod.get()  # (once a call: Python's time per call matters)
+        if self.failed or settings.disable:
+            return self.unfused(*ext)
+        device = self.device_of(ext)
+        why = can_run_on(device)
+        if why:
+            notice_once(f"device:{why}", f"comfuse: running unfused: {why}")
+            return self.unfused(*ext)
+        if device.type == "cpu":
+            notice_once("interpreter", "comfuse: fused kernels on CPU tensors run through Triton's "
+                        "interpreter (exact but slow); use CUDA tensors for speed")
+        try:
+            if device not in self.tuned and tuning.enabled(device, settings):
+                self.tune(ext, device)
+            if self.prefer_unfused:
+                return self.run_separate(ext)
+            outs = self.run(ext, device, check=settings.check)
+            if device not in self.tuned and device not in self.validated:
+                return self.validate(ext, device, outs)
+            return outs
+        except KernelMismatch:
+            raise
+        except UnsupportedLayout as e:  # this call only: the next may fit again
+            notice_once(f"layout:{id(self)}", f"comfuse: {self.kind} at {self.report.anchor}: {e}; "
+                        "calls with such tensors run unfused")
+            return self.unfused(*ext)
+        except Exception as e:
+            if settings.strict:
+                raise
+            self.fail(f"kernel failed: {summary(e)}")
+            return self.unfused(*ext)
+
+    def run_separate(self, ext):
+        return self.separate(*ext)
+
+    def validate(self, ext, device, outs):
+        """The first call's fused outputs against the region's own ops (COMFUSE_VALIDATE): on
+        disagreement it runs unfused from now on, and this call returns the ops' outputs."""
+        self.validated.add(device)
+        if not tuning.validating(device, self.regions):
+            return outs
+        return tuning.check_first_call(outs, lambda: self.unfused(*ext), self.tolerance,
+                                       f"{self.kind} at {self.report.anchor}", self.fail, exact=lambda: self.exact(ext))
+
+    def fail(self, reason: str) -> None:
+        self.failed = reason
+        self.report.fused, self.report.reason = False, reason
+        warnings.warn(f"comfuse: {self.kind} at {self.report.anchor} runs unfused: {reason}", ComfuseWarning,
+                      stacklevel=4)
+
+    def autotune(self, ext, device, key: str, names: list, run_fused) -> dict:
+        """The decision among ``names`` (``run_fused(i)`` runs the i-th) and the unfused ops:
+        stored on disk under ``key``, or made now (``tuning.decide``). Where the ops win they run
+        from then on (``prefer_unfused``), and the report says why."""
+        decision = tuning.load(key)
+        if not tuning.reusable(decision, names):
+            tuning.log.info("autotuning the %s at %s", self.kind, self.report.anchor)
+            self.separate, form = tuning.separate(self.unfused, ext)
+            decision = tuning.decide(names, run_fused, lambda: tuple(self.separate(*ext)), device, self.tolerance,
+                                     exact=lambda: self.exact(ext))
+            decision["separate"] = form  # (a later process runs the same form without timing it)
+            # (a misaligned operand that ruled plans out holds for this process only: the next
+            # one measures again rather than inherit the choice)
+            if not any(why.startswith("UnsupportedLayout") for why in decision["rejected"].values()):
+                tuning.store(key, decision)
+        self.tuned.add(device)
+        return decision
+
+    def keep_unfused(self, ext, decision: dict, what: str) -> None:
+        """Autotuning chose the unfused ops over ``what``: they run from now on."""
+        times = decision["times_ms"]
+        self.prefer_unfused = True
+        if self.separate is None:
+            self.separate, _ = tuning.separate(self.unfused, ext, form=decision.get("separate"))
+        fused_ms = min((t for n, t in times.items() if n != tuning.UNFUSED), default=float("inf"))
+        self.report.fused = False
+        self.report.reason = (f"autotune: the unfused ops ({decision.get('separate', 'ops')}, "
+                              f"{times[tuning.UNFUSED]:.4f} ms) beat {what} ({fused_ms:.4f} ms)")
