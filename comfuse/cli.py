@@ -116,7 +116,7 @@ def main(argv=None) -> int:
         import subprocess
 
         import comfuse
-        from .runtime.kernel import interpreting
+        from .runtime.launch import interpreting
         if args.sm90 and interpreting():  # Triton compiles for a GPU only outside interpreter mode
             env = {**os.environ, "TRITON_INTERPRET": "0"}
             return subprocess.call([sys.executable, "-m", "comfuse.cli"] + list(argv or sys.argv[1:]), env=env)

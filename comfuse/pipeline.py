@@ -26,7 +26,7 @@ from .frontend.regions import Candidate, find_chains, find_regions, merge
 from .ir import format_region
 from .planner import NotFused, candidates, plan
 from .planner.chain import attention_scale, plan_chain
-from .planner.plan import gluon_offers
+from .planner.schedules import gluon_offers
 from .report import RegionReport, Report
 from .rewrite import extract, rewrite
 from .runtime import tuning

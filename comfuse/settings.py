@@ -138,6 +138,8 @@ def override(**values: object) -> Iterator[Settings]:
         raise TypeError(f"unknown comfuse settings: {sorted(unknown)}")
     if isinstance(values.get("cache_dir"), str):  # (a path as text, as COMFUSE_CACHE_DIR gives it)
         values["cache_dir"] = Path(values["cache_dir"])
+    for name in set(values) & set(_CHOICES):  # (checked as the variable's text would be)
+        values[name] = _choice(name, f"COMFUSE_{name.upper()}", str(values[name]), "")
     saved = dict(_overrides)
     _overrides.update(values)
     try:

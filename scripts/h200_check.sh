@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One device-machine call: environment, the test suite on CUDA, the demo with timings.
-# Logs go to $OUT (the device tool brings them back); a short summary is printed last.
+# Checks on one GPU machine, in one command: the environment, the whole test suite on CUDA,
+# the demo with timings. Logs go to $OUT (env.txt, pytest.txt, demo.txt); a short summary is
+# printed last. PYTEST_ARGS: extra pytest arguments.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/comfuse-out}

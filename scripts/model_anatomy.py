@@ -1,13 +1,10 @@
-"""Where a model's time goes under comfuse's backend and under Inductor (issue 6).
+"""Where a model's time goes under comfuse's backend and under Inductor.
 
-The tenth session's first call measured the BERT-base layer (batch 32, seq 512, bf16) at
-0.964 ms under ``backend="comfuse"`` against Inductor's 0.569 ms, with one kind of region
-fused (a tile plan that won its own autotuning by 2 %). This script separates the causes:
-for each way of compiling the block, with grad off and on (the models bench calls with grad
-on, so torch.compile builds training forwards), it prints the time of a Python call (``measure``), the
-host time of one call (calls queued without synchronising), the GPU time (CUDA-graph
-replay, where capture works) and the kernels one call launches (profiler), each output
-checked against eager first.
+For each way of compiling a block (a Hugging Face model of the models suite), with grad off
+and on (the models bench calls with grad on, so torch.compile builds training forwards), it
+prints the time of a Python call (``measure``), the host time of one call (calls queued
+without synchronising), the GPU time (CUDA-graph replay, where capture works) and the
+kernels one call launches (profiler), each output checked against eager first.
 
 Tuning decisions are read from ``$COMFUSE_CACHE_DIR/tuning`` when present (seed it from an
 earlier run's ``tuning/`` folder with ``--seed DIR`` to skip the autotuning).
@@ -30,11 +27,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import comfuse  # noqa: E402,F401  (registers the backend)
 from comfuse import settings  # noqa: E402
-from comfuse.bench.timing import graphed, kernel_times, measure  # noqa: E402
 from comfuse.bench.workloads import model_program  # noqa: E402
+from comfuse.runtime.timing import graphed, kernel_times, measure  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from host_overhead import host_us  # noqa: E402
+
+def host_us(fn, calls: int = 300) -> float:
+    """Microseconds of host time per call: ``calls`` calls queued without synchronising."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -23,7 +23,26 @@ import comfuse  # noqa: E402
 from comfuse import settings  # noqa: E402
 from comfuse.bench import workloads  # noqa: E402
 from comfuse.planner import candidates, plan as make_plan  # noqa: E402
-from comfuse.runtime import aot  # noqa: E402
+from comfuse.codegen.gluon import strip  # noqa: E402
+from comfuse.runtime import aot, stages_kernel, strip_kernel  # noqa: E402
+from comfuse.runtime.build import kernel_name  # noqa: E402
+
+
+def compiled(p) -> dict:
+    """ptxas's view of one plan's kernel for sm_90: registers, stack, shared bytes, MMAs."""
+    gluon = p.schedule in ("ws_stages", "ws_strip")
+    if p.schedule == "ws_stages":  # a Gluon kernel generated from the region's stages
+        k = stages_kernel.compile_sm90(p, kernel_name(p))
+    elif p.schedule == "ws_strip":  # the hand-written Gluon template
+        sz = p.region.sizes
+        k = strip.compile_sm90(strip_kernel.config(p), M=sz.M, N=sz.N, K=sz.K)
+    if gluon:
+        ptx = k.asm.get("ptx", "")
+        info = {"asm": dict(k.asm), "shared_bytes": k.metadata.shared,
+                "wgmma": ptx.count("wgmma.mma_async"), "mma": ptx.count("mma.sync")}
+    else:
+        info = aot.compile_for_gpu(p)
+    return dict(info, **aot.resources(info["asm"]["cubin"]))
 
 
 def main() -> None:
@@ -49,12 +68,13 @@ def main() -> None:
                 continue
             for p in candidates(r.found, target="cuda"):
                 try:
-                    info = aot.compile_for_gpu(p)
-                    res = aot.resources(info["asm"]["cubin"])
+                    info = compiled(p)
                     print(f"| {name} | {'x'.join(map(str, prog.shape))} | {p.schedule} {p.mainloop} "
                           f"{p.block_m}x{p.block_n}x{p.block_k} w{p.num_warps} s{p.num_stages}"
-                          f"{' prefetch' if p.prefetch else ''} | "
-                          f"{res.get('reg', '?')} | {res.get('stack', '?')} | {info['shared_bytes']} | "
+                          f"{' prefetch' if getattr(p.form, 'prefetch', False) else ''}"
+                          f"{' persistent' if getattr(p.form, 'persistent', False) else ''}"
+                          f"{', ' + p.form.describe() if p.schedule == 'ws_stages' else ''} | "
+                          f"{info.get('reg', '?')} | {info.get('stack', '?')} | {info['shared_bytes']} | "
                           f"{info['wgmma']} | {info['mma']} |", flush=True)
                 except Exception as e:  # report and go on
                     print(f"| {name} | {'x'.join(map(str, prog.shape))} | {p.schedule}: failed "

@@ -7,7 +7,7 @@ import torch
 
 from comfuse.bench import report, runner, workloads
 from comfuse.bench.profile import parse_csv, profile_markdown, summarize as summarize_ncu
-from comfuse.bench.timing import measure, measure_rounds, summarize
+from comfuse.runtime.timing import measure, measure_rounds, summarize
 
 
 def test_summarize_median_and_quartiles():
@@ -263,7 +263,7 @@ def test_bench_suite_shapes_leave_the_sweep_out(tmp_path):
 
 
 def test_ratio_rows_take_medians_of_rounds_against_the_base(capsys):
-    from comfuse.bench.timing import print_ratio_table, ratio_rows
+    from comfuse.runtime.timing import print_ratio_table, ratio_rows
     rows = ratio_rows("8x8x8", {"gemm": [1.0, 2.0, 3.0], "fused": [2.0, 4.0, 9.0]}, "gemm")
     assert rows == [("8x8x8", "gemm", 2.0, 1.0, 3.0, 1.0), ("8x8x8", "fused", 4.0, 2.0, 9.0, 2.0)]
     print_ratio_table(rows)

@@ -14,7 +14,7 @@ import comfuse
 from comfuse.frontend.capture import capture
 from comfuse.frontend.regions import find_regions
 from comfuse.planner import plan
-from comfuse.runtime import kernel as kernel_mod
+from comfuse.runtime import build as kernel_mod
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,7 +113,7 @@ def test_generated_kernels_compile_for_sm90_with_tensor_cores():
             info = compile_for_gpu(plan(cand.region, target="cuda"))
             out["ce_split"] = {k: info[k] for k in ("wgmma", "atomics", "schedule", "tma")}
             out["ce_split"]["shared"] = info["shared_bytes"]
-        with comfuse.settings.override(mainloop="tma"):
+        with comfuse.settings.override(plan="mainloop=tma"):
             for name in ("ln_bf16", "wide_row_bf16", "gelu_tile_fp16", "col_softmax_bf16"):
                 fn, args = cases[name]
                 (cand,) = find_regions(capture(fn, args))
@@ -140,8 +140,8 @@ def test_cooperative_strip_compiles_pipelined_without_spills_at_sm90():
     scalar 2-byte loads with no cp.async pipelining and ptxas reported 255 registers and
     spills that the GPU never runs (a wrong lead followed on 2026-11-30). RMSNorm over rows
     of 1024 (8 tiles of 128, 8 warps, 4 stages): the plain strip with pointer loads must show
-    pipelined cp.async loads, and it and the overlapped strip (a tile carried across the
-    persistent loop; both mainloops) their atomics and no spills (cuobjdump: STACK 0)."""
+    pipelined cp.async loads, and it and its TMA form their atomics and no spills (cuobjdump:
+    STACK 0)."""
     script = textwrap.dedent("""
         import dataclasses, json, torch
         from comfuse.frontend.capture import capture
@@ -155,11 +155,9 @@ def test_cooperative_strip_compiles_pipelined_without_spills_at_sm90():
         args = (torch.randn(1024, 1024, dtype=bf), torch.randn(1024, 1024, dtype=bf), torch.randn(1024, dtype=bf))
         (cand,) = find_regions(capture(rms, args))
         out = {}
-        for name, mainloop, overlap in (("plain", "pointer", False), ("overlapped", "pointer", True),
-                                        ("overlapped_tma", "tma", True)):
+        for name, mainloop in (("plain", "pointer"), ("tma", "tma")):
             p = dataclasses.replace(plan(cand.region, target="cuda"), mainloop=mainloop, block_m=128,
-                                    block_n=128, block_k=64, num_warps=8, num_stages=4, tiles_n=8,
-                                    overlap=overlap)
+                                    block_n=128, block_k=64, num_warps=8, num_stages=4, tiles_n=8)
             info = compile_for_gpu(p)
             out[name] = dict(resources(info["asm"]["cubin"]), schedule=info["schedule"], wgmma=info["wgmma"],
                              atomics=info["atomics"], cp_async=info["cp_async"])
@@ -195,7 +193,7 @@ def test_cross_entropy_split_tile_reads_targets_per_row_and_does_not_spill_at_sm
         with comfuse.settings.override(schedule="split"):
             p = plan(cand.region, target="cuda")
         p = dataclasses.replace(p, block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, mainloop="tma",
-                                tiles_n=16, chunks=4, tiles_per_chunk=4, grouped=True, inline_tile=True)
+                                tiles_n=16, form=dataclasses.replace(p.form, chunks=4, tiles_per_chunk=4))
         info = compile_for_gpu(p)
         ptx = info["asm"]["ptx"]
         print(json.dumps(dict(resources(info["asm"]["cubin"]), wgmma=info["wgmma"],
@@ -222,8 +220,9 @@ def test_persistent_tile_compiles_for_sm90_with_tma_and_without_spills():
         bf = torch.bfloat16
         args = (torch.randn(1024, 512, dtype=bf), torch.randn(512, 1024, dtype=bf), torch.randn(1024, dtype=bf))
         (cand,) = find_regions(capture(lambda x, w, b: torch.relu(x @ w + b), args))
-        p = dataclasses.replace(plan(cand.region, target="cuda"), block_m=128, block_n=256, block_k=64,
-                                num_warps=8, num_stages=3, mainloop="tma", persistent=True)
+        p = plan(cand.region, target="cuda")
+        p = dataclasses.replace(p, block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3, mainloop="tma",
+                                form=dataclasses.replace(p.form, persistent=True))
         info = compile_for_gpu(p)
         print(json.dumps(dict(resources(info["asm"]["cubin"]), wgmma=info["wgmma"], tma=info["tma"],
                               k_loop=f"step %c{64}_i32" in info["asm"]["ttgir"])))

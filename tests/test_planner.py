@@ -117,20 +117,21 @@ def test_schedule_choice_and_blocks():
     p = plan(region_of(lambda x, w: torch.softmax(x @ w, -1), *x_w(N=200)), target="cuda")
     assert isinstance(p, Plan) and p.schedule == "row_in_cta" and p.block_n >= 200
     p = plan(region_of(lambda x, w: torch.softmax(x @ w, -1), *x_w(N=300)), target="cuda")
-    assert p.schedule == "cooperative" and p.tiles_n == 3 and p.exchanges == 2 and p.exchange_width == 1
+    assert p.schedule == "cooperative" and p.tiles_n == 3 and p.form.exchanges == 2 and p.form.exchange_width == 1
     p = plan(region_of(lambda x, w: torch.relu(x @ w), *x_w(N=300)), target="cuda")
     assert p.schedule == "tile" and p.block_n < 300
     p = plan(region_of(lambda x, w: torch.softmax(x @ w, 0), *x_w(M=40, N=7)), target="interpreter")
     assert p.transposed and p.block_n >= 40
 
 
-def test_rows_no_schedule_holds_are_not_fused():
+def test_rows_no_schedule_holds_are_not_fused(monkeypatch):
+    import comfuse.planner.schedules as schedules
+    monkeypatch.setattr(schedules, "ROW_BUDGET", 16 * 256)
     r = region_of(lambda x, w: torch.softmax(x @ w, -1), *x_w(N=300))
-    with settings.override(row_budget=16 * 256, schedule="row_in_cta"):
+    with settings.override(schedule="row_in_cta"):
         result = plan(r)
     assert isinstance(result, NotFused) and "wider than one program holds" in result.reason
-    with settings.override(row_budget=16 * 256):
-        result = plan(r, target="cuda", sm_count=2)  # 3 tiles per strip, 2 resident programs
+    result = plan(r, target="cuda", sm_count=2)  # 3 tiles per strip, 2 resident programs
     assert isinstance(result, NotFused) and "no schedule fits" in result.reason
     assert "more than the 2 programs" in result.reason
 
@@ -139,7 +140,7 @@ def test_moment_pairs_find_layer_norms_variance_and_nothing_else():
     """A row sum and the sum of squared deviations from the mean it defines are paired (one
     exchange for both); a variance around another centre, an unbiased (N - 1) mean, a sum of
     squares without centring, or a column reduction are not."""
-    from comfuse.planner.plan import moment_pairs
+    from comfuse.planner.reductions import moment_pairs
     F = torch.nn.functional
     ln = cse(dce(region_of(lambda x, w: F.layer_norm(x @ w, (9,)), *x_w())))
     pairs = moment_pairs(ln)
@@ -162,24 +163,31 @@ def test_moment_pairs_find_layer_norms_variance_and_nothing_else():
 
 def test_autotuning_candidates_add_persistent_plans_to_tma_tile_plans_only():
     """Beside each TMA tile plan the autotuner times the same plan on a persistent grid; no
-    reduction schedule gets one, the fused-loop split plans (measured 15-40 % slower on the
-    H200) are not candidates, and the interpreter gets no variants at all."""
-    from comfuse.planner.plan import candidates
+    reduction schedule gets one, and the interpreter gets no variants at all; COMFUSE_PLAN forces
+    the form."""
+    from comfuse.planner import candidates
     F = torch.nn.functional
     bf = torch.bfloat16
     x, w, b = torch.randn(256, 128, dtype=bf), torch.randn(128, 512, dtype=bf), torch.randn(512, dtype=bf)
     (tile,) = find_regions(capture(lambda x, w, b: F.gelu(x @ w + b), (x, w, b)))
     plans = candidates(tile.region, target="cuda")
-    persistent = [p for p in plans if p.persistent]
+    persistent = [p for p in plans if getattr(p.form, "persistent", False)]
     assert persistent and all(p.schedule == "tile" and p.mainloop == "tma" for p in persistent)
     for p in persistent:  # the same plan, one program per tile, is a candidate too
-        assert any(q == dataclasses.replace(p, persistent=False) for q in plans)
+        assert any(q == dataclasses.replace(p, form=dataclasses.replace(p.form, persistent=False)) for q in plans)
     t = torch.randint(0, 512, (256,))
     (ce,) = find_regions(capture(lambda x, w, t: F.cross_entropy(x @ w, t), (x, w, t)))
     ce_plans = candidates(ce.region, target="cuda")
-    assert ce_plans and not any((p.persistent or p.flatten) and p.schedule != "ws_split" for p in ce_plans)
+    assert ce_plans and not any(getattr(p.form, "persistent", False) for p in ce_plans)
     assert [p.schedule for p in ce_plans].count("ws_split") == 1  # (the Gluon template: persistent itself)
-    assert not any(p.persistent for p in candidates(tile.region, target="interpreter"))
-    with settings.override(persistent=True):
+    assert not any(getattr(p.form, "persistent", False) for p in candidates(tile.region, target="interpreter"))
+    with settings.override(plan="mainloop=tma,persistent=1"):
         forced = plan(tile.region, target="cuda")
-    assert forced.persistent and "persistent grid" in forced.describe()
+        assert candidates(tile.region, target="cuda") == [forced]
+    assert forced.form.persistent and "persistent grid" in forced.describe()
+    with settings.override(plan="persistent=1"):  # a pointer mainloop has no persistent form
+        refused = plan(tile.region, target="cuda")
+    assert isinstance(refused, NotFused) and "persistent" in refused.reason
+    with settings.override(plan="tail=96"):  # not a field of a tile plan
+        refused = plan(tile.region, target="cuda")
+    assert isinstance(refused, NotFused) and "tail" in refused.reason

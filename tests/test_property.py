@@ -245,7 +245,7 @@ def test_random_losses_the_terminal_template_accepts_are_what_it_computes(case):
     others are refused with the reason. (The template itself runs on the H200 only.)"""
     from test_template import lse_combine_against_reference
     from comfuse.planner import plan
-    from comfuse.planner.plan import NotFused
+    from comfuse.planner.schedules import NotFused
     PROPERTY_COUNTS["random losses (terminal template matcher)"] += 1
     M, K, N = 128, 64, 256 * (1 + case["seed"] % 3)
     bf = torch.bfloat16

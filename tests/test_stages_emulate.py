@@ -1,10 +1,12 @@
-"""The warp-specialised Gluon kernels run on the CPU (codegen/gluon/emulate.py): the generated
+"""The warp-specialised Gluon kernels run on the CPU (runtime/emulate.py): the generated
 ws_stages module's and the hand-written ws_strip template's own functions, executed over torch
 tensors, against the IR's float64 reference: the suite's row reductions in every form the
 generator writes and both residual forms of the template, B as [K, N] and as nn.Linear's
 [N, K], random epilogues, and two broken sources the emulation must catch. (The kernels
 themselves run on sm_90 GPUs only; their GPU tests are in test_gpu.py.)"""
 from __future__ import annotations
+
+import dataclasses
 
 import hypothesis.strategies as st
 import pytest
@@ -13,13 +15,14 @@ from hypothesis import given, settings as hsettings
 
 from comfuse import settings
 from comfuse.bench.workloads import SUITE
-from comfuse.codegen.gluon import emulate
 from comfuse.frontend.capture import capture
 from comfuse.frontend.regions import find_regions
 from comfuse.ir import canonical_shape
 from comfuse.planner import plan
-from comfuse.planner.plan import NotFused
-from comfuse.runtime.kernel import can_run_on
+from comfuse.planner import NotFused
+from comfuse.planner.gluon import tma_residual
+from comfuse.runtime import emulate
+from comfuse.runtime.launch import can_run_on
 from comfuse.runtime.stages_kernel import source_text
 
 from test_property import EXAMPLES, PROPERTY_COUNTS, build, loss_program, losses, programs
@@ -29,44 +32,22 @@ bf = torch.bfloat16
 # off on a machine with a GPU)
 needs_interpreter = pytest.mark.skipif(bool(can_run_on(torch.device("cpu"))),
                                        reason="the combine kernel runs on CPU tensors through Triton's interpreter")
-FORMS = {  # name -> the settings of one form of the generated kernel
-    "merged": {}, "exchange_per_stage": dict(ws_merge=False), "tail96": dict(ws_tail=96),
-    "32lanes-tail64": dict(ws_lanes=32, ws_tail=64), "res_tma": dict(ws_res_tma=True),
-    "res_tma-tail96": dict(ws_res_tma=True, ws_tail=96), "lookahead-tail96": dict(ws_lookahead=True, ws_tail=96),
-    "nothing_kept": dict(ws_keep=False), "tma_store": dict(ws_tma_store=True),
-    "row_outputs-tail96": dict(ws_row_outputs=True, ws_tail=96),
-    # (autotuning's fourth candidate where the region has a residual)
-    "res_tma-nothing_kept-tail96": dict(ws_res_tma=True, ws_keep=False, ws_tail=96),
-    "vec8-res_tma-nothing_kept-tail96": dict(ws_vec=8, ws_res_tma=True, ws_keep=False, ws_tail=96),
-    "narrow": dict(ws_narrow=True), "narrow-lookahead-tail96": dict(ws_narrow=True, ws_lookahead=True, ws_tail=96),
-    "narrow-res_tma-nothing_kept-tail96": dict(ws_narrow=True, ws_res_tma=True, ws_keep=False, ws_tail=96),
-    "exp_fma": dict(ws_exp_fma=True), "exp_fma-exchange_per_stage-tail96": dict(ws_exp_fma=True, ws_merge=False,
-                                                                                ws_tail=96),
-    # 128-wide tiles: 4 mainloop warps, 8 epilogue warps (COMFUSE_WS_TILE_N=128)
-    "tile128": dict(ws_tile_n=128), "tile128-tail96": dict(ws_tile_n=128, ws_tail=96),
-    "tile128-res_tma-nothing_kept-tail64": dict(ws_tile_n=128, ws_res_tma=True, ws_keep=False, ws_tail=64),
-    # each pass a run-time loop over its chunks (COMFUSE_WS_ROLL; strip.chunk_view's pieces)
-    "roll": dict(ws_roll=True), "roll-tail96": dict(ws_roll=True, ws_tail=96),
-    "roll-res_tma-nothing_kept-tail96": dict(ws_roll=True, ws_res_tma=True, ws_keep=False, ws_tail=96),
-    "roll-narrow": dict(ws_roll=True, ws_narrow=True), "roll-tma_store": dict(ws_roll=True, ws_tma_store=True),
-    "roll-tile128-tail96": dict(ws_roll=True, ws_tile_n=128, ws_tail=96),
-    # the last tile handed off in the B ring (COMFUSE_WS_LAST_IN_RING)
-    "last_in_ring-tail96": dict(ws_last_in_ring=True, ws_tail=96),
-    "last_in_ring-roll-tail96": dict(ws_last_in_ring=True, ws_roll=True, ws_tail=96),
+FORMS = {  # name -> one form of the generated kernel, as COMFUSE_PLAN sets it
+    "merged": "", "tail96": "tail=96", "32lanes-tail64": "lanes=32,tail=64", "res_tma": "res_tma=1",
+    "res_tma-tail96": "res_tma=1,tail=96", "nothing_kept": "keep=0",
+    # (autotuning's candidate where the region has a residual)
+    "res_tma-nothing_kept-tail96": "res_tma=1,keep=0,tail=96",
+    # each pass a run-time loop over its chunks (parts.chunk_view's pieces)
+    "roll": "roll=1", "roll-tail96": "roll=1,tail=96", "roll-res_tma-nothing_kept-tail96": "roll=1,res_tma=1,keep=0,tail=96",
+    # the last tile handed off in the B ring
+    "last_in_ring-tail96": "last_in_ring=1,tail=96", "last_in_ring-roll-tail96": "last_in_ring=1,roll=1,tail=96",
     # the last tile all the mainloop warps' (its exchanges without the epilogue partition)
-    "tail128": dict(ws_tail=128), "last_in_ring-roll-tail128": dict(ws_last_in_ring=True, ws_roll=True, ws_tail=128),
-    "res_tma-nothing_kept-tail128": dict(ws_res_tma=True, ws_keep=False, ws_tail=128),
-    # 32-row chunks (COMFUSE_WS_CHUNK=32; the mainloop warps' then 64)
-    "chunk32": dict(ws_chunk=32), "roll-chunk32": dict(ws_roll=True, ws_chunk=32),
-    "roll-chunk32-tail64": dict(ws_roll=True, ws_chunk=32, ws_tail=64),
-    "last_in_ring-roll-chunk32-tail128": dict(ws_last_in_ring=True, ws_roll=True, ws_chunk=32, ws_tail=128),
+    "tail128": "tail=128", "last_in_ring-roll-tail128": "last_in_ring=1,roll=1,tail=128",
+    "res_tma-nothing_kept-tail128": "res_tma=1,keep=0,tail=128",
     # with loops, the [M, N] inputs a chunk ahead (carried by the loop)
-    "roll-lookahead": dict(ws_roll=True, ws_lookahead=True),
-    "roll-lookahead-tail96": dict(ws_roll=True, ws_lookahead=True, ws_tail=96),
+    "roll-lookahead": "roll=1,lookahead=1", "roll-lookahead-tail96": "roll=1,lookahead=1,tail=96",
     # (the whole last tile in the ring with it: an autotuning candidate where there is a residual)
-    "last_in_ring-roll-lookahead-tail128": dict(ws_last_in_ring=True, ws_roll=True, ws_lookahead=True, ws_tail=128),
-    "last_in_ring-roll-lookahead-chunk32-tail128": dict(ws_last_in_ring=True, ws_roll=True, ws_lookahead=True,
-                                                        ws_chunk=32, ws_tail=128),
+    "last_in_ring-roll-lookahead-tail128": "last_in_ring=1,roll=1,lookahead=1,tail=128",
 }
 
 
@@ -114,8 +95,8 @@ def operands(region, seed=0):
     return a3, b3, ins
 
 
-def ws_plan(region, **overrides):
-    with settings.override(schedule="ws_stages", **overrides):
+def ws_plan(region, form: str = ""):
+    with settings.override(schedule="ws_stages", plan=form):
         return plan(region, target="cuda")
 
 
@@ -127,7 +108,10 @@ def test_the_generated_epilogue_computes_the_region(name, N, form):
     more as programs (5 at least), so that some programs hold two tiles and some one, and the
     last tile is shared where the form shares it; two launches on the same counters."""
     region = region_of(SUITE[name].fn, SUITE[name].inputs(256, 64, N, dtype=bf, device="cpu"))
-    p = ws_plan(region, **FORMS[form])
+    p = ws_plan(region, FORMS[form])
+    if "res_tma" in form and tma_residual(region) is None:  # the form needs a residual to add into the tile
+        assert isinstance(p, NotFused) and "res_tma" in p.reason, p
+        return
     assert not isinstance(p, NotFused), p.reason
     assert p.tiles_n == N // p.block_n
     for c in emulate.check(p, *operands(region), programs=max(5, p.tiles_n + 1), launches=2):
@@ -150,18 +134,24 @@ def test_log1p_and_expm1_keep_small_values_exact(name):
         assert c.ok, f"{name}: {c}"
 
 
-@pytest.mark.parametrize("prefetch", [False, True], ids=["residual_by_chunk", "residual_by_tma"])
+@pytest.mark.parametrize("residual_tma", [False, True], ids=["residual_by_chunk", "residual_by_tma"])
 @pytest.mark.parametrize("name", ["ln_postnorm", "rmsnorm", "softmax", "mblr"])
 @pytest.mark.parametrize("N", [768, 1024, 3072])
-def test_the_template_computes_the_region(name, N, prefetch):
+def test_the_template_computes_the_region(name, N, residual_tma):
     """The hand-written template (ws_strip): its residual read by the epilogue chunk by chunk
-    (RES 1) or TMA-loaded into the hand-off buffer during the mainloop (RES 2; prefetch)."""
+    (RES 1) or TMA-loaded into the hand-off buffer during the mainloop (RES 2; residual_tma)."""
     region = region_of(SUITE[name].fn, SUITE[name].inputs(256, 64, N, dtype=bf, device="cpu"))
-    with settings.override(schedule="ws_strip", prefetch=prefetch):
+    with settings.override(schedule="ws_strip"):
         p = plan(region, target="cuda")
     assert not isinstance(p, NotFused), p.reason
+    if residual_tma and p.form.template.residual is None:
+        with settings.override(schedule="ws_strip", plan="residual_tma=1"):
+            refused = plan(region, target="cuda")
+        assert isinstance(refused, NotFused) and "residual" in refused.reason
+        return
+    p = dataclasses.replace(p, form=dataclasses.replace(p.form, residual_tma=residual_tma))
     for c in emulate.check(p, *operands(region), programs=max(5, N // 256 + 1), launches=2):
-        assert c.ok, f"{name} N={N} prefetch={prefetch}: {c}"
+        assert c.ok, f"{name} N={N} residual_tma={residual_tma}: {c}"
 
 
 @needs_interpreter
@@ -207,7 +197,6 @@ def test_random_epilogues_the_generator_takes_are_what_it_computes(program, N, f
     """Random epilogues with row reductions (test_property's generator), bf16, 256 rows: the
     generator either refuses with its reason or writes a kernel whose epilogue gives the
     float64 reference."""
-    import dataclasses
     PROPERTY_COUNTS["random epilogues (ws_stages emulated)"] += 1
     program = dataclasses.replace(program, dtype=bf, M=256, K=64, N=N, axis=-1)
     fn = build(program)
@@ -218,29 +207,27 @@ def test_random_epilogues_the_generator_takes_are_what_it_computes(program, N, f
     found = find_regions(capture(fn, args))
     if len(found) != 1 or found[0].region.kind != "gemm_epilogue":
         return
-    p = ws_plan(found[0].region, **FORMS[form])
+    p = ws_plan(found[0].region, FORMS[form])
     if isinstance(p, NotFused):
-        assert p.reason.startswith(("ws_stages: ", "forced schedule 'ws_stages'")), p.reason
+        assert p.reason.startswith(("ws_stages: ", "forced schedule 'ws_stages'", "COMFUSE_PLAN")), p.reason
         return
     PROPERTY_COUNTS["random epilogues (ws_stages emulated): generated"] += 1
-    # (one program more than a strip's tiles: 128-wide tiles make twice as many)
+    # (one program more than a strip's tiles)
     for c in emulate.check(p, *operands(p.region, program.seed), programs=N // p.block_n + 1):
         assert c.ok, f"{program} {form}: {c}"
 
 
 @pytest.mark.parametrize("name", sorted(ROW_OUTPUTS))
-@pytest.mark.parametrize("form", ["merged", "tail96", "exchange_per_stage"])
-def test_per_row_outputs_with_their_setting(name, form):
-    """Per-row [M] outputs (COMFUSE_WS_ROW_OUTPUTS=1; refused without it), written by each
-    strip's first tile, beside the [M, N] one."""
+@pytest.mark.parametrize("form", ["merged", "tail96", "roll-tail96"])
+def test_per_row_outputs(name, form):
+    """Per-row [M] outputs (a training graph's saved statistics), written by each strip's
+    first tile, beside the [M, N] one."""
     fn, vectors = ROW_OUTPUTS[name]
     N = 1024
     args = (torch.randn(256, 64).to(bf), (torch.randn(64, N) / 8).to(bf), *[torch.randn(N).to(bf)] * vectors)
     region = region_of(fn, args[:2 + vectors] if vectors else args[:2])
     assert any(o.axes == frozenset("M") for o in region.outputs)
-    refused = ws_plan(region, **FORMS[form])
-    assert isinstance(refused, NotFused) and "COMFUSE_WS_ROW_OUTPUTS=1" in refused.reason
-    p = ws_plan(region, ws_row_outputs=True, **FORMS[form])
+    p = ws_plan(region, FORMS[form])
     assert not isinstance(p, NotFused), p.reason
     for c in emulate.check(p, *operands(region), programs=5, launches=2):
         assert c.ok, f"{name} {form}: {c}"
@@ -283,9 +270,9 @@ def test_the_emulation_catches_a_wrong_statistic_and_a_wrong_arrival_count():
     assert text.count("* TILES_N + tn) * BM") == 2
     (c,) = emulate.check(p, *operands(region), source=text.replace("* TILES_N + tn) * BM", "* TILES_N + 0) * BM"))
     assert not c.ok
-    shared = ws_plan(region, ws_tail=96)
+    shared = ws_plan(region, "tail=96")
     text = source_text(shared, "k")
-    assert "(BM - 96) // MC, BM // MC,\n" in text and "1, False, M, N" in text
-    broken = text.replace("1, False, M, N", "2, False, M, N")  # the mainloop warps' share
+    assert "c_lo=(BM - 96) // MC, c_hi=BM // MC, share=1," in text
+    broken = text.replace("c_hi=BM // MC, share=1,", "c_hi=BM // MC, share=2,")  # the mainloop warps' share
     with pytest.raises(RuntimeError, match="counter|did not finish"):
         emulate.run(shared, *operands(region), programs=5, source=broken, timeout=5)

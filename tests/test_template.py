@@ -12,7 +12,7 @@ from comfuse.bench.workloads import SUITE
 from comfuse.frontend.capture import capture
 from comfuse.frontend.regions import find_regions
 from comfuse.planner import plan
-from comfuse.planner.plan import NotFused, candidates
+from comfuse.planner import NotFused, candidates
 from comfuse.planner.template import fits, match, match_lse
 
 from test_codegen import run_compiler_script
@@ -78,7 +78,7 @@ def test_a_near_miss_is_not_matched():
 def test_the_planner_offers_the_template_on_cuda_only_and_at_whole_tiles():
     region = suite_region("ln_postnorm")
     ws = [p for p in candidates(region, target="cuda") if p.schedule == "ws_strip"]
-    assert [p.prefetch for p in ws] == [False, True]
+    assert [p.form.residual_tma for p in ws] == [False, True]
     assert "warp-specialised Gluon template computing LayerNorm" in ws[0].describe()
     assert ws[0].tiles_n == 4
     assert not [p for p in candidates(suite_region("ln_postnorm", M=200), target="cuda")
@@ -128,16 +128,16 @@ def test_later_calls_launch_with_the_arguments_the_jit_would_get(monkeypatch):
     ``strip.arguments`` gives the JIT. (The launch is recorded, not run: no GPU here.)"""
     from comfuse.codegen.gluon import strip
     from comfuse.runtime import strip_kernel
-    from comfuse.runtime.kernel import build
+    from comfuse.runtime.build import build
     region = suite_region("ln_postnorm", M=256, K=64, N=512)
-    (ws,) = [p for p in candidates(region, target="cuda") if p.schedule == "ws_strip" and not p.prefetch]
+    (ws,) = [p for p in candidates(region, target="cuda") if p.schedule == "ws_strip" and not p.form.residual_tma]
     kernel = build(ws)
     launched = []
     scratch = (torch.empty(strip.workspace_numel(256, 512)), torch.zeros(2, dtype=torch.int64))
 
     def bind(self, a, b, out, bias, residual, gamma, beta):  # the JIT's launch, minus the GPU
         grid, args, options = strip.arguments(strip_kernel.config(self.plan), a, b, out, bias=bias,
-                                              residual=residual, gamma=gamma, beta=beta, eps=self.plan.template.eps,
+                                              residual=residual, gamma=gamma, beta=beta, eps=self.plan.form.template.eps,
                                               ws=scratch[0], counters=scratch[1])
         statics = [None] * strip.PER_CALL + args[strip.PER_CALL:]
         return (lambda *full: launched.append(full)), statics, strip_kernel.config(self.plan)
@@ -154,7 +154,7 @@ def test_later_calls_launch_with_the_arguments_the_jit_would_get(monkeypatch):
     x, w, b, r, g, be, out = call(1)
     (got,) = launched
     _, want, _ = strip.arguments(strip_kernel.config(ws), x, w, out, bias=b, residual=r, gamma=g, beta=be,
-                                 eps=ws.template.eps, ws=scratch[0], counters=scratch[1])
+                                 eps=ws.form.template.eps, ws=scratch[0], counters=scratch[1])
     assert len(got) == len(want)
     for j, (u, v) in enumerate(zip(got, want)):
         if j < 3:  # descriptors
@@ -204,7 +204,7 @@ def test_the_terminal_kind_refuses_other_statistics(fn, why):
 def test_the_planner_offers_the_terminal_kind_for_losses_on_cuda_only():
     region = ce_region(CE_FORMS["ce_mean"])
     (p, ) = [p for p in candidates(region, target="cuda") if p.schedule == "ws_split"]
-    assert p.tiles_n == p.chunks == 4 and "no [M, N] output" in p.describe()
+    assert p.tiles_n == 4 and "no [M, N] output" in p.describe()
     with settings.override(schedule="ws_split"):
         refused = plan(region, target="interpreter")
     assert isinstance(refused, NotFused) and "interpreter" in refused.reason
@@ -218,7 +218,7 @@ def lse_combine_against_reference(p, M: int, K: int, N: int, seed: int = 1) -> N
     target where the target is a column, NaN elsewhere: never read) and compare the outputs
     with the region's float64 reference; targets outside [0, N) (ignored rows) included."""
     from comfuse.ir.interpret import canonical_shape, evaluate
-    from comfuse.runtime.kernel import build
+    from comfuse.runtime.build import build
     kernel = build(p)
     region = p.region
     gen = torch.Generator().manual_seed(seed)
@@ -241,8 +241,8 @@ def lse_combine_against_reference(p, M: int, K: int, N: int, seed: int = 1) -> N
     tiles = N // 256
     ws = torch.full(((tiles + 1) * M, ), float("nan"), dtype=torch.float32)
     ws[:tiles * M] = torch.logsumexp(v.view(M, tiles, 256), 2).t().reshape(-1).float()
-    if p.template.target is not None:
-        target = ins[p.template.target].reshape(-1)
+    if p.form.template.target is not None:
+        target = ins[p.form.template.target].reshape(-1)
         inside = ((target >= 0) & (target < N)).nonzero()[:, 0]
         ws[tiles * M + inside] = v[inside, target[inside]].float()
     outs = [torch.full(canonical_shape(region, o.axes), float("nan"), dtype=o.dtype) for o in region.outputs]

@@ -8,7 +8,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::comfuse.ComfuseWarning")
 
 import comfuse
 from comfuse import settings
-from comfuse.bench.timing import Timing
+from comfuse.runtime.timing import Timing
 from comfuse.bench.workloads import SUITE
 from comfuse.runtime import tuning
 
@@ -38,7 +38,7 @@ def test_close_contenders_are_timed_again_in_interleaved_rounds(monkeypatch):
     and plan a; b is 50 % slower) are timed again in interleaved rounds, and the rounds'
     medians decide: a first timed 2 % slower than the unfused ops wins on the rounds. The
     first times are kept in the decision."""
-    from comfuse.bench.timing import Rounds, Timing
+    from comfuse.runtime.timing import Rounds, Timing
     fake_timer(monkeypatch, [1.00, 1.02, 1.50])  # unfused, a, b
     seen = {}
 
@@ -63,7 +63,7 @@ def test_after_the_rounds_only_the_finalists_compete(monkeypatch):
     """The unfused ops' first time (0.90 ms, on a cool GPU) lost to plans a and b by more than
     the margin; the rounds then time a and b at 0.95 / 0.97 (the GPU heated): a wins. (Before
     the thirteenth session the unfused first time was compared with the rounds and won.)"""
-    from comfuse.bench.timing import Rounds, Timing
+    from comfuse.runtime.timing import Rounds, Timing
     fake_timer(monkeypatch, [0.90, 0.80, 0.82])  # unfused, a, b
 
     def measure_rounds(calls, rounds, device, **kw):
@@ -128,14 +128,14 @@ def test_a_failing_candidate_scores_inf(monkeypatch, fresh_cache):
     compiled = comfuse.compile(wl.fn, args)
     module = fused_module(compiled)
     broken = module.alternatives[0]
-    from comfuse.runtime import kernel as kernel_mod
+    from comfuse.runtime import build as kernel_mod, region as region_mod
     real_build = kernel_mod.build
 
     def build(plan):
         if plan is broken:
             raise RuntimeError("synthetic failure")
         return real_build(plan)
-    monkeypatch.setattr(kernel_mod, "build", build)
+    monkeypatch.setattr(region_mod, "build", build)
     fake_timer(monkeypatch, [1.0] + [0.2] * 10)
     out = compiled(*args)
     decision = tuning.load(tuning.key(module.region, torch.device(DEVICE)))
@@ -229,28 +229,24 @@ def _fake_inductor(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("mode, compiled, form", [("default", [False], "inductor"),
-                                                  ("max-autotune", [True], "inductor-max-autotune"),
-                                                  ("best", [False, True], "inductor")])
-def test_unfused_contender_compiles_in_the_chosen_inductor_modes(monkeypatch, mode, compiled, form):
-    """COMFUSE_UNFUSED_MODE picks how the unfused contender is compiled (the DLRM chain ran
-    0.79x of max-autotune on Inductor's default code; LayerNorm's ran faster on the
-    default's): one mode or both; a bad value is refused clearly."""
+@pytest.mark.parametrize("forms, compiled, form", [(("inductor",), [False], "inductor"),
+                                                   (("inductor-max-autotune",), [True], "inductor-max-autotune"),
+                                                   (tuple(tuning.INDUCTOR_FORMS), [False, True], "inductor")])
+def test_unfused_contender_compiles_in_the_chosen_inductor_modes(monkeypatch, forms, compiled, form):
+    """The unfused contender is compiled in each Inductor form asked for (by default both: the
+    DLRM chain ran 0.79x of max-autotune on Inductor's default code; LayerNorm's ran faster on
+    the default's)."""
     seen = _fake_inductor(monkeypatch)
     gm = torch.fx.symbolic_trace(lambda x: torch.relu(x) + 1)
-    with settings.override(unfused_mode=mode):
-        run, got = tuning.separate(gm, [torch.randn(4, 4)], on_cpu=True)
+    run, got = tuning.separate(gm, [torch.randn(4, 4)], on_cpu=True, forms=forms)
     assert got == form and seen == compiled  # (max_autotune flag of each compile, in order)
     assert torch.equal(run(torch.ones(2)), torch.full((2,), 2.0))
-    with settings.override(unfused_mode="fastest"), pytest.raises(ValueError, match="COMFUSE_UNFUSED_MODE"):
-        tuning.separate(gm, [torch.randn(4, 4)], on_cpu=True)
 
 
-def test_best_mode_keeps_the_fastest_unfused_form(monkeypatch):
+def test_the_fastest_unfused_form_is_kept(monkeypatch):
     """On a GPU every form is timed: here max-autotune's code is fastest, then a stored
-    decision compiles that form alone; a decision stored as "inductor" under the
-    max-autotune mode (before the forms had names) still means max-autotune."""
-    from comfuse.bench.timing import Timing
+    decision compiles that form alone."""
+    from comfuse.runtime.timing import Timing
     seen = _fake_inductor(monkeypatch)
     monkeypatch.setattr(tuning, "_on_gpu", lambda ext: True)
     times = iter([0.5, 0.3, 0.9])  # inductor, inductor-max-autotune, ops: in the order timed
@@ -258,16 +254,11 @@ def test_best_mode_keeps_the_fastest_unfused_form(monkeypatch):
     monkeypatch.setattr(tuning, "measure_rounds", lambda calls, rounds, device, **kw: {})  # (0.9 is not close)
     gm = torch.fx.symbolic_trace(lambda x: torch.relu(x) + 1)
     ext = [torch.randn(4, 4)]
-    with settings.override(unfused_mode="best"):
-        assert tuning.separate(gm, ext)[1] == "inductor-max-autotune"
-        assert seen == [False, True]
-        seen.clear()
-        assert tuning.separate(gm, ext, form="inductor-max-autotune")[1] == "inductor-max-autotune"
-        assert seen == [True]
+    assert tuning.separate(gm, ext)[1] == "inductor-max-autotune"
+    assert seen == [False, True]
     seen.clear()
-    with settings.override(unfused_mode="max-autotune"):
-        assert tuning.separate(gm, ext, form="inductor")[1] == "inductor-max-autotune"
-        assert seen == [True]
+    assert tuning.separate(gm, ext, form="inductor-max-autotune")[1] == "inductor-max-autotune"
+    assert seen == [True]
 
 
 def test_a_remembered_unfused_form_is_neither_compiled_nor_timed_again(monkeypatch):
@@ -354,8 +345,9 @@ def test_graph_timing_times_replays_and_falls_back_to_launches(monkeypatch):
     with settings.override(tune_timing="graph"):
         decision = tuning.decide(["a", "b"], lambda i: (torch.ones(2),), uncapturable, torch.device("cuda"))
     assert decision["timing"] == "launch" and "graph capture" in decision["timing_note"]
-    with settings.override(tune_timing="sometimes"), pytest.raises(ValueError, match="COMFUSE_TUNE_TIMING"):
-        tuning.decide(["a"], lambda i: (torch.ones(2),), run_unfused, torch.device("cuda"))
+    with pytest.raises(ValueError, match="COMFUSE_TUNE_TIMING"):
+        with settings.override(tune_timing="sometimes"):
+            tuning.decide(["a"], lambda i: (torch.ones(2),), run_unfused, torch.device("cuda"))
     region = SUITE["softmax"]
     from comfuse.frontend.capture import capture
     from comfuse.frontend.regions import find_regions
@@ -399,7 +391,7 @@ def test_a_wrong_kernel_is_caught_on_its_first_call_without_autotuning(monkeypat
     COMFUSE_STRICT=1 raises instead."""
     import torch.nn.functional as F
     from comfuse.runtime import chain as chain_mod, kernel as kernel_mod
-    from comfuse.runtime.check import KernelMismatch
+    from comfuse.errors import KernelMismatch
     torch.manual_seed(0)
     if kind == "region":
         _corrupt_first_output(monkeypatch, kernel_mod.Kernel)
@@ -446,14 +438,15 @@ def test_a_choice_shaped_by_one_calls_layout_is_not_remembered(monkeypatch, fres
     compiled = comfuse.compile(wl.fn, args)
     module = fused_module(compiled)
     picky = module.alternatives[0]
-    from comfuse.runtime import kernel as kernel_mod
-    real_run = type(module).run_kernel
+    from comfuse.errors import UnsupportedLayout
+    from comfuse.runtime.build import kernel_name
+    real_run = type(module).run
 
-    def run_kernel(self, ext, a, b, kernel=None, check=False):
-        if kernel is not None and kernel.source.name == kernel_mod.kernel_name(picky):
-            raise kernel_mod.UnsupportedLayout("TMA needs 16-byte aligned operands; this one is not")
-        return real_run(self, ext, a, b, kernel, check)
-    monkeypatch.setattr(type(module), "run_kernel", run_kernel)
+    def run(self, ext, device, kernel=None, check=False):
+        if kernel is not None and kernel.source.name == kernel_name(picky):
+            raise UnsupportedLayout("TMA needs 16-byte aligned operands; this one is not")
+        return real_run(self, ext, device, kernel, check)
+    monkeypatch.setattr(type(module), "run", run)
     fake_timer(monkeypatch, [1.0] + [0.2] * 10)
     out = compiled(*args)
     assert tuning.load(tuning.key(module.region, torch.device(DEVICE))) is None

@@ -265,3 +265,86 @@ def write(results: dict, out_dir: str | Path) -> list[Path]:
         (out / "figures-missing.txt").write_text("matplotlib is not installed: "
                                                  "pip install -e '.[bench]' for figures\n")
     return paths
+
+
+INDEX_BASELINES = ("eager", "inductor", "inductor-max-autotune")  # the index's speedup is over these
+INDEX_ORDER = ("gemm", "eager", "inductor", "inductor-max-autotune", "sdpa", "comfuse", "comfuse-backend")
+
+
+def _shapes_text(meta: dict) -> str:
+    if meta.get("shapes"):
+        return ", ".join("x".join(map(str, s)) for s in meta["shapes"])
+    if meta.get("quick"):
+        return "one shape per workload (--quick)"
+    if meta.get("suite") == "paper" and meta.get("sweep") is False:
+        return "each workload at its own shapes (--shapes suite)"
+    return "the suite's own"
+
+
+def index_section(name: str, results: dict) -> list:
+    """One folder's lines in the index: its run, then per case every candidate's median and
+    comfuse's speedup over the best of eager / torch.compile / max-autotune measured."""
+    meta, cases = results["meta"], results["cases"]
+    cols = [c for c in meta.get("candidates", []) if any(c in case["candidates"] for case in cases)]
+    cols.sort(key=lambda c: INDEX_ORDER.index(c) if c in INDEX_ORDER else len(INDEX_ORDER))
+    gpu = f"{meta.get('gpu')} ({meta.get('sm_count', '?')} SMs, driver {meta.get('driver', '?')})"
+    lines = [f"## [`{name}/`]({name}/results.md)", "",
+             f"- suite: {meta.get('suite')}; date: {meta.get('date')}; GPU: {gpu}",
+             f"- torch {meta.get('torch')}, triton {meta.get('triton')}, CUDA {meta.get('cuda')}, "
+             f"dtype {meta.get('dtype')}; shapes: {_shapes_text(meta)}; "
+             + (f"{meta['repeat']} interleaved rounds" if (meta.get("repeat") or 1) > 1 else "one round")
+             + ("; CUDA-graph replays" if meta.get("graph") else "; Python calls")]
+    if meta.get("note"):
+        lines.append(f"- run: {meta['note']}")
+    # (the ceiling, best baseline / GEMM alone, bounds a fused GEMM + epilogue or GEMM chain)
+    ceiling = meta.get("suite") in ("paper", "b2b") and any(derive(c)["ceiling_vs_best"] for c in cases)
+    lines += ["", "| workload | shape | " + " | ".join(LABELS.get(c, c) for c in cols) + " | speedup |"
+              + (" ceiling |" if ceiling else ""),
+              "|" + "---|" * (len(cols) + 3 + ceiling)]
+    speedups = []
+    for case in cases:
+        d = derive(case)
+        # over the fastest of the baselines measured: the smallest of the per-baseline speedups
+        over = [s for n, s in d["speedups"].items() if n in INDEX_BASELINES]
+        speedups.append(min(over) if over else None)
+        row = [case["workload"], "x".join(map(str, case["shape"]))]
+        row += [f"{_ms(case['candidates'].get(c)):.4f}" if _ms(case["candidates"].get(c))
+                else _fmt(case["candidates"].get(c)) for c in cols]
+        row.append(f"{speedups[-1]:.2f}x" if speedups[-1] else "-")
+        if ceiling:
+            row.append(f"{d['ceiling_vs_best']:.2f}x" if d["ceiling_vs_best"] else "-")
+        lines.append("| " + " | ".join(row) + " |")
+    g = geomean(speedups)
+    if g and len(cases) > 1:
+        lines += ["", f"Geometric mean of the speedups: {g:.2f}x"]
+    if ceiling and len(cases) > 1:
+        g = geomean(derive(c)["ceiling_vs_best"] for c in cases)
+        lines += ["", f"Geometric mean of the ceilings: {g:.2f}x"]
+    return lines
+
+
+def write_index(results_dir: str | Path) -> Path:
+    """``results_dir``/README.md: one section per ``*/results.json`` under it, newest first."""
+    root = Path(results_dir)
+    runs = [(p.parent.name, json.loads(p.read_text())) for p in root.glob("*/results.json")]
+    runs.sort(key=lambda r: (r[1]["meta"].get("date", ""), r[0]), reverse=True)
+    lines = ["# Benchmark results", "",
+             "One folder per run, `<date>-<gpu>-<suite>[-what]/`, newest first, each as `comfuse bench` "
+             "writes it: `results.json` (every candidate's times, errors against float64, the machine), "
+             "`results.md` (the tables), figures and comfuse's tuning decisions (`tuning/`) where kept. "
+             "Older runs are in git history. `docs/results.md` summarises them. This page is written by "
+             "`python -m comfuse.bench.report bench/results`.", "",
+             "Times are medians in ms. Speedup: comfuse's over the fastest of eager, torch.compile and "
+             "max-autotune measured; ceiling: the best baseline over cuBLAS's GEMM alone (the speedup of a "
+             "fused kernel exactly as fast as the GEMM).", ""]
+    for name, results in runs:
+        lines += index_section(name, results) + [""]
+    path = root / "README.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(write_index(sys.argv[1] if len(sys.argv) > 1 else "bench/results"))

@@ -22,6 +22,7 @@ import torch
 
 from .. import settings
 from ..planner import SCHEDULES
+from ..runtime import tuning
 from ..runtime.check import compare, tolerance
 from . import workloads
 from .env import ceilings, environment
@@ -275,7 +276,7 @@ def run(suite: str = "all", quick: bool = False, out_dir: str | Path = "bench/re
         results["meta"].update(suite=suite, quick=quick, dtype=dtype, candidates=list(candidates),
                                repeat=repeat, graph=graph, workloads=list(only or []),
                                shapes=[list(x) for x in shapes or []], sweep=sweep,
-                               unfused_mode=settings.get().unfused_mode)
+                               unfused_forms=list(tuning.INDUCTOR_FORMS))
     tune_timing = _tune_timing(graph, device)
     results["meta"]["tune_timing"] = tune_timing
     done = {(c["workload"], tuple(c["shape"])) for c in results["cases"]}

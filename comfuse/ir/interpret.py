@@ -19,14 +19,14 @@ from .nodes import Op, Region
 
 _DIM = {"B": 0, "M": 1, "N": 2}
 
-_UNARY = {
+UNARY_FNS = {
     Op.NEG: torch.neg, Op.ABS: torch.abs, Op.EXP: torch.exp, Op.EXPM1: torch.expm1,
     Op.LOG: torch.log, Op.LOG1P: torch.log1p, Op.SQRT: torch.sqrt, Op.RSQRT: torch.rsqrt,
     Op.RECIPROCAL: torch.reciprocal, Op.TANH: torch.tanh, Op.SIGMOID: torch.sigmoid,
     Op.ERF: torch.erf, Op.RELU: torch.relu, Op.SIN: torch.sin, Op.COS: torch.cos,
     Op.NOT: torch.logical_not,
 }
-_BINARY = {
+BINARY_FNS = {
     Op.ADD: torch.add, Op.SUB: torch.sub, Op.MUL: torch.mul, Op.DIV: torch.true_divide,
     Op.MAX: torch.maximum, Op.MIN: torch.minimum, Op.EQ: torch.eq, Op.NE: torch.ne,
     Op.LT: torch.lt, Op.LE: torch.le, Op.GT: torch.gt, Op.GE: torch.ge,
@@ -43,7 +43,7 @@ def evaluate(region: Region, a: torch.Tensor, b: torch.Tensor, inputs: Sequence[
              compute_dtype: torch.dtype | None = torch.float64) -> list[torch.Tensor]:
     """Evaluate ``region`` on operands ``a`` ([B?, M, K]), ``b`` ([B?, K, N]) and side
     inputs in canonical 3-D layout; return the outputs in canonical 3-D layout."""
-    return _run(region, a, b, inputs, compute_dtype)[0]
+    return run_nodes(region, a, b, inputs, compute_dtype)[0]
 
 
 def evaluate_with_scale(region: Region, a: torch.Tensor, b: torch.Tensor,
@@ -53,7 +53,7 @@ def evaluate_with_scale(region: Region, a: torch.Tensor, b: torch.Tensor,
     off by about u * scale, so ``|out - ref| / scale`` measures its error even where the
     result cancels to near zero (a sum of normalised values) or the problem is
     ill-conditioned (LayerNorm of a nearly constant row)."""
-    return _run(region, a, b, inputs, torch.float64, with_scale=True)
+    return run_nodes(region, a, b, inputs, torch.float64, with_scale=True)
 
 
 _U = 2.0 ** -24  # fp32's unit roundoff: converts a squared error back into scale units
@@ -97,7 +97,7 @@ def _scale(op: Op, node, x: list, sx: list, v: torch.Tensor) -> torch.Tensor:
     return slope.abs() * sx[0] + av
 
 
-def _run(region: Region, a, b, inputs, compute_dtype, with_scale: bool = False, shifts=None,
+def run_nodes(region: Region, a, b, inputs, compute_dtype, with_scale: bool = False, shifts=None,
          iota_offset: int = 0, gemm_dtype=None, acc=None):
     """``gemm_dtype``: multiply in this dtype (e.g. bf16 on tensor cores) and convert the
     product to the compute dtype, instead of multiplying in the compute dtype. ``acc``:
@@ -145,10 +145,10 @@ def _run(region: Region, a, b, inputs, compute_dtype, with_scale: bool = False, 
                 v = x[0].to(target)
         elif op is Op.POW:
             v = torch.pow(x[0], node.arg)
-        elif op in _UNARY:
-            v = _UNARY[op](x[0])
-        elif op in _BINARY:
-            v = _BINARY[op](x[0], x[1])
+        elif op in UNARY_FNS:
+            v = UNARY_FNS[op](x[0])
+        elif op in BINARY_FNS:
+            v = BINARY_FNS[op](x[0], x[1])
         elif op is Op.WHERE:
             v = torch.where(x[0], x[1], x[2])
         elif op is Op.SUM:

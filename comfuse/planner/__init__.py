@@ -2,7 +2,7 @@
 choice of schedule, tile and form, and the search space autotuning times).
 
 Modules, in the order a region goes through them: ``passes`` (dce, cse, transpose),
-``reductions``, ``stages`` (the Stage-Stream partition), ``plan`` (the pipeline and the Triton
+``reductions``, ``stages`` (the Stage-Stream partition), ``schedules`` (the pass pipeline ``plan`` and the Triton
 schedules), ``gluon`` (the warp-specialised schedules), ``records`` (Plan, its forms,
 NotFused), ``candidates`` (the search space), ``chain`` (back-to-back GEMM chains),
 ``onepass`` and ``template`` (the forms the split and template schedules read a region in).
@@ -13,7 +13,7 @@ is in row form, so reductions run along N only; nothing here imports code genera
 from .candidates import candidates
 from .gluon import GLUON_SCHEDULES
 from .passes import cse, dce, one_hot_counts, transpose
-from .plan import SCHEDULES, plan
+from .schedules import SCHEDULES, plan
 from .records import NotFused, Plan
 from .reductions import reduction_axis
 from .stages import Stage, levels, partition

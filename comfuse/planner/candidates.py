@@ -14,7 +14,7 @@ import dataclasses
 from .. import settings as settings_mod
 from ..ir import Region
 from .gluon import GLUON_SCHEDULES, lse_template_plan, stages_template_plan, strip_template_plan, tma_residual
-from .plan import SCHEDULES, cdiv, plan, split_form, tma_blocker, triton_plan, why_not_schedule
+from .schedules import SCHEDULES, cdiv, plan, split_form, tma_blocker, triton_plan, why_not_schedule
 from .records import NotFused, Plan
 
 # tile shapes timed beside the planner's own, (BLOCK_M, BLOCK_N, BLOCK_K, warps) with 3 pipeline

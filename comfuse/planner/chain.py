@@ -30,7 +30,7 @@ import dataclasses
 from ..ir import Op, Region, verify
 from . import passes
 from .onepass import NotOnePass, one_pass
-from .plan import pow2
+from .schedules import pow2
 from .records import NotFused
 from .stages import Stage, partition
 

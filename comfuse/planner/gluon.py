@@ -163,8 +163,6 @@ def why_not_stages_form(region: Region, form: StagesForm) -> str:
         return "lookahead: loads a chunk ahead inside a pass's loop (roll)"
     if form.last_in_ring and (not form.tail or form.res_tma):
         return "last_in_ring: the last tile in the B ring is a shared last tile's form (tail), without res_tma"
-    if not form.keep and not form.moments:
-        return "keep=False: only merged exchanges keep a value in the buffer"
     return ""
 
 

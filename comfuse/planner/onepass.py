@@ -25,6 +25,7 @@ import dataclasses
 import torch
 
 from ..ir import ELEMENTWISE, LEAF, REDUCE, Node, Op, Output, Region
+from ..ir.interpret import BINARY_FNS, UNARY_FNS, run_nodes
 from .passes import one_hot
 
 F32 = torch.float32
@@ -392,11 +393,10 @@ def one_pass(region: Region, link: int | None = None) -> OnePass:
 def evaluate_one_pass(op: OnePass, a, b, inputs) -> list:
     """Reference semantics of the one-pass form, in float64: the statistics as whole-row
     reductions, then the combine step. Equal to evaluating the original region."""
-    from ..ir.interpret import _run
     tile = op.tile.replace(outputs=tuple(Output(st.node, torch.float64, op.tile.nodes[st.node].axes)
                                          for st in op.stats) or op.tile.outputs)
     shifts = {i: st.node for i, st in enumerate(op.stats) if st.kind == "shift"}
-    values = _run(tile, a, b, inputs, torch.float64, shifts=shifts)[0] if op.stats else []
+    values = run_nodes(tile, a, b, inputs, torch.float64, shifts=shifts)[0] if op.stats else []
     merged = {}
     for i, (st, v) in enumerate(zip(op.stats, values)):
         v = v.double()
@@ -420,7 +420,6 @@ def evaluate_one_pass(op: OnePass, a, b, inputs) -> list:
 def evaluate_combine(op: OnePass, merged: dict, inputs, device) -> list:
     """The combine step on merged statistics ({(index, part): [B, M, 1] tensor}); plain torch
     ops, so autograd can run through it (the chunked backward does)."""
-    from ..ir.interpret import _BINARY, _UNARY
     vals = []
     for node in op.combine:
         x = [vals[s] for s in node.src]
@@ -430,10 +429,10 @@ def evaluate_combine(op: OnePass, merged: dict, inputs, device) -> list:
             v = torch.tensor(node.arg, device=device)
         elif node.op is Op.INPUT:
             v = inputs[node.arg]
-        elif node.op in _UNARY:
-            v = _UNARY[node.op](x[0])
-        elif node.op in _BINARY:
-            v = _BINARY[node.op](x[0], x[1])
+        elif node.op in UNARY_FNS:
+            v = UNARY_FNS[node.op](x[0])
+        elif node.op in BINARY_FNS:
+            v = BINARY_FNS[node.op](x[0], x[1])
         elif node.op is Op.WHERE:
             v = torch.where(x[0], x[1], x[2])
         elif node.op is Op.POW:

@@ -72,10 +72,6 @@ def compare(out: torch.Tensor, ref: torch.Tensor, tol: float | None = None,
     return Comparison(err <= tol, err, tol)
 
 
-class KernelMismatch(AssertionError):
-    """A generated kernel disagreed with the IR's reference interpreter (COMFUSE_CHECK=1)."""
-
-
 def region_tolerance(region) -> float:
     """The loosest tolerance among the region's outputs (kernels compute in fp32 and
     round only when they store)."""

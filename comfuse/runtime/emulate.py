@@ -42,8 +42,8 @@ def run(plan, a3: torch.Tensor, b3: torch.Tensor, ins, outs=None, programs: int 
     unbatched. Each of the persistent grid's ``programs`` programs (at least a strip's tiles,
     which must be resident at once) is a thread, and each program's two partitions are threads.
     The kernel function, its partitions and its per-tile function are the module's own; the
-    mainloop partition and the residual's TMA load are stand-ins (emulate_gluon.module_env). Returns the
-    outputs in canonical 3-D layout (written into ``outs`` when given). ``launches``: how many
+    mainloop partition and the residual's TMA load are stand-ins (emulate_gluon.module_env).
+    Returns the outputs in canonical 3-D layout (written into ``outs`` when given). ``launches``: how many
     times to run it with the same counters (they only grow; each strip's is checked after each
     launch); ``timeout``: seconds a launch may take before it is taken to wait forever;
     ``source``: a ws_stages module's text in place of the plan's (tests of the emulation)."""
@@ -58,9 +58,9 @@ def run(plan, a3: torch.Tensor, b3: torch.Tensor, ins, outs=None, programs: int 
     em = Emulation()
     kernel, args, options, counters, arrivals, finish = builders[plan.schedule](plan, em, a3, b3, ins, outs, name,
                                                                                 source)
-    for launch in range(launches):
+    for n in range(launches):
         launch(em, kernel, args, options, programs, timeout)
-        expected = (launch + 1) * arrivals
+        expected = (n + 1) * arrivals
         if any(int(c) != expected for c in counters):
             raise RuntimeError(f"emulate.run: the strips' counters are {counters.tolist()}, not {expected} each")
         if finish is not None:

@@ -18,7 +18,7 @@ Peak extra memory is a few [M, slice] tensors instead of [M, N] (a slice holds u
 themselves: each slice's gradient is written into a buffer of B's layout, never padded to
 the full width. The GEMMs run in the operands' dtype on cuBLAS (as eager's do; in fp32 they
 took 20x longer); the rest runs in fp32 with the IR's reference semantics, on CUDA through
-``torch.compile`` (a few fused kernels per slice; COMFUSE_GRAD_COMPILE), else as plain
+``torch.compile`` (a few fused kernels per slice), else as plain
 torch operations.
 """
 from __future__ import annotations
@@ -27,8 +27,7 @@ import dataclasses
 
 import torch
 
-from .. import settings as settings_mod
-from ..ir.interpret import _run
+from ..ir.interpret import run_nodes
 from ..ir.nodes import Output
 from ..planner.onepass import OnePass, evaluate_combine
 from ..planner.onepass import parts as parts_of
@@ -72,7 +71,7 @@ def _piece_values(op: OnePass, a3, b_piece, in_pieces, n0: int, n1: int, acc=Non
     slice's GEMM product ``acc``, fp32)."""
     piece, shifts = _piece(op, n1 - n0)
     low = None if acc is not None else _gemm_dtype(a3, b_piece)
-    return _run(piece, a3, b_piece, in_pieces, torch.float32, gemm_dtype=low,
+    return run_nodes(piece, a3, b_piece, in_pieces, torch.float32, gemm_dtype=low,
                 shifts=shifts, iota_offset=n0, acc=acc)[0]
 
 
@@ -137,11 +136,11 @@ def _parts(kind: str) -> tuple:
     return ("mean", "m2") if kind == "moments" else ("",)
 
 
+COMPILE_ON = ("cuda",)  # devices whose slices run through torch.compile (plain ops elsewhere: one kernel each)
+
+
 def _compile_wanted(device: torch.device) -> bool:
-    mode = settings_mod.get().grad_compile
-    if mode not in ("auto", "0", "1"):
-        raise ValueError(f"COMFUSE_GRAD_COMPILE={mode!r}: choose auto, 0 or 1")
-    return mode == "1" or (mode == "auto" and device.type == "cuda")
+    return device.type in COMPILE_ON
 
 
 _SURROGATES: dict = {}  # (id(op), width, idle, compiled, wanted) -> (op, function)
@@ -169,7 +168,7 @@ def _surrogate_fn(op: OnePass, width: int, idle: frozenset, compiled: bool, want
     def scalar(product, grad_pieces, fixed_pieces, g_list, m_list, counts, offset):
         taken, kept = iter(grad_pieces), iter(fixed_pieces)
         in_pieces = [next(taken) if w else next(kept) for w in wanted]
-        values = _run(piece, None, None, in_pieces, torch.float32, shifts=shifts, iota_offset=offset,
+        values = run_nodes(piece, None, None, in_pieces, torch.float32, shifts=shifts, iota_offset=offset,
                       acc=product.float())[0]
         total, j = product.new_zeros((), dtype=torch.float32), 0  # (zero gradients if nothing is live)
         for i, (kind, v) in enumerate(zip(kinds, values)):

@@ -10,7 +10,8 @@ import torch
 from ..ir import canonical_shape, evaluate, evaluate_with_scale
 from . import onepass_grad, tuning
 from .build import build, kernel_name
-from .check import KernelMismatch, agreement_tolerance, compare, region_tolerance
+from ..errors import KernelMismatch
+from .check import agreement_tolerance, compare, region_tolerance
 from .fused import Fused
 from .operands import Views, operand3, prepare
 

@@ -142,10 +142,20 @@ class StagesKernel:
             raise UnsupportedLayout(f"ws_stages: a strip of {N // self.plan.block_n} tiles cannot be resident at once")
         args = self.arguments(tensors, ws, counters)
         grid = (min(sm_count(dev), (M // parts.BM) * (N // self.plan.block_n)), )
-        fresh = len(tensors) + (self.residual is not None)  # each call's own: the tensors and descriptors
-        descs = [*args[:2], *args[len(tensors):len(tensors) + len(self._descriptors) - 2]]
-        fields = [{k: v for k, v in vars(d).items() if k != "base"} for d in descs]
-        return (*launch_direct(self.fn, grid, args, options(self.plan, N), set(range(fresh))), fresh, fields)
+        fresh = self.fresh(tensors)
+        return (*launch_direct(self.fn, grid, args, options(self.plan, N), set(range(fresh))), fresh,
+                self.descriptor_fields(args, len(tensors)))
+
+    def fresh(self, tensors) -> int:
+        """How many of the arguments are each call's own: the tensors and the descriptors."""
+        return len(tensors) + (self.residual is not None)
+
+    def descriptor_fields(self, args, tensors: int) -> list:
+        """Each TMA descriptor's fields in ``args`` (``arguments``' list for ``tensors``
+        tensors), less its base: what ``launch`` builds a call's descriptors from (no tensor
+        kept alive between calls)."""
+        descs = [*args[:2], *args[tensors:tensors + len(self._descriptors) - 2]]
+        return [{k: v for k, v in vars(d).items() if k != "base"} for d in descs]
 
 
 def build(plan: Plan, name: str) -> StagesKernel:
