@@ -220,6 +220,9 @@ def _static(example_inputs) -> tuple:
     return tuple(out)
 
 
+REPORTS: list = []  # the reports of the last graphs lowered, newest last (for inspection, like GRAPH_CHECKS)
+
+
 @dataclasses.dataclass
 class Lowered:
     """What ``lower`` made of a graph: ``gm``, the aten graph with every fused region replaced
@@ -235,6 +238,8 @@ def lower(gm: fx.GraphModule, example_inputs, disabled_kinds=frozenset(), warm: 
     """``gm`` through the pipeline, each fused region then replaced by a ``comfuse::region``
     call. ``warm``: run the regions once now even where autotuning is off (``_tune_now``)."""
     fused, report = compile_graph(gm, _static(example_inputs), execute=False, disabled_kinds=disabled_kinds)
+    REPORTS.append(report)
+    del REPORTS[:-16]
     if fused is None:
         return Lowered(None, report)
     graph = fused.graph

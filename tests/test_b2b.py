@@ -110,7 +110,7 @@ def test_every_chain_candidate_matches_the_reference(monkeypatch, case):
     K, chunks and K steps in one loop, later GEMMs padded to 64 columns) run through the interpreter."""
     from comfuse.planner import chain as planner_chain
     from comfuse.planner.chain import chain_candidates
-    from comfuse.runtime import compiled as compiled_mod
+    from comfuse import pipeline
     from comfuse.runtime.chain import build_chain
     if case == "attention":
         fn, args = _attention, (randn(2, 3, 5, 16), randn(2, 3, 20, 16), randn(2, 3, 20, 16))
@@ -118,9 +118,8 @@ def test_every_chain_candidate_matches_the_reference(monkeypatch, case):
         fn, args = dlrm, (randn(40, 80), weight(80, 72), weight(72, 24), weight(24, 16))
     else:
         real = planner_chain.plan_chain
-        monkeypatch.setattr(compiled_mod, "plan_chain",
-                            lambda regions, links, writes, target, settings=None: real(
-                                regions, links, writes, "cuda", settings))
+        monkeypatch.setattr(pipeline, "plan_chain", lambda regions, links, writes, target: real(
+            regions, links, writes, "cuda"))
         fn, args = dlrm, (randn(130, 96), weight(96, 300), weight(300, 40), weight(40, 24))
     compiled, _ = run(fn, args)
     chain = next(m for m in next(iter(compiled._specs.values())).gm.modules()
@@ -140,17 +139,17 @@ def test_every_chain_candidate_matches_the_reference(monkeypatch, case):
     ext = seen[-1]
     for plan in plans:
         chain.kernel = build_chain(plan)
-        (out,) = chain.run(ext, ext[chain.a_ext], check=False)
+        (out,) = chain.run(ext, ext[chain.a_ext].device, check=False)
         assert_matches_reference(fn, args, out)
 
 
 def _gpu_chain_plan(monkeypatch, args):
     """The chain plan a GPU would get for ``dlrm`` on ``args`` (planned, not run)."""
     from comfuse.planner import chain as planner_chain
-    from comfuse.runtime import compiled as compiled_mod
+    from comfuse import pipeline
     real = planner_chain.plan_chain
-    monkeypatch.setattr(compiled_mod, "plan_chain", lambda regions, links, writes, target, settings=None: real(
-        regions, links, writes, "cuda", settings))
+    monkeypatch.setattr(pipeline, "plan_chain", lambda regions, links, writes, target: real(regions, links, writes,
+                                                                                            "cuda"))
     (r,) = comfuse.explain(dlrm, args).regions
     assert r.kind == "b2b" and r.fused, r.reason
     return r.planned

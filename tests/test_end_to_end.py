@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import comfuse
 from comfuse import settings
 from comfuse.bench.workloads import SUITE
-from comfuse.runtime import kernel as kernel_mod
+from comfuse.runtime import build as build_mod, kernel as kernel_mod, region as region_mod
 
 from helpers import DEVICE, as_tuple, assert_matches_reference, randn, weight
 
@@ -142,9 +142,10 @@ def test_keyword_arguments_and_signature():
 
 
 def test_compilation_failure_falls_back_with_a_warning(monkeypatch):
+    from comfuse import pipeline
     def boom(plan):
         raise RuntimeError("synthetic code generator failure")
-    monkeypatch.setattr(kernel_mod, "build", boom)
+    monkeypatch.setattr(pipeline, "build", boom)
     fn = SUITE["softmax"].fn
     args = SUITE["softmax"].inputs(8, 16, 24, device=DEVICE)
     with pytest.warns(comfuse.ComfuseWarning, match="synthetic code generator failure"):
@@ -200,10 +201,12 @@ def test_unsupported_graphs_run_unfused_with_a_reason():
         torch.testing.assert_close(out, fn(*args))
 
 
-def test_rows_wider_than_budget_run_unfused_and_say_why():
+def test_rows_wider_than_budget_run_unfused_and_say_why(monkeypatch):
+    import comfuse.planner.schedules as schedules
+    monkeypatch.setattr(schedules, "ROW_BUDGET", 16 * 256)
     fn = SUITE["softmax"].fn
     args = SUITE["softmax"].inputs(8, 16, 300, device=DEVICE)
-    with settings.override(row_budget=16 * 256, schedule="row_in_cta"):
+    with settings.override(schedule="row_in_cta"):
         compiled, out = compile_and_run(fn, args)
     (r,) = compiled.report.regions
     assert not r.fused and "wider than one program holds" in r.reason
@@ -220,16 +223,20 @@ def test_disable_setting_runs_everything_unfused():
 
 def test_every_environment_variable_reaches_the_settings_when_it_changes(monkeypatch):
     """settings.get() remembers its result per snapshot of the variables it reads: each one
-    _read takes must be in that snapshot, or a change after the first call goes unseen (the
-    ws_stages forms' seven variables were missing until the nineteenth session)."""
+    _read takes must be in that snapshot, or a change after the first call goes unseen; a bad
+    value is refused with the variable's name."""
     import inspect
     import re
     read = set(re.findall(r'"(COMFUSE_[A-Z0-9_]+)"', inspect.getsource(settings._read)))
-    assert read and read <= set(settings._ENV_NAMES), sorted(read - set(settings._ENV_NAMES))
-    monkeypatch.setenv("COMFUSE_WS_VEC", "8")
-    assert settings.get().ws_vec == 8
-    monkeypatch.setenv("COMFUSE_WS_VEC", "0")
-    assert settings.get().ws_vec == 0
+    assert read and read <= set(settings._ENV), sorted(read - set(settings._ENV))
+    assert len(read) == len(settings.FIELDS)  # (one variable a setting)
+    monkeypatch.setenv("COMFUSE_FUEL", "3")
+    assert settings.get().fuel == 3
+    monkeypatch.setenv("COMFUSE_FUEL", "4")
+    assert settings.get().fuel == 4
+    monkeypatch.setenv("COMFUSE_AUTOTUNE", "sometimes")
+    with pytest.raises(ValueError, match="COMFUSE_AUTOTUNE"):
+        settings.get()
 
 
 def test_fuel_caps_the_number_of_fused_regions():
@@ -254,7 +261,7 @@ def test_fused_regions_lists_what_runs():
     assert region.plan.schedule == compiled.report.regions[0].schedule
     compiled(*args)
     # (kernels are shared by name: one built for an equal plan found another way may serve it)
-    assert kernel_mod.kernel_name(region.kernel.plan) == kernel_mod.kernel_name(region.plan)
+    assert build_mod.kernel_name(region.kernel.plan) == build_mod.kernel_name(region.plan)
     assert comfuse.compile(lambda x: x + 1, (randn(3), )).fused_regions() == []
 
 
@@ -262,7 +269,7 @@ def test_fused_regions_lists_what_runs():
 def test_tma_mainloop_matches_reference(name):
     wl = SUITE[name]
     args = wl.inputs(40, 24, 96, dtype=torch.bfloat16, device=DEVICE)
-    with settings.override(mainloop="tma"):
+    with settings.override(plan="mainloop=tma"):
         compiled, out = compile_and_run(wl.fn, args)
     (r,) = compiled.report.regions
     assert r.fused and "tma mainloop" in r.plan, str(compiled.report)
@@ -276,7 +283,7 @@ def test_side_inputs_loaded_before_the_mainloop_match_reference(schedule):
         args = (randn(40, 24), weight(24, 96), randn(40, 96))
     else:
         fn, args = SUITE["ln_postnorm"].fn, SUITE["ln_postnorm"].inputs(40, 24, 96, device=DEVICE)
-    with settings.override(prefetch=True, schedule=schedule):
+    with settings.override(plan="prefetch=1", schedule=schedule):
         compiled, out = compile_and_run(fn, args)
     (r,) = compiled.report.regions
     assert r.fused and r.schedule == schedule and "before the mainloop" in r.plan, str(compiled.report)
@@ -288,7 +295,7 @@ def test_side_inputs_loaded_before_the_mainloop_match_reference(schedule):
 @pytest.mark.parametrize("mainloop", ["tma", "pointer"])
 @pytest.mark.parametrize("case", ["gelu_bias_residual", "linear_bf16", "batched"])
 def test_persistent_tile_plans_match_reference(case, mainloop):
-    """COMFUSE_PERSISTENT=1: a grid of at most one program per SM (three under the
+    """The persistent tile form: a grid of at most one program per SM (three under the
     interpreter), each walking tiles pid, pid + PROGRAMS, ... with its tile and K loops
     fused; rows and columns not whole tiles, several tiles per program."""
     if case == "gelu_bias_residual":
@@ -302,7 +309,7 @@ def test_persistent_tile_plans_match_reference(case, mainloop):
             pytest.skip("batched GEMMs use pointer loads")
         fn = lambda x, w: torch.sigmoid(torch.bmm(x, w))  # noqa: E731
         args = (randn(3, 40, 24), randn(3, 24, 72))
-    with settings.override(persistent=True, mainloop=mainloop, schedule="tile"):
+    with settings.override(plan=f"persistent=1,mainloop={mainloop}", schedule="tile"):
         compiled, out = compile_and_run(fn, args)
     (r,) = compiled.report.regions
     assert r.fused and "persistent grid" in r.plan, str(compiled.report)
@@ -314,7 +321,7 @@ def test_tma_mainloop_with_transposed_weight_and_column_strip():
     lin = lambda x, W, b: F.gelu(F.linear(x, W, b))  # noqa: E731  (W is read K-major)
     col = lambda x, w: torch.softmax(x @ w, 0)  # noqa: E731  (run transposed)
     for fn, args in [(lin, (randn(37, 24), randn(40, 24), randn(40))), (col, (randn(48, 24), weight(24, 40)))]:
-        with settings.override(mainloop="tma"):
+        with settings.override(plan="mainloop=tma"):
             compiled, out = compile_and_run(fn, args)
         assert "tma mainloop" in compiled.report.regions[0].plan
         assert_matches_reference(fn, args, out)
@@ -322,7 +329,7 @@ def test_tma_mainloop_with_transposed_weight_and_column_strip():
 
 def test_tma_needs_aligned_rows():
     args = (randn(8, 16, dtype=torch.bfloat16), weight(16, 50, dtype=torch.bfloat16))  # 100-byte rows
-    with settings.override(mainloop="tma"):
+    with settings.override(plan="mainloop=tma"):
         report = comfuse.explain(SUITE["softmax"].fn, args)
     assert not report.regions[0].fused and "16-byte aligned" in report.regions[0].reason
 
@@ -333,7 +340,7 @@ def test_a_misaligned_call_runs_unfused_and_the_next_aligned_call_is_fused_again
     ops (a notice says so) and the region stays fused for the calls after it."""
     fn = SUITE["rmsnorm"].fn
     args = SUITE["rmsnorm"].inputs(32, 16, 64, device=DEVICE)
-    with settings.override(mainloop="tma"):
+    with settings.override(plan="mainloop=tma"):
         compiled, out = compile_and_run(fn, args)
         x = torch.randn(32 * 16 + 1, device=DEVICE, dtype=args[0].dtype)[1:].view(32, 16)  # 2 bytes off
         with pytest.warns(comfuse.ComfuseWarning, match="16-byte aligned"):
@@ -375,11 +382,10 @@ def test_split_schedule_for_per_row_outputs(name, dtype):
 def test_split_kernel_statistics_match_the_torch_pass(monkeypatch, name):
     """The backward of a split region takes its per-row statistics from the fused kernel's
     workspace (``merge_slices``); they equal the first pass over slices in torch."""
-    from comfuse.runtime import compiled as compiled_mod
     from comfuse.runtime import onepass_grad
     seen = {}
-    real = compiled_mod.FusedRegion.forward
-    monkeypatch.setattr(compiled_mod.FusedRegion, "forward",
+    real = region_mod.FusedRegion.forward
+    monkeypatch.setattr(region_mod.FusedRegion, "forward",
                         lambda self, *ext: seen.setdefault("call", (self, ext)) and real(self, *ext))
     fn = SPLIT_CASES[name]
     args = (randn(40, 24), weight(24, 96), torch.randint(0, 96, (40,), device=DEVICE))
@@ -387,7 +393,7 @@ def test_split_kernel_statistics_match_the_torch_pass(monkeypatch, name):
         comfuse.compile(fn, args)(*args)
         module, ext = seen["call"]
         fused = module.split_statistics(ext)
-    op = module.plan.onepass
+    op = module.plan.form.onepass
     a3, b3, ins = module.canonical(ext)
     torch_pass = [None] * len(op.stats)
     for n0 in range(0, 96, 32):
@@ -400,23 +406,17 @@ def test_split_kernel_statistics_match_the_torch_pass(monkeypatch, name):
 
 
 @pytest.mark.filterwarnings("ignore::comfuse.ComfuseWarning")
-@pytest.mark.parametrize("per,grouped,tile", [(1, True, "inlined"), (1, False, "function"), (2, True, "function"),
-                                              (3, False, "inlined"), (3, True, "loops fused")])
+@pytest.mark.parametrize("per", [1, 2, 3])
 @pytest.mark.parametrize("name", ["ce_none_ignore", "var_mean_offset"])
 @pytest.mark.parametrize("N", [100, 96], ids=["N100", "N96"])
-def test_split_slices_and_program_orders_agree(monkeypatch, name, per, grouped, tile, N):
-    """Every split variant the autotuner may time (tiles per slice, slice-fastest or grouped
-    order of the programs, the tile's work inlined with the statistics in registers or a
-    function of its own keeping them in the workspace, the slice and K loops fused) gives the planned kernel's outputs, and both match the reference,
-    also where N is whole tiles but the slices pad past the last one (no column masks then
-    would read past N)."""
+def test_split_slices_agree(monkeypatch, name, per, N):
+    """Every split variant the autotuner may time (tiles per slice, groups of 2 row blocks)
+    gives the planned kernel's outputs, and both match the reference, also where N is whole
+    tiles but the slices pad past the last one (no column masks then would read past N)."""
     import dataclasses
-
-    from comfuse.runtime import compiled as compiled_mod
-    from comfuse.runtime import kernel as kernel_mod
     seen = {}
-    real = compiled_mod.FusedRegion.forward
-    monkeypatch.setattr(compiled_mod.FusedRegion, "forward",
+    real = region_mod.FusedRegion.forward
+    monkeypatch.setattr(region_mod.FusedRegion, "forward",
                         lambda self, *ext: seen.setdefault("call", (self, ext)) and real(self, *ext))
     fn = SPLIT_CASES[name]
     M, K = 70, 24  # N = 96: whole tiles, but slices of 2 or 3 tiles run past the last one
@@ -424,15 +424,14 @@ def test_split_slices_and_program_orders_agree(monkeypatch, name, per, grouped, 
     with settings.override(schedule="split"):
         compiled, out = compile_and_run(fn, args)
     module, ext = seen["call"]
-    a, b = ext[module.operands[0]], ext[module.operands[1]]
+    device = ext[module.operands[0]].device
     base = module.plan
-    planned = [o.clone() for o in module.run_kernel(ext, a, b)]
+    planned = [o.clone() for o in module.run(ext, device)]
     tiles = -(-N // base.block_n)
-    variant = dataclasses.replace(base, tiles_n=tiles, chunks=-(-tiles // per), tiles_per_chunk=per,
-                                  grouped=grouped, group_m=2, inline_tile=tile != "function",
-                                  flatten=tile == "loops fused")
+    variant = dataclasses.replace(base, tiles_n=tiles, group_m=2, form=dataclasses.replace(
+        base.form, chunks=-(-tiles // per), tiles_per_chunk=per))
     assert variant != base
-    got = module.run_kernel(ext, a, b, kernel_mod.build(variant))
+    got = module.run(ext, device, build_mod.build(variant))
     for g, w in zip(got, planned):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
     assert_matches_reference(fn, args, out)
@@ -445,10 +444,9 @@ def test_split_column_test_is_exact_for_targets_beyond_32_bits(monkeypatch):
     value for a target no column equals, NaN (its count of matches, a per-row bound since
     ``one_hot_counts``, is 0), and valid ones the right loss. (The ignore mask is computed
     outside the region from the call's targets, none of them the ignore index.)"""
-    from comfuse.runtime import compiled as compiled_mod
     seen = {}
-    real = compiled_mod.FusedRegion.forward
-    monkeypatch.setattr(compiled_mod.FusedRegion, "forward",
+    real = region_mod.FusedRegion.forward
+    monkeypatch.setattr(region_mod.FusedRegion, "forward",
                         lambda self, *ext: seen.setdefault("call", (self, ext)) and real(self, *ext))
     fn = SPLIT_CASES["ce_none_ignore"]
     M, K, N = 8, 24, 100
@@ -460,8 +458,7 @@ def test_split_column_test_is_exact_for_targets_beyond_32_bits(monkeypatch):
     k = next(i for i, e in enumerate(ext) if isinstance(e, torch.Tensor) and e.dtype == torch.int64)
     ext = list(ext)
     ext[k] = odd.view(ext[k].shape)
-    a, b = ext[module.operands[0]], ext[module.operands[1]]
-    (got,) = module.run_kernel(ext, a, b)
+    (got,) = module.run(ext, ext[module.operands[0]].device)
     got = got.reshape(-1)
     picked = -torch.log_softmax((args[0] @ args[1]).double(), -1)
     assert torch.isnan(got[[1, 2, 4, 5, 6]]).all(), got  # no column equals these targets
@@ -517,22 +514,17 @@ def test_integer_and_boolean_side_inputs():
 
 
 @pytest.mark.parametrize("name", ["rmsnorm", "softmax", "ln_postnorm", "multi_stage"])
-@pytest.mark.parametrize("overlap", [False, True])
-def test_one_tile_strips_run_the_gpu_form_and_match_reference(name, overlap):
+def test_one_tile_strips_run_the_gpu_form_and_match_reference(name):
     """A cooperative strip of one tile never waits for another program, so the interpreter
-    runs the GPU form of the kernel itself (two slots walking four strips each way): the
-    plain persistent loop and the overlapped one (strip j's mainloop before strip j-1's
-    exchange, COMFUSE_OVERLAP=1), including their workspace buffers and counters."""
+    runs the GPU form of the kernel itself (two slots walking four strips each way),
+    including its workspace buffers and counters."""
     wl = SUITE[name]
     args = wl.inputs(200, 24, 16, device=DEVICE)
-    with settings.override(schedule="cooperative", overlap=overlap):
+    with settings.override(schedule="cooperative"):
         compiled, out = compile_and_run(wl.fn, args)
     (r,) = compiled.report.regions
     assert r.fused and r.schedule == "cooperative", str(compiled.report)
-    assert ("overlapped" in r.plan) is overlap
     assert_matches_reference(wl.fn, args, out)
-    if overlap:
-        assert "strip_wait(counters" in open(r.kernel_path).read()
 
 
 def test_strip_counters_pass_the_int32_limit():
@@ -553,24 +545,14 @@ def test_strip_counters_pass_the_int32_limit():
     assert counters.min().item() > 2**31 - 2
 
 
-def test_overlapped_strip_with_a_row_output_matches_reference():
-    fn = lambda x, w: (torch.softmax(x @ w, -1), (x @ w).amax(-1))  # noqa: E731
-    args = (randn(150, 24), weight(24, 16))
-    with settings.override(schedule="cooperative", overlap=True):
-        compiled, out = compile_and_run(fn, args)
-    assert compiled.report.regions[0].fused and "overlapped" in compiled.report.regions[0].plan
-    assert_matches_reference(fn, args, out)
-
-
-@pytest.mark.parametrize("overlap", [False, True])
-def test_layer_norm_exchanges_once_with_tile_moments(overlap):
+def test_layer_norm_exchanges_once_with_tile_moments():
     """LayerNorm's mean and variance cross the strip in one exchange: each tile publishes its
     sum and its own centred sum of squares, merged by Chan's formula; rows far from zero
     mean (|mean| / std ~ 300) and a last tile of 4 columns (N = 100 in tiles of 32) stay
     within tolerance of float64."""
     fn = lambda x, w, g, b: F.layer_norm(x @ w + 300.0, (100,), g, b)  # noqa: E731
     args = (randn(150, 24), weight(24, 100), randn(100), randn(100))
-    with settings.override(schedule="cooperative", overlap=overlap):
+    with settings.override(schedule="cooperative"):
         compiled, out = compile_and_run(fn, args)
     (r,) = compiled.report.regions
     assert r.fused and "exchange 1 time(s)" in r.plan, r.plan

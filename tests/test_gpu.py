@@ -57,41 +57,40 @@ def test_every_chain_plan_of_the_dlrm_mlp_matches_the_reference(M):
     assert any(p.resident_a for p in plans) and any(p.flat for p in plans)
     for plan in plans:
         chain.kernel = build_chain(plan)
-        (out,) = chain.run(ext, ext[chain.a_ext], check=False)
+        (out,) = chain.run(ext, ext[chain.a_ext].device, check=False)
         assert_matches_reference(dlrm, args, out)
 
 
 @pytest.mark.parametrize("name", ["ln_postnorm", "rmsnorm", "softmax", "multi_stage"])
-@pytest.mark.parametrize("form", ["prefetch", "overlap"])
 @pytest.mark.parametrize("mainloop", ["pointer", "tma"])
-def test_prefetched_and_overlapped_forms_at_the_paper_shape(name, form, mainloop):
-    """The forms added without a GPU (2026-11-30): side inputs loaded before the mainloop,
-    and the cooperative strip whose first exchange waits behind the next strip's mainloop;
-    correct at 8192x1024x1024 with both mainloops."""
+def test_prefetched_cooperative_strip_at_the_paper_shape(name, mainloop):
+    """Side inputs loaded before the mainloop (where the region has an [M, N] one) in the
+    cooperative strip, correct at 8192x1024x1024 with both mainloops."""
     wl = SUITE[name]
     args = wl.inputs(8192, 1024, 1024, dtype=torch.bfloat16, device="cuda")
-    with comfuse.settings.override(autotune="0", mainloop=mainloop, schedule="cooperative",
-                                   **{form: True}), warnings.catch_warnings():
+    prefetch = name == "ln_postnorm"
+    form = f"mainloop={mainloop}" + (",prefetch=1" if prefetch else "")
+    with comfuse.settings.override(autotune="0", schedule="cooperative", plan=form), warnings.catch_warnings():
         warnings.simplefilter("ignore", comfuse.ComfuseWarning)
         compiled = comfuse.compile(wl.fn, args)
         out = compiled(*args)
     (r,) = compiled.report.regions
     assert r.fused, str(compiled.report)
-    assert ("overlapped" if form == "overlap" else "before the mainloop") in r.plan, r.plan
+    assert ("before the mainloop" in r.plan) == prefetch and f"{mainloop} mainloop" in r.plan, r.plan
     assert_matches_reference(wl.fn, args, out)
 
 
 @pytest.mark.parametrize("name", ["ln_postnorm", "rmsnorm", "mblr", "softmax"])
 @pytest.mark.parametrize("shape", [(8192, 1024, 1024), (2048, 1024, 3072), (1024, 512, 12288)],
                          ids=["paper", "N3072", "N12288"])
-@pytest.mark.parametrize("prefetch", [False, True], ids=["residual_ldg", "residual_tma"])
-def test_warp_specialised_template_matches_the_reference(name, shape, prefetch):
+@pytest.mark.parametrize("residual_tma", [False, True], ids=["residual_ldg", "residual_tma"])
+def test_warp_specialised_template_matches_the_reference(name, shape, residual_tma):
     """The Gluon template (ws_strip) forced: strips of 4, 12 (not a power of two) and 48 tiles,
     the residual loaded by the epilogue or by TMA into the hand-off buffer; 50 more calls give
     the same output (the strip counters only grow)."""
-    if prefetch and name != "ln_postnorm":
-        pytest.skip("no residual to prefetch")
-    forced_schedule_matches(name, shape, "ws_strip", 50, prefetch=prefetch)
+    if residual_tma and name != "ln_postnorm":
+        pytest.skip("no residual to load by TMA")
+    forced_schedule_matches(name, shape, "ws_strip", 50, plan="residual_tma=1" if residual_tma else "")
 
 
 def forced_schedule_matches(name, shape, schedule, repeats, **settings):
@@ -169,7 +168,7 @@ def test_later_launches_take_new_tensors_of_the_same_layout(mainloop, schedule):
     (runtime/kernel.py, ``bind``): fresh tensors of the same layout must reach it (TMA
     descriptors rebuilt), and a view that loses 16-byte alignment is a new layout."""
     wl = SUITE["rmsnorm"]
-    with comfuse.settings.override(autotune="0", mainloop=mainloop, schedule=schedule), \
+    with comfuse.settings.override(autotune="0", plan=f"mainloop={mainloop}", schedule=schedule), \
             warnings.catch_warnings():
         warnings.simplefilter("ignore", comfuse.ComfuseWarning)
         args = wl.inputs(2048, 512, 1024, dtype=torch.bfloat16, device="cuda")
@@ -188,17 +187,14 @@ def test_later_launches_take_new_tensors_of_the_same_layout(mainloop, schedule):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("overlap", [False, True])
-def test_cooperative_strip_stress_many_launches_near_the_resident_limit(overlap):
+def test_cooperative_strip_stress_many_launches_near_the_resident_limit():
     """Strips of 64 tiles (N = 16384 in tiles of 256): as many slots as fit the GPU, 50
-    launches in a row; no hang, and every launch gives the same, correct result. Also with
-    each strip's first exchange overlapped by the next strip's mainloop (COMFUSE_OVERLAP)."""
+    launches in a row; no hang, and every launch gives the same, correct result."""
     wl = SUITE["ln_postnorm"]
     args = wl.inputs(8192, 512, 16384, dtype=torch.bfloat16, device="cuda")
-    with comfuse.settings.override(schedule="cooperative", overlap=overlap):
+    with comfuse.settings.override(schedule="cooperative"):
         compiled = comfuse.compile(wl.fn, args)
     assert "cooperative" in compiled.report.regions[0].plan
-    assert ("overlapped" in compiled.report.regions[0].plan) is overlap
     first = compiled(*args)
     assert_matches_reference(wl.fn, args, first)
     with comfuse.settings.override(check=False):
@@ -225,7 +221,7 @@ def test_dynamic_lengths_tune_and_run_per_shape_through_the_backend(tmp_path):
     is lowered, autotuned on its real inputs and compiled on its first call; forward and
     backward match eager within bf16 tolerance."""
     import torch.nn.functional as F
-    from comfuse.backend import lower
+    from comfuse import backend
     torch.manual_seed(0)
     lin = torch.nn.Linear(1024, 1024).to("cuda", torch.bfloat16)
     norm = torch.nn.LayerNorm(1024).to("cuda", torch.bfloat16)
@@ -239,9 +235,9 @@ def test_dynamic_lengths_tune_and_run_per_shape_through_the_backend(tmp_path):
         for tokens in (4096, 6144):
             x = torch.randn(tokens, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             r = torch.randn(tokens, 1024, device="cuda", dtype=torch.bfloat16)
-            lower.last_report = None
+            backend.REPORTS.clear()
             out = cm(x, r)
-            assert lower.last_report is not None and lower.last_report.regions, "the shape was not lowered"
+            assert backend.REPORTS and backend.REPORTS[-1].regions, "the shape was not lowered"
             torch.testing.assert_close(out.float(), block(x, r).float(), rtol=2e-2, atol=2e-2)
             g = torch.randn_like(out, dtype=torch.float32)  # (a sum of squares of a LayerNorm is nearly constant)
             (out.float() * g).sum().backward()
@@ -301,7 +297,7 @@ def test_reduce_overhead_mode_replays_the_fused_region_in_a_cuda_graph(forced, t
     Inductor's CUDA graphs."""
     from torch._dynamo.utils import counters
 
-    from comfuse.backend import lower
+    from comfuse import backend
     wl = SUITE["rmsnorm"]
     xs = wl.inputs(8192, 1024, 1024, dtype=torch.bfloat16, device="cuda")
     ref = wl.fn(*[t.double() if t.is_floating_point() else t for t in xs])
@@ -322,8 +318,8 @@ def test_reduce_overhead_mode_replays_the_fused_region_in_a_cuda_graph(forced, t
         assert ((out.double() - ref).norm() / ref.norm()).item() < 2e-2
     assert torch.equal(outs[-1], outs[-2])
     if forced:
-        (r,) = lower.last_report.regions
-        assert r.fused and r.schedule == "ws_stages", str(lower.last_report)
+        (r,) = backend.REPORTS[-1].regions
+        assert r.fused and r.schedule == "ws_stages", str(backend.REPORTS[-1])
 
 
 @pytest.mark.parametrize("vocab", [32768, 128256])
@@ -501,150 +497,84 @@ def test_terminal_template_trains_through_the_backend(monkeypatch):
 
 @pytest.mark.parametrize("name", ["multi_stage", "ln_postnorm", "rmsnorm", "softmax", "mblr"])
 @pytest.mark.parametrize("shape", [(8192, 1024, 1024), (2048, 1024, 3072)], ids=["paper", "N3072"])
-@pytest.mark.parametrize("merge, lanes, tma, tail, ahead", [
-    (False, 32, False, 0, False), (True, 32, False, 0, False), (True, 8, False, 0, False), (True, 32, True, 0, False),
-    (True, 32, False, 64, False), (True, 8, False, 96, False), (True, 8, False, 0, True), (True, 8, False, 96, True)],
-    ids=["exchange_per_stage", "merged", "merged-8lanes", "merged-tma_store", "merged-tail64", "merged-8lanes-tail96",
-         "merged-8lanes-lookahead", "merged-8lanes-tail96-lookahead"])
-def test_generated_warp_specialised_kernel_matches_the_reference(name, shape, merge, lanes, tma, tail, ahead):
-    """The Gluon kernel generated from the region's stages (ws_stages) forced: 1 to 4 exchanges
-    a tile (merged: moment and online-softmax pairs in one, COMFUSE_WS_MERGE), strips of 4 and
-    12 tiles, a chunk's rows over 32 or 8 lanes (COMFUSE_WS_LANES), the output by each thread
-    or by one TMA store a tile (COMFUSE_WS_TMA_STORE), the last rows of each program's last
-    tile by the mainloop's warps (COMFUSE_WS_TAIL; both shapes give some programs 2 tiles and
-    some 1), each chunk's loads issued a chunk ahead (COMFUSE_WS_LOOKAHEAD); 20 more calls give
-    the same output (the counters only grow, 2 E TILES_N a strip a launch; a shared tile's two
-    groups write the same statistics, to the bit); new tensors go through the direct launch."""
-    forced_schedule_matches(name, shape, "ws_stages", 20, ws_merge=merge, ws_lanes=lanes, ws_tma_store=tma,
-                            ws_tail=tail, ws_lookahead=ahead)
+@pytest.mark.parametrize("form", ["", "lanes=32", "lanes=32,tail=64", "tail=96"],
+                         ids=["8lanes", "32lanes", "32lanes-tail64", "8lanes-tail96"])
+def test_generated_warp_specialised_kernel_matches_the_reference(name, shape, form):
+    """The Gluon kernel generated from the region's stages (ws_stages) forced: 1 or 2 exchanges
+    a tile (moment and online-softmax pairs merged), strips of 4 and 12 tiles, a chunk's rows
+    over 8 or 32 lanes, the last rows of each program's last tile by the mainloop's warps (both
+    shapes give some programs 2 tiles and some 1); 20 more calls give the same output (the
+    counters only grow, 2 E TILES_N a strip a launch; a shared tile's two groups write the same
+    statistics, to the bit); new tensors go through the direct launch."""
+    forced_schedule_matches(name, shape, "ws_stages", 20, plan=form)
 
 
 @pytest.mark.parametrize("shape", [(8192, 1024, 1024), (2048, 1024, 3072), (4096, 3072, 768)],
                          ids=["paper", "N3072", "bert_ffn_out"])
-@pytest.mark.parametrize("tail, ahead, keep", [(0, False, True), (96, False, True), (96, True, True),
-                                               (96, False, False)],
-                         ids=["whole_tiles", "tail96", "tail96-lookahead", "tail96-nothing_kept"])
-def test_generated_kernel_with_the_residual_by_tma_matches_the_reference(shape, tail, ahead, keep):
-    """LayerNorm post-norm with COMFUSE_WS_RES_TMA=1: the residual TMA-loaded into the hand-off
-    buffer as soon as the epilogue frees it, added by the mainloop before the hand-off (the
-    template's RES 2), alone and with the last tile shared (COMFUSE_WS_TAIL); strips of 4, 12
-    and 3 tiles; with each chunk's loads a chunk ahead (COMFUSE_WS_LOOKAHEAD); with nothing kept
-    and the last tile shared (autotuning's fourth candidate for a region with a residual)."""
-    forced_schedule_matches("ln_postnorm", shape, "ws_stages", 20, ws_res_tma=True, ws_tail=tail, ws_lookahead=ahead,
-                            ws_keep=keep)
+@pytest.mark.parametrize("form", ["res_tma=1", "res_tma=1,tail=96", "res_tma=1,keep=0,tail=96"],
+                         ids=["whole_tiles", "tail96", "tail96-nothing_kept"])
+def test_generated_kernel_with_the_residual_by_tma_matches_the_reference(shape, form):
+    """LayerNorm post-norm with the residual TMA-loaded into the hand-off buffer as soon as the
+    epilogue frees it, added by the mainloop before the hand-off (the template's RES 2), alone
+    and with the last tile shared; strips of 4, 12 and 3 tiles; with nothing kept and the last
+    tile shared (autotuning's candidate for a region with a residual)."""
+    forced_schedule_matches("ln_postnorm", shape, "ws_stages", 20, plan=form)
 
 
-@pytest.mark.parametrize("name, res", [("ln_postnorm", False), ("ln_postnorm", True), ("multi_stage", False),
-                                       ("mblr", False)], ids=["ln_postnorm", "ln_postnorm-res_tma", "multi_stage",
-                                                              "mblr"])
+@pytest.mark.parametrize("name, form", [("ln_postnorm", "keep=0"), ("ln_postnorm", "keep=0,res_tma=1"),
+                                        ("multi_stage", "keep=0"), ("mblr", "keep=0")],
+                         ids=["ln_postnorm", "ln_postnorm-res_tma", "multi_stage", "mblr"])
 @pytest.mark.parametrize("shape", [(8192, 1024, 1024), (2048, 1024, 3072)], ids=["paper", "N3072"])
-def test_generated_kernel_with_nothing_kept_matches_the_reference(name, res, shape):
-    """COMFUSE_WS_KEEP=0: the merged kernel's later passes recompute the exchange's value (the
-    residual read again, or already in the buffer with COMFUSE_WS_RES_TMA) rather than read it
-    kept in the hand-off buffer."""
-    forced_schedule_matches(name, shape, "ws_stages", 20, ws_keep=False, ws_res_tma=res)
+def test_generated_kernel_with_nothing_kept_matches_the_reference(name, form, shape):
+    """keep=0: the merged kernel's later passes recompute the exchange's value (the residual
+    read again, or already in the buffer with res_tma) rather than read it kept in the hand-off
+    buffer."""
+    forced_schedule_matches(name, shape, "ws_stages", 20, plan=form)
 
 
-@pytest.mark.parametrize("name, form", [("softmax", {}), ("multi_stage", {}), ("ln_postnorm", {}),
-                                        ("ln_postnorm", dict(ws_res_tma=True, ws_keep=False, ws_tail=96))],
-                         ids=["softmax", "multi_stage", "ln_postnorm", "ln_postnorm-res_tma-nothing_kept-tail96"])
-@pytest.mark.parametrize("shape", [(8192, 1024, 1024), (2048, 1024, 3072)], ids=["paper", "N3072"])
-def test_generated_kernel_with_8_adjacent_columns_a_lane_matches_the_reference(name, shape, form):
-    """COMFUSE_WS_VEC=8 (8 lanes a row): each epilogue thread 8 adjacent columns at a time, in
-    the plain form and in autotuning's fourth candidate for a residual."""
-    forced_schedule_matches(name, shape, "ws_stages", 20, ws_lanes=8, ws_vec=8, **form)
-
-
-@pytest.mark.parametrize("name, form", [("ln_postnorm", {}), ("mblr", {}), ("ln_postnorm", dict(ws_tail=96)),
-                                        ("ln_postnorm", dict(ws_res_tma=True, ws_keep=False, ws_tail=96))],
-                         ids=["ln_postnorm", "mblr", "ln_postnorm-tail96", "ln_postnorm-res_tma-nothing_kept-tail96"])
-@pytest.mark.parametrize("shape", [(8192, 1024, 1024), (2048, 1024, 3072)], ids=["paper", "N3072"])
-def test_generated_kernel_with_sixteen_bit_adds_matches_the_reference(name, shape, form):
-    """COMFUSE_WS_NARROW=1: the bias and residual adds in bf16 (HADD2), the rest in fp32."""
-    forced_schedule_matches(name, shape, "ws_stages", 20, ws_lanes=8, ws_narrow=True, **form)
-
-
-@pytest.mark.parametrize("name, form", [("softmax", {}), ("multi_stage", {}), ("softmax", dict(ws_tail=96)),
-                                        ("softmax", dict(ws_merge=False))],
-                         ids=["softmax", "multi_stage", "softmax-tail96", "softmax-exchange_per_stage"])
-@pytest.mark.parametrize("shape", [(8192, 1024, 1024), (2048, 1024, 3072)], ids=["paper", "N3072"])
-def test_generated_kernel_with_exp_by_one_fma_matches_the_reference(name, shape, form):
-    """COMFUSE_WS_EXP_FMA=1: exp(x - the row max) as 2^(x log2(e) - max log2(e))."""
-    forced_schedule_matches(name, shape, "ws_stages", 20, ws_lanes=8, ws_exp_fma=True, **form)
-
-
-@pytest.mark.parametrize("name, form", [("multi_stage", {}), ("ln_postnorm", {}), ("rmsnorm", {}), ("softmax", {}),
-                                        ("mblr", {}), ("multi_stage", dict(ws_tail=96)), ("softmax", dict(ws_tail=96)),
-                                        ("ln_postnorm", dict(ws_res_tma=True, ws_keep=False, ws_tail=96)),
-                                        ("ln_postnorm", dict(ws_tma_store=True)), ("mblr", dict(ws_narrow=True))],
+@pytest.mark.parametrize("name, form", [("multi_stage", ""), ("ln_postnorm", ""), ("rmsnorm", ""), ("softmax", ""),
+                                        ("mblr", ""), ("multi_stage", ",tail=96"), ("softmax", ",tail=96"),
+                                        ("ln_postnorm", ",res_tma=1,keep=0,tail=96")],
                          ids=["multi_stage", "ln_postnorm", "rmsnorm", "softmax", "mblr", "multi_stage-tail96",
-                              "softmax-tail96", "ln_postnorm-res_tma-nothing_kept-tail96", "ln_postnorm-tma_store",
-                              "mblr-narrow"])
+                              "softmax-tail96", "ln_postnorm-res_tma-nothing_kept-tail96"])
 @pytest.mark.parametrize("shape", [(8192, 1024, 1024), (2048, 1024, 3072)], ids=["paper", "N3072"])
 def test_generated_kernel_with_passes_not_unrolled_matches_the_reference(name, shape, form):
-    """COMFUSE_WS_ROLL=1: each epilogue pass a run-time loop over its chunks, a chunk of the
-    hand-off tile read and written as its 64-column pieces (strip.chunk_view: the pieces' place
-    in the NVMMA layout is what this checks, which the CPU's emulation takes as given)."""
-    forced_schedule_matches(name, shape, "ws_stages", 20, ws_lanes=8, ws_roll=True, **form)
+    """roll: each epilogue pass a run-time loop over its chunks, a chunk of the hand-off tile
+    read and written as its 64-column pieces (parts.chunk_view: the pieces' place in the NVMMA
+    layout is what this checks, which the CPU's emulation takes as given)."""
+    forced_schedule_matches(name, shape, "ws_stages", 20, plan="roll=1" + form)
 
 
-@pytest.mark.parametrize("name, form", [("multi_stage", dict(ws_roll=True)), ("ln_postnorm", dict(ws_roll=True)),
-                                        ("rmsnorm", dict(ws_roll=True)), ("softmax", {}), ("mblr", dict(ws_roll=True))],
+@pytest.mark.parametrize("name, form", [("multi_stage", ",roll=1"), ("ln_postnorm", ",roll=1"),
+                                        ("rmsnorm", ",roll=1"), ("softmax", ""), ("mblr", ",roll=1")],
                          ids=["multi_stage-roll", "ln_postnorm-roll", "rmsnorm-roll", "softmax", "mblr-roll"])
 @pytest.mark.parametrize("shape", [(8192, 1024, 1024), (2048, 1024, 3072)], ids=["paper", "N3072"])
 def test_generated_kernel_with_the_last_tile_in_the_ring_matches_the_reference(name, shape, form):
-    """COMFUSE_WS_LAST_IN_RING=1 with the last 96 rows shared: each program's last tile handed
-    off into the B operand's ring (its K loop done) rather than the hand-off buffer, with its
-    own statistics, so the mainloop's warps start their rows while the epilogue partition may
-    still be on the tile before; some programs get one tile (that one in the ring at once)."""
-    forced_schedule_matches(name, shape, "ws_stages", 20, ws_lanes=8, ws_tail=96, ws_last_in_ring=True, **form)
+    """last_in_ring with the last 96 rows shared: each program's last tile handed off into the
+    B operand's ring (its K loop done) rather than the hand-off buffer, with its own statistics,
+    so the mainloop's warps start their rows while the epilogue partition may still be on the
+    tile before; some programs get one tile (that one in the ring at once)."""
+    forced_schedule_matches(name, shape, "ws_stages", 20, plan="tail=96,last_in_ring=1" + form)
 
 
-@pytest.mark.parametrize("name, form", [("multi_stage", dict(ws_last_in_ring=True)), ("ln_postnorm", {}),
-                                        ("softmax", dict(ws_last_in_ring=True))],
+@pytest.mark.parametrize("name, form", [("multi_stage", ",last_in_ring=1"), ("ln_postnorm", ""),
+                                        ("softmax", ",last_in_ring=1")],
                          ids=["multi_stage-ring", "ln_postnorm", "softmax-ring"])
 @pytest.mark.parametrize("shape", [(8192, 1024, 1024), (2048, 1024, 3072)], ids=["paper", "N3072"])
 def test_generated_kernel_with_the_whole_last_tile_by_the_mainloop_warps_matches_the_reference(name, shape, form):
-    """COMFUSE_WS_TAIL=128: each program's last tile all the mainloop warps' (in the B ring or
-    the hand-off buffer), its exchanges counting their part as a whole tile, the epilogue
-    partition's loop a tile shorter."""
-    forced_schedule_matches(name, shape, "ws_stages", 20, ws_lanes=8, ws_tail=128, ws_roll=True, **form)
+    """tail=128: each program's last tile all the mainloop warps' (in the B ring or the hand-off
+    buffer), its exchanges counting their part as a whole tile, the epilogue partition's loop a
+    tile shorter."""
+    forced_schedule_matches(name, shape, "ws_stages", 20, plan="tail=128,roll=1" + form)
 
 
-@pytest.mark.parametrize("name, form", [("ln_postnorm", {}), ("ln_postnorm", dict(ws_tail=128, ws_last_in_ring=True)),
-                                        ("ln_postnorm", dict(ws_tail=96))],
+@pytest.mark.parametrize("form", ["", ",tail=128,last_in_ring=1", ",tail=96"],
                          ids=["ln_postnorm", "ln_postnorm-tail128-ring", "ln_postnorm-tail96"])
 @pytest.mark.parametrize("shape", [(8192, 1024, 1024), (2048, 1024, 3072)], ids=["paper", "N3072"])
-def test_generated_kernel_with_loops_loading_a_chunk_ahead_matches_the_reference(name, shape, form):
-    """COMFUSE_WS_ROLL=1 with COMFUSE_WS_LOOKAHEAD=1: the residual read from global memory a
-    chunk ahead, carried by the pass's loop."""
-    forced_schedule_matches(name, shape, "ws_stages", 20, ws_lanes=8, ws_roll=True, ws_lookahead=True, **form)
-
-
-@pytest.mark.parametrize("name, form", [("multi_stage", dict(ws_tail=128, ws_last_in_ring=True)),
-                                        ("ln_postnorm", dict(ws_tail=128, ws_last_in_ring=True)),
-                                        ("rmsnorm", {}), ("softmax", dict(ws_tail=64)),
-                                        ("mblr", dict(ws_tail=128, ws_last_in_ring=True))],
-                         ids=["multi_stage-tail128-ring", "ln_postnorm-tail128-ring", "rmsnorm", "softmax-tail64",
-                              "mblr-tail128-ring"])
-@pytest.mark.parametrize("shape", [(8192, 1024, 1024), (2048, 1024, 3072)], ids=["paper", "N3072"])
-def test_generated_kernel_with_32_row_chunks_matches_the_reference(name, shape, form):
-    """COMFUSE_WS_CHUNK=32 with the passes as loops: 32-row chunks of the epilogue partition
-    (two rows a thread), 64-row ones of the mainloop warps where they share the last tile."""
-    forced_schedule_matches(name, shape, "ws_stages", 20, ws_lanes=8, ws_roll=True, ws_chunk=32, **form)
-
-
-@pytest.mark.parametrize("name, form", [("rmsnorm", {}), ("softmax", {}), ("multi_stage", dict(ws_tail=64)),
-                                        ("ln_postnorm", {}), ("mblr", dict(ws_tail=96)),
-                                        ("ln_postnorm", dict(ws_res_tma=True, ws_keep=False, ws_tail=64))],
-                         ids=["rmsnorm", "softmax", "multi_stage-tail64", "ln_postnorm", "mblr-tail96",
-                              "ln_postnorm-res_tma-nothing_kept-tail64"])
-@pytest.mark.parametrize("shape", [(8192, 1024, 1024), (2048, 1024, 3072)], ids=["paper", "N3072"])
-def test_generated_kernel_on_128_wide_tiles_matches_the_reference(name, shape, form):
-    """COMFUSE_WS_TILE_N=128: 128x128 tiles, the mainloop in one warpgroup beside 8 epilogue
-    warps (strips of 8 and 24 tiles), alone and with the last tile shared (64 rows: the
-    candidates' form; 96)."""
-    forced_schedule_matches(name, shape, "ws_stages", 20, ws_lanes=8, ws_tile_n=128, **form)
+def test_generated_kernel_with_loops_loading_a_chunk_ahead_matches_the_reference(shape, form):
+    """roll with lookahead: the residual read from global memory a chunk ahead, carried by the
+    pass's loop."""
+    forced_schedule_matches("ln_postnorm", shape, "ws_stages", 20, plan="roll=1,lookahead=1" + form)
 
 
 @pytest.mark.parametrize("name", ["log1p", "expm1"])
@@ -656,16 +586,16 @@ def test_generated_kernel_with_log1p_and_expm1_matches_the_reference(name):
         return torch.softmax((torch.log1p(v.abs()) if name == "log1p" else torch.expm1(v)) * 1e3, -1)
     args = (torch.randn(8192, 1024, device="cuda").to(torch.bfloat16),
             (torch.randn(1024, 1024, device="cuda") / 32).to(torch.bfloat16))
-    forced_fn_matches(fn, args, "ws_stages", 5, ws_merge=True, ws_lanes=8)
+    forced_fn_matches(fn, args, "ws_stages", 5)
 
 
 @pytest.mark.parametrize("tail", [0, 96], ids=["whole_tiles", "tail96"])
 @pytest.mark.parametrize("name", ["ln_saving_statistics", "softmax_and_max"])
 @pytest.mark.parametrize("shape", [(8192, 1024, 1024), (2048, 1024, 3072)], ids=["paper", "N3072"])
 def test_generated_kernel_with_per_row_outputs_matches_the_reference(name, shape, tail):
-    """COMFUSE_WS_ROW_OUTPUTS=1: per-row [M] outputs (a training forward's saved LayerNorm
-    statistics; a row max) beside the [M, N] one, written by each strip's first tile; checked
-    on the CPU by the emulation (test_stages_emulate.py), here on the GPU."""
+    """Per-row [M] outputs (a training forward's saved LayerNorm statistics; a row max) beside
+    the [M, N] one, written by each strip's first tile; checked on the CPU by the emulation
+    (test_stages_emulate.py), here on the GPU."""
     from test_stages_emulate import ROW_OUTPUTS
     fn, vectors = ROW_OUTPUTS[name]
     M, K, N = shape
@@ -676,5 +606,4 @@ def test_generated_kernel_with_per_row_outputs_matches_the_reference(name, shape
     # bf16's tolerance for the float32 statistics too: the kernel takes them from the fp32
     # accumulator, where the program rounds x @ w + b to bf16 first (the first GPU run: 1.3e-3
     # off the float64 reference, against float32's 1e-4; a kernel rounds only when it stores)
-    forced_fn_matches(fn, args, "ws_stages", 20, fresh, tol=tolerance(torch.bfloat16), ws_row_outputs=True,
-                      ws_tail=tail)
+    forced_fn_matches(fn, args, "ws_stages", 20, fresh, tol=tolerance(torch.bfloat16), plan=f"tail={tail}")

@@ -185,7 +185,7 @@ def test_autotuning_candidates_add_persistent_plans_to_tma_tile_plans_only():
         forced = plan(tile.region, target="cuda")
         assert candidates(tile.region, target="cuda") == [forced]
     assert forced.form.persistent and "persistent grid" in forced.describe()
-    with settings.override(plan="persistent=1"):  # a pointer mainloop has no persistent form
+    with settings.override(schedule="row_in_cta", plan="persistent=1"):  # a tile plan's form only
         refused = plan(tile.region, target="cuda")
     assert isinstance(refused, NotFused) and "persistent" in refused.reason
     with settings.override(plan="tail=96"):  # not a field of a tile plan

@@ -205,8 +205,8 @@ def why_not_form(plan: Plan) -> str:
         return ""
     if plan.mainloop == "tma" and tma_blocker(plan.region):
         return f"a TMA mainloop: {tma_blocker(plan.region)}"
-    if getattr(f, "persistent", False) and (plan.schedule != "tile" or plan.mainloop != "tma"):
-        return "persistent: a tile plan with a TMA mainloop"
+    if getattr(f, "persistent", False) and plan.schedule != "tile":
+        return "persistent: a tile plan's form"
     if getattr(f, "prefetch", False) and not any({"M", "N"} <= set(i.axes) for i in plan.region.inputs):
         return "prefetch: the region has no [M, N] side input"
     return ""
