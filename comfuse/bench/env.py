@@ -8,6 +8,8 @@ import subprocess
 
 import torch
 
+from ..runtime.timing import measure
+
 
 def _nvidia_smi(query: str) -> str:
     exe = shutil.which("nvidia-smi")
@@ -47,7 +49,6 @@ def ceilings(device: str) -> dict:
     """Measured ceilings: device-to-device copy bandwidth and a large bf16 GEMM."""
     if device != "cuda":
         return {}
-    from ..runtime.timing import measure
     n = 1 << 30  # 1 GiB copied: 2 GiB moved
     src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
     dst = torch.empty_like(src)

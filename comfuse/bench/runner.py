@@ -20,13 +20,15 @@ from typing import Callable
 
 import torch
 
+import comfuse
+
 from .. import settings
 from ..planner import SCHEDULES
 from ..runtime import tuning
 from ..runtime.check import compare, tolerance
+from ..runtime.timing import graphed, measure, measure_rounds
 from . import workloads
 from .env import ceilings, environment
-from ..runtime.timing import graphed, measure, measure_rounds
 
 BASELINES = ("eager", "inductor", "inductor-max-autotune")
 # torch.compile's CUDA-graph mode, for Inductor alone and with comfuse's regions: asked for by
@@ -77,7 +79,6 @@ def _graphed(fn, args):
     """comfuse's call captured in a CUDA graph after its first (autotuning) calls: replaying
     it shows what the kernels cost without Python's launch overhead. A diagnostic column,
     never a speedup claim (the baselines are not graphed)."""
-    import comfuse
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         compiled = comfuse.compile(fn, args)
@@ -86,7 +87,6 @@ def _graphed(fn, args):
 
 def _candidate(name: str, prog: workloads.Program) -> tuple[Callable | None, dict]:
     """(callable, info) for a candidate; callable None with info['status'] when it can't run."""
-    import comfuse
     fn, args = prog.fn, prog.args
     info: dict = {}
     if name == "eager":

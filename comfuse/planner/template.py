@@ -20,6 +20,7 @@ import torch
 
 from ..ir import Op, Region
 from ..ir.interpret import evaluate
+from .onepass import NotOnePass, evaluate_combine, one_pass
 
 KINDS = ("layernorm", "rmsnorm", "softmax")
 ROLES = {"layernorm": ("bias", "gamma", "beta"), "rmsnorm": ("bias", "gamma"), "softmax": ("bias",)}
@@ -194,7 +195,6 @@ def match_lse(region: Region) -> tuple[LseTemplate | None, str]:
     shape is read from the one-pass form; that each max statistic only shifts (the outputs do
     not change when the log-sum-exp replaces it) is checked by evaluating the combine step in
     float64 on random statistics, to 1e-9."""
-    from .onepass import NotOnePass, evaluate_combine, one_pass
     g = region.gemm
     if region.kind != "gemm_epilogue" or g.batched:
         return None, "the template takes one unbatched GEMM and its epilogue"

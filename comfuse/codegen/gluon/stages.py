@@ -42,7 +42,7 @@ from ...ir import Op, Region, format_region
 from ...planner.gluon import tma_residual
 from ...planner.reductions import Layout, layout_of
 from ..source import docstring, flat_index, import_line, paren, times
-from .values import Writer, is_tile, uncast
+from .values import Writer, is_tile
 
 NEG_INF = 'float("-inf")'
 CHUNK = 16  # rows of an epilogue chunk: several [16, 256] values live together (32 rows spilled)
