@@ -1,4 +1,4 @@
-"""The ``comfuse`` command: demo, explain, cache."""
+"""The ``comfuse`` command: demo, explain, bench, profile, cache."""
 from __future__ import annotations
 
 import argparse

@@ -311,20 +311,3 @@ def build(case: tuple, dtype, device, cpu_scale: bool = False) -> Program:
     if suite == "models":
         return model_program(name, dtype, device, small=cpu_scale)
     return attention_program(dtype, device)
-
-
-def linear_ln_problem(M: int, N: int, K: int, device: str = "cuda", seed: int = 0) -> dict:
-    """Inputs of LayerNorm(x @ W^T + b + r) * gamma + beta in nn.Linear's layout (W: N x K),
-    bf16, with the float64 references of the GEMM + bias (``ref_y``) and of the whole
-    (``ref_ln``): the hand-written kernels' scripts (scripts/*_ln_gemm.py) check against these."""
-    import torch
-    import torch.nn.functional as F
-    torch.manual_seed(seed)
-    bf = torch.bfloat16
-    p = dict(x=torch.randn(M, K, device=device, dtype=bf),
-             w=(torch.randn(N, K, device=device) / K ** 0.5).to(bf),
-             b=torch.randn(N, device=device, dtype=bf), r=torch.randn(M, N, device=device, dtype=bf),
-             gamma=torch.randn(N, device=device, dtype=bf), beta=torch.randn(N, device=device, dtype=bf))
-    p["ref_y"] = p["x"].double() @ p["w"].double().t() + p["b"].double()
-    p["ref_ln"] = F.layer_norm(p["ref_y"] + p["r"].double(), (N,), p["gamma"].double(), p["beta"].double(), 1e-5)
-    return p

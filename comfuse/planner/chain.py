@@ -107,8 +107,7 @@ def plan_chain(regions, links, writes, target: str = "cuda") -> ChainPlan | NotF
                          tuple(partition(r) for r in regions), bm, bk, stream, widths, 4, 1, onepass)
     # later GEMMs at least 64 columns wide on a GPU (masks keep the padding out): at 16 and
     # 32 columns (wgmma n16/n32) the H200 gave a wrong three-GEMM chain in fp16/bf16 that the
-    # interpreter does not reproduce (2026-11-30; suspected Triton 3.6 lowering, checked by
-    # scripts/narrow_chain_check.py)
+    # interpreter does not reproduce (2026-11-30; suspected Triton 3.6 lowering)
     widths = tuple(max(64, w) for w in widths)
     held = max(widths + (stream,))
     bm = 128 if held <= 128 else 64
@@ -150,7 +149,7 @@ def chain_candidates(plan: ChainPlan) -> list[ChainPlan]:
 # equals ``resident_smem``'s, and a form it refuses only scores inf in autotuning)
 SMEM_LIMIT = 232448
 # (rows, chunk, warps, stages) of the resident-A forms, fastest first on the H200 (DLRM bottom
-# MLP, 65536 x 512 -> 512 -> 256 -> 128, bf16, 2026-12-03, scripts/dlrm_variants.py: 128 rows in
+# MLP, 65536 x 512 -> 512 -> 256 -> 128, bf16, 2026-12-03, written by hand: 128 rows in
 # chunks of 32 with two stages 0.1433 ms against the streamed plans' best 0.1898; 128 rows
 # need 8 warps to hold GEMM2's [128, 256] fp32 accumulator)
 RESIDENT_FORMS = ((128, 32, 8, 2), (128, 16, 8, 3), (64, 32, 4, 3))
@@ -183,7 +182,7 @@ def resident_candidates(plan: ChainPlan) -> list[ChainPlan]:
 
 
 # (rows, chunk, warps, stages) of the one-loop forms (DLRM bottom MLP, H200, 2026-12-03,
-# scripts/dlrm_variants.py, by hand: 128 rows in chunks of 128, 3 stages, 0.1355 ms, the
+# written by hand: 128 rows in chunks of 128, 3 stages, 0.1355 ms, the
 # fastest chain measured; the generated streamed plans' best 0.1930)
 FLAT_FORMS = ((128, 128, 8, 3), (128, 128, 8, 4))
 

@@ -82,8 +82,8 @@ class _ChainEmitter:
     def read_once(self) -> str:
         """The eviction hint for the operands' loads: when each batch has one program (batched,
         M within one block of rows), every byte of A and the Bs is read by one program only,
-        so it need not stay in L2 (target attention, H200 2026-11-30: 78.4 -> 76.9 us for the
-        hand-written kernel, ``scripts/ta_variants.py``). Weights shared by programs keep L2."""
+        so it need not stay in L2 (target attention, H200 2026-11-30: 78.4 -> 76.9 us for a
+        hand-written kernel). Weights shared by programs keep L2."""
         p = self.plan
         once = p.regions[0].gemm.batched and p.regions[0].sizes.M <= p.block_m
         return ', eviction_policy="evict_first"' if once else ""
