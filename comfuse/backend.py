@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 
 import torch
 import torch.fx as fx
@@ -68,7 +67,7 @@ def _options(options: dict | None, mode: str | None = None) -> dict:
         raise ValueError(f"comfuse backend: cannot disable {sorted(bad)}; kinds are gemm_epilogue, b2b")
     overrides = {name: settings_mod.coerce(name, options[name]) for name in SETTINGS if name in options}
     cudagraphs = bool(inductor.get("triton.cudagraphs"))  # (the regions will run as graph replays)
-    if cudagraphs and "COMFUSE_TUNE_TIMING" not in os.environ:
+    if cudagraphs and not settings_mod.chosen("tune_timing"):
         overrides["tune_timing"] = "graph"
     return {"kinds": set(kinds), "settings": overrides, "inductor": inductor, "cudagraphs": cudagraphs}
 

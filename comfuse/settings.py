@@ -121,6 +121,12 @@ def get() -> Settings:
     return found
 
 
+def chosen(name: str) -> bool:
+    """Whether the user named setting ``name``, in its COMFUSE_* variable or an ``override``
+    (a default that depends on the context, such as graph timing under CUDA graphs, yields)."""
+    return name in _overrides or f"COMFUSE_{name.upper()}" in os.environ
+
+
 def coerce(name: str, value):
     """``value`` (an option's, e.g. the torch.compile backend's) as setting ``name`` takes it,
     read as its COMFUSE_* variable's text would be."""

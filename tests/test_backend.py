@@ -172,6 +172,21 @@ def test_options_take_the_settings_a_backend_option_names():
         _options({"ws_tail": 96})
 
 
+def test_cuda_graphs_time_tuning_as_graphs_unless_the_user_chose(monkeypatch):
+    """Under reduce-overhead (CUDA graphs) tuning times candidates as graph replays, unless
+    tune_timing was chosen, by its COMFUSE_TUNE_TIMING variable or an override."""
+    from comfuse import settings
+    from comfuse.backend import _options
+    graphs = {"mode": "reduce-overhead"}
+    monkeypatch.delenv("COMFUSE_TUNE_TIMING", raising=False)
+    assert not settings.chosen("tune_timing")
+    assert _options(graphs)["settings"] == {"tune_timing": "graph"}
+    with settings.override(tune_timing="launch"):
+        assert settings.chosen("tune_timing") and _options(graphs)["settings"] == {}
+    monkeypatch.setenv("COMFUSE_TUNE_TIMING", "launch")
+    assert settings.chosen("tune_timing") and _options(graphs)["settings"] == {}
+
+
 @pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune-no-cudagraphs"])
 def test_torch_compile_modes_reach_inductor_and_the_tuning(mode, monkeypatch):
     """torch.compile(..., backend="comfuse", mode=...) (a TypeError before 2026-12-01): the

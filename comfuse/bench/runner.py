@@ -10,7 +10,6 @@ be resumed (``--resume``) after an interruption.
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 import traceback
@@ -228,7 +227,7 @@ def run_case(prog: workloads.Program, candidates, device: str, progress, repeat:
 def _tune_timing(graph: bool, device: str) -> str:
     """How comfuse's autotuning times its candidates in a run: as the run times them (graph
     replays with ``graph`` on a GPU), unless COMFUSE_TUNE_TIMING names a way."""
-    if graph and device == "cuda" and "COMFUSE_TUNE_TIMING" not in os.environ:
+    if graph and device == "cuda" and not settings.chosen("tune_timing"):
         return "graph"
     return settings.get().tune_timing
 
