@@ -50,7 +50,7 @@ def _log_handler() -> None:
 _log_handler()
 
 from .compiled import CompiledFunction, explain  # noqa: E402
-from .errors import ComfuseWarning  # noqa: E402
+from .errors import ComfuseWarning, FallbackWarning  # noqa: E402
 from .report import RegionReport, Report  # noqa: E402
 
 __version__ = "0.1.0"
@@ -69,5 +69,5 @@ def compile(fn, example_inputs) -> CompiledFunction:  # noqa: A001 - mirrors tor
     return CompiledFunction(fn, example_inputs)
 
 
-__all__ = ["CompiledFunction", "ComfuseWarning", "RegionReport", "Report", "compile", "explain",
+__all__ = ["CompiledFunction", "ComfuseWarning", "FallbackWarning", "RegionReport", "Report", "compile", "explain",
            "settings"]

@@ -2,7 +2,7 @@
 
 The failure policy: nothing inside comfuse's part of a compilation may give a wrong answer or
 crash the user's program. A failure there is reported with ``fallback``: a
-``ComfuseWarning`` naming what failed and what runs instead (the region's own ops, Inductor's
+``FallbackWarning`` (a ``ComfuseWarning``) naming what failed and what runs instead (the region's own ops, Inductor's
 code), or, with ``COMFUSE_STRICT=1``, the exception itself.
 """
 from __future__ import annotations
@@ -14,6 +14,11 @@ from . import settings
 
 class ComfuseWarning(UserWarning):
     """Something was not fused, or ran on a slower path than asked."""
+
+
+class FallbackWarning(ComfuseWarning):
+    """Something inside comfuse failed, and what it was building runs unfused (the region's own
+    ops, Inductor's code) instead: the result is right, the speed is not what was asked."""
 
 
 class KernelMismatch(AssertionError):
@@ -42,7 +47,7 @@ def fallback(what: str, e: BaseException, instead: str, stacklevel: int = 3) -> 
     ``what`` failed (with ``e``'s summary) and ``instead`` runs."""
     if settings.get().strict:
         raise e
-    warnings.warn(f"comfuse: {what} ({summary(e)}); {instead} (COMFUSE_STRICT=1 raises instead)", ComfuseWarning,
+    warnings.warn(f"comfuse: {what} ({summary(e)}); {instead} (COMFUSE_STRICT=1 raises instead)", FallbackWarning,
                   stacklevel=stacklevel)
 
 

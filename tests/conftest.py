@@ -7,9 +7,12 @@
 - Kernel sources go to a fresh temporary cache directory.
 - COMFUSE_AUTOTUNE=0: the planner's choice is tested (autotuning has its own tests).
 - Tests marked ``gpu`` are skipped (with the reason) where CUDA is unavailable.
+- A fallback (``FallbackWarning``: something comfuse built runs unfused) fails the test
+  unless the test expects it (``pytest.warns``); notices are given afresh in every test.
 """
 import os
 import tempfile
+import warnings
 
 os.environ.setdefault("COMFUSE_CHECK", "1")
 os.environ.setdefault("COMFUSE_AUTOTUNE", "0")  # the planner's choice; tests/test_tuning.py turns it on
@@ -34,6 +37,15 @@ def pytest_collection_modifyitems(config, items):
 def pytest_terminal_summary(terminalreporter):
     for name, count in sorted(PROPERTY_COUNTS.items()):
         terminalreporter.write_line(f"property test {name}: {count} generated examples ran")
+
+
+@pytest.fixture(autouse=True)
+def fallbacks_fail():
+    """A region that silently runs unfused must not pass as fused (the filter lasts the test)."""
+    from comfuse.errors import FallbackWarning, forget_notices
+    forget_notices()
+    warnings.filterwarnings("error", category=FallbackWarning)
+    yield
 
 
 @pytest.fixture

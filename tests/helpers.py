@@ -1,10 +1,13 @@
 """Helpers shared by the tests."""
 import collections
+import contextlib
 import math
 import os
+import warnings
 
 import torch
 
+from comfuse.errors import ComfuseWarning, FallbackWarning
 from comfuse.runtime.check import compare, tolerance
 
 PROPERTY_COUNTS: collections.Counter = collections.Counter()
@@ -12,6 +15,16 @@ PROPERTY_COUNTS: collections.Counter = collections.Counter()
 # Where the tests run their tensors: CUDA when present (the whole suite then runs on the
 # GPU), else the CPU through Triton's interpreter. COMFUSE_TEST_DEVICE overrides.
 DEVICE = os.environ.get("COMFUSE_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@contextlib.contextmanager
+def quiet_notices():
+    """comfuse's notices (the CPU interpreter's speed, a call run unfused for its layout)
+    silenced; a fallback still fails the test."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ComfuseWarning)
+        warnings.simplefilter("error", FallbackWarning)
+        yield
 
 
 def as_tuple(x):

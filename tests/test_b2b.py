@@ -1,5 +1,4 @@
 """Back-to-back GEMM chains: GEMM1 -> F -> GEMM2 (-> F2 -> GEMM3) in one kernel."""
-import warnings
 
 import pytest
 import torch
@@ -10,14 +9,13 @@ import comfuse
 from comfuse.frontend.capture import capture
 from comfuse.frontend.regions import find_chains, find_regions
 
-from helpers import DEVICE, PROPERTY_COUNTS, assert_matches_reference, randn, weight
+from helpers import DEVICE, PROPERTY_COUNTS, assert_matches_reference, quiet_notices, randn, weight
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def run(fn, args):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", comfuse.ComfuseWarning)
+    with quiet_notices():
         compiled = comfuse.compile(fn, args)
         return compiled, compiled(*args)
 

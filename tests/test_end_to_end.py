@@ -1,7 +1,6 @@
 """comfuse.compile end to end on the CPU (Triton interpreter); COMFUSE_CHECK=1 (conftest) also
 checks every kernel launch against the IR's float64 reference interpreter."""
 import math
-import warnings
 import zlib
 
 import pytest
@@ -13,15 +12,14 @@ from comfuse import settings
 from comfuse.bench.workloads import SUITE
 from comfuse.runtime import build as build_mod, kernel as kernel_mod, region as region_mod
 
-from helpers import DEVICE, as_tuple, assert_matches_reference, randn, weight
+from helpers import DEVICE, as_tuple, assert_matches_reference, quiet_notices, randn, weight
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SHAPES = [(1, 16, 16), (37, 29, 50), (64, 16, 130)]  # M=1, odd sizes, N past a power of two
 
 
 def compile_and_run(fn, args):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", comfuse.ComfuseWarning)
+    with quiet_notices():
         compiled = comfuse.compile(fn, args)
         out = compiled(*args)
     return compiled, out
@@ -124,8 +122,7 @@ def test_new_shapes_dtypes_and_devices_respecialise():
     compiled, _ = compile_and_run(fn, wl.inputs(16, 16, 32, dtype=f32, device=DEVICE))
     for args in [wl.inputs(9, 16, 32, dtype=f32, device=DEVICE), wl.inputs(16, 24, 48, dtype=f32, device=DEVICE),
                  wl.inputs(16, 16, 32, dtype=torch.bfloat16, device=DEVICE)]:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", comfuse.ComfuseWarning)
+        with quiet_notices():
             out = compiled(*args)
         assert_matches_reference(fn, args, out)
     assert len(compiled._specs) == 4
@@ -165,10 +162,14 @@ def test_kernel_failure_at_launch_falls_back_with_a_warning(monkeypatch):
     def broken(self, *a, **k):
         raise RuntimeError("synthetic launch failure")
     monkeypatch.setattr(kernel_mod.Kernel, "launch", broken)
-    with pytest.warns(comfuse.ComfuseWarning, match="synthetic launch failure"):
+    with pytest.warns(comfuse.FallbackWarning, match="synthetic launch failure"):
         out = compiled(*args)
     torch.testing.assert_close(out, fn(*args))
     assert not compiled.report.regions[0].fused
+    # (an unexpected fallback fails a test: conftest turns FallbackWarning into an error)
+    unexpected = comfuse.compile(fn, SUITE["rmsnorm"].inputs(10, 16, 24, device=DEVICE))
+    with pytest.raises(comfuse.FallbackWarning, match="synthetic launch failure"):
+        unexpected(*SUITE["rmsnorm"].inputs(10, 16, 24, device=DEVICE))
     strict = comfuse.compile(fn, SUITE["rmsnorm"].inputs(9, 16, 24, device=DEVICE))
     with settings.override(strict=True), pytest.raises(RuntimeError, match="synthetic launch"):
         strict(*SUITE["rmsnorm"].inputs(9, 16, 24, device=DEVICE))

@@ -3,7 +3,7 @@ original ops.
 
 Failures never give a wrong answer: a kernel that fails at launch, or whose first call
 disagrees with the region's own ops (``validate``), turns the region off with a
-``ComfuseWarning`` (``COMFUSE_STRICT=1`` raises); tensors a kernel cannot take (a misaligned
+``FallbackWarning`` (``COMFUSE_STRICT=1`` raises); tensors a kernel cannot take (a misaligned
 TMA operand) run this call unfused. On a GPU the first call autotunes (``autotune``): the
 candidate plans and the region's ops compiled by Inductor are timed, and the fastest runs.
 """
@@ -14,7 +14,7 @@ import warnings
 import torch
 
 from .. import settings as settings_mod
-from ..errors import ComfuseWarning, KernelMismatch, UnsupportedLayout, notice_once, summary
+from ..errors import FallbackWarning, KernelMismatch, UnsupportedLayout, notice_once, summary
 from . import tuning
 from .launch import can_run_on
 
@@ -85,7 +85,7 @@ class Fused(torch.nn.Module):
     def fail(self, reason: str) -> None:
         self.failed = reason
         self.report.fused, self.report.reason = False, reason
-        warnings.warn(f"comfuse: {self.kind} at {self.report.anchor} runs unfused: {reason}", ComfuseWarning,
+        warnings.warn(f"comfuse: {self.kind} at {self.report.anchor} runs unfused: {reason}", FallbackWarning,
                       stacklevel=4)
 
     def autotune(self, ext, device, key: str, names: list, run_fused) -> dict:

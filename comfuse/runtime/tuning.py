@@ -22,7 +22,7 @@ import torch
 import triton
 
 from .. import settings as settings_mod
-from ..errors import ComfuseWarning, KernelMismatch
+from ..errors import FallbackWarning, KernelMismatch
 from ..ir import structural_text
 from . import cache
 from .check import compare, tolerance
@@ -254,7 +254,7 @@ def separate(unfused, ext, on_cpu: bool = False, form: str | None = None, forms=
         except Exception as e:  # the plain ops still run
             warnings.warn(f"comfuse: Inductor ({name}) could not compile a region's unfused ops "
                           f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
-                          "timing them as they are", ComfuseWarning, stacklevel=2)
+                          "timing them as they are", FallbackWarning, stacklevel=2)
     if not built:
         return unfused, "ops"
     if not gpu or form is not None:  # (on the CPU, for tests: compiled, not timed)
