@@ -20,6 +20,10 @@ def _load_target(target: str):
     sys.path.insert(0, str(file.parent.resolve()))
     try:
         spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise SystemExit(f"comfuse explain: {path}:{e.lineno}: {e.msg}") from None
+    except Exception as e:  # (the user's module failed to run: one line, not a traceback)
+        raise SystemExit(f"comfuse explain: running {path} failed: {type(e).__name__}: {e}") from None
     finally:
         sys.path.pop(0)
     fn = getattr(module, func, None)
@@ -35,6 +39,9 @@ def _load_target(target: str):
                 continue
         if callable(inputs):
             inputs = inputs()
+        if not isinstance(inputs, (tuple, list)):  # (a bare tensor would unpack along its rows)
+            raise SystemExit(f"comfuse explain: {path}: {name} must be a tuple or list of arguments, "
+                             f"got {type(inputs).__name__} (write (x,) for one argument)")
         return fn, tuple(inputs)
     raise SystemExit(f"comfuse explain: {path} must define {func}_inputs or example_inputs "
                      "(a tuple of example arguments, or a function returning one)")
@@ -58,7 +65,8 @@ def _sm90_summary(planned) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="comfuse", description=__doc__)
+    parser = argparse.ArgumentParser(prog="comfuse", description="comfuse: GEMMs fused with the work around them; "
+                                     "the commands below try, explain, time and manage it.")
     sub = parser.add_subparsers(dest="command", required=True)
     p_demo = sub.add_parser("demo", help="compile, check and (on a GPU) time the built-in suite")
     p_demo.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])

@@ -1,8 +1,11 @@
 """``comfuse.compile(fn, example_inputs)`` and ``comfuse.explain``.
 
 ``CompiledFunction`` keeps one specialisation per input signature (shapes, dtypes, devices,
-and the values of non-tensor arguments); a call with a new signature captures again, so a
-call never reuses a kernel built for other shapes. In each specialisation the captured graph
+the values of non-tensor arguments, defaults included) and, for a module, per state (which
+parameter and buffer objects it holds, each submodule's training flag); a call with a new
+signature or state captures again, so a call never reuses a kernel built for other shapes or
+a graph traced with other weights or in another mode. Python state beyond these (a global a
+branch reads) is traced as it was at capture; ``torch.compile(backend="comfuse")`` guards it. In each specialisation the captured graph
 has every fused region replaced by its module (pipeline.py); everything else runs as eager
 PyTorch ops.
 """
@@ -52,6 +55,26 @@ def _signature(args) -> tuple:
     return tuple(key)
 
 
+def _module_state(fn) -> tuple:
+    """What a module's captured graph depends on besides its arguments: the parameter and
+    buffer objects (a replaced parameter must not run with the old one's values; values changed
+    in place are read at each call) and every submodule's training flag (dropout, batch norm)."""
+    if not isinstance(fn, torch.nn.Module):
+        return ()
+    return (tuple(map(id, fn.parameters())), tuple(map(id, fn.buffers())),
+            tuple(m.training for m in fn.modules()))
+
+
+def _trains(fn, args) -> bool:
+    """Whether a call would need gradients: grad mode on, and an argument or a parameter of
+    ``fn`` (a module) requiring grad."""
+    if not torch.is_grad_enabled():
+        return False
+    if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        return True
+    return isinstance(fn, torch.nn.Module) and any(p.requires_grad for p in fn.parameters())
+
+
 class CompiledFunction:
     """``comfuse.compile(fn, example_inputs)``: call it like ``fn``."""
 
@@ -66,18 +89,22 @@ class CompiledFunction:
             self._sig = inspect.signature(fn)
         except (TypeError, ValueError):
             self._sig = None
+        # arguments bound with their defaults where the signature is plain (no *args, **kwargs)
+        plain = self._sig is not None and all(
+            p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in self._sig.parameters.values())
+        self._sig = self._sig if plain else None
         self._specs: collections.OrderedDict = collections.OrderedDict()
-        self._specialize(tuple(example_inputs))
+        self._specialize(self._bind(tuple(example_inputs), {}))
 
     def _bind(self, args, kwargs) -> tuple:
-        if not kwargs or self._sig is None:
+        if self._sig is None or (not kwargs and len(args) == len(self._sig.parameters)):
             return args
         bound = self._sig.bind(*args, **kwargs)
         bound.apply_defaults()
         return tuple(bound.arguments.values())
 
     def _specialize(self, args: tuple) -> Specialization:
-        key = _signature(args)
+        key = _signature(args) + _module_state(self._fn)
         spec = self._specs.get(key)
         if spec is None:
             limit = settings_mod.get().max_specializations
@@ -102,9 +129,10 @@ class CompiledFunction:
 
     def __call__(self, *args, **kwargs):
         args = self._bind(args, kwargs)
-        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-            notice_once(f"grad:{id(self)}", "comfuse: inputs require grad and comfuse.compile's kernels have no "
-                        "backward; running the function eagerly (torch.compile(backend=\"comfuse\") trains)")
+        if _trains(self._fn, args):
+            notice_once(f"grad:{id(self)}", "comfuse: inputs or parameters require grad and comfuse.compile's "
+                        "kernels have no backward; running the function eagerly "
+                        "(torch.compile(backend=\"comfuse\") trains)")
             return self._fn(*args)
         return self._specialize(args)(*args)
 

@@ -77,6 +77,18 @@ def test_explain_errors_are_clear(tmp_path):
         main(["explain", f"{src}:g"])
     with pytest.raises(SystemExit, match="expected FILE.py:FUNC"):
         main(["explain", str(src)])
+    broken = tmp_path / "broken.py"
+    broken.write_text("def f(x):\n    return x +\n")
+    with pytest.raises(SystemExit, match=r"broken.py:2: invalid syntax"):
+        main(["explain", f"{broken}:f"])
+    failing = tmp_path / "failing.py"
+    failing.write_text("raise ValueError('no data here')\n")
+    with pytest.raises(SystemExit, match="running .*failing.py failed: ValueError: no data here"):
+        main(["explain", f"{failing}:f"])
+    bare = tmp_path / "tensor.py"
+    bare.write_text("import torch\ndef f(x):\n    return x\nf_inputs = torch.ones(8, 4)\n")
+    with pytest.raises(SystemExit, match="f_inputs must be a tuple or list of arguments, got Tensor"):
+        main(["explain", f"{bare}:f"])
 
 
 def test_cache_info(capsys):

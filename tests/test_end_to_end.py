@@ -189,6 +189,71 @@ def test_inputs_requiring_grad_run_eagerly_with_gradients():
     torch.testing.assert_close(got, w.grad)
 
 
+class _Block(torch.nn.Module):
+    def __init__(self, p=0.0):
+        super().__init__()
+        self.proj, self.drop, self.norm = torch.nn.Linear(16, 32), torch.nn.Dropout(p), torch.nn.LayerNorm(32)
+
+    def forward(self, x):
+        return self.norm(self.drop(self.proj(x)))
+
+
+def test_trainable_parameters_train():
+    """A module whose parameters require grad runs eagerly (the kernels have no backward), so
+    its gradients are eager's: none may be silently lost."""
+    model, x = _Block().to(DEVICE), randn(8, 16)
+    compiled = comfuse.compile(model, (x,))
+    with pytest.warns(comfuse.ComfuseWarning, match="parameters require grad"):
+        out = compiled(x)
+    (out * torch.arange(32.0, device=DEVICE)).sum().backward()
+    got = torch.cat([p.grad.flatten() for p in model.parameters()])
+    model.zero_grad()
+    (model(x) * torch.arange(32.0, device=DEVICE)).sum().backward()
+    torch.testing.assert_close(got, torch.cat([p.grad.flatten() for p in model.parameters()]))
+
+
+def test_a_module_is_captured_again_when_its_parameters_or_mode_change():
+    """A replaced parameter, or train() after eval(), captures again: never the old weights'
+    graph or the other mode's."""
+    model, x = _Block(p=1.0).to(DEVICE).eval(), randn(8, 16)
+    with torch.no_grad():
+        compiled = comfuse.compile(model, (x,))
+        with quiet_notices():
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+            assert compiled.report.regions and compiled.report.regions[0].fused, str(compiled.report)
+            model.proj.weight = torch.nn.Parameter(weight(16, 32).T.contiguous())
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+            model.train()  # (dropout with p=1 zeroes its input: the norm's output is its bias)
+            torch.testing.assert_close(compiled(x), model.norm.bias.expand(8, 32))
+    assert len(compiled._specs) == 3
+
+
+def test_default_arguments_take_their_defaults():
+    def f(x, w, eps=1e-5, scale=2.0):
+        return torch.nn.functional.layer_norm(x @ w, (w.shape[1],), eps=eps) * scale
+    x, w = randn(8, 16), weight(16, 32)
+    compiled, out = compile_and_run(f, (x, w))
+    assert compiled.report.regions[0].fused, str(compiled.report)
+    assert_matches_reference(f, (x, w), out)
+    with quiet_notices():
+        assert_matches_reference(lambda x, w: f(x, w, scale=3.0), (x, w), compiled(x, w, scale=3.0))
+
+
+def test_fp16_products_beyond_the_range_stay_finite_in_the_epilogue():
+    """As the README says: x @ w = 160000 overflows fp16, so eager's softmax is NaN; the fused
+    epilogue runs in fp32 and returns the float64 reference's (finite) softmax."""
+    def f(x, w):
+        return torch.softmax(x @ w, -1)
+    x = torch.full((8, 16), 100.0, dtype=torch.float16, device=DEVICE)
+    w = torch.full((16, 32), 100.0, dtype=torch.float16, device=DEVICE)
+    w[:, 1] = 1.0
+    with settings.override(validate="0"):  # (the kernel's numbers, not the first call's check)
+        compiled, out = compile_and_run(f, (x, w))
+    assert compiled.report.regions[0].fused, str(compiled.report)
+    assert f(x, w).isnan().all() and out.isfinite().all()
+    torch.testing.assert_close(out.double(), f(x.double(), w.double()), rtol=0, atol=1e-3)
+
+
 def test_unsupported_graphs_run_unfused_with_a_reason():
     cases = {
         "both axes": lambda x, w: (x @ w) - (x @ w).amax(0) - (x @ w).sum(1, keepdim=True),

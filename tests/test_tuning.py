@@ -473,3 +473,25 @@ def test_a_pinned_form_keeps_autotuning_off_at_every_call(monkeypatch, fresh_cac
 def test_a_cache_directory_given_as_text_is_a_path(tmp_path):
     with settings.override(cache_dir=str(tmp_path)):
         assert settings.get().cache_dir == tmp_path
+
+
+def test_damaged_cache_entries_are_rebuilt(tmp_path, monkeypatch):
+    """A kernel source or a tuning decision whose bytes are not what comfuse wrote (not even
+    UTF-8) is rewritten or measured again, never trusted, and never turns comfuse off."""
+    from comfuse.runtime import build, cache
+    fn, wl = SUITE["rmsnorm"].fn, SUITE["rmsnorm"]
+    args = wl.inputs(8, 16, 24, device=DEVICE)
+    with settings.override(cache_dir=tmp_path):
+        comfuse.compile(fn, args)(*args)
+        sources = list(cache.kernel_dir().glob("*.py"))
+        assert sources
+        written = {p: p.read_bytes() for p in sources}
+        for p in sources:
+            p.write_bytes(b"\xff\xfe not a kernel \x00")
+        monkeypatch.setattr(cache, "_loaded", {})  # (as in a new process)
+        monkeypatch.setattr(build, "_kernels", {})
+        assert_matches_reference(fn, args, comfuse.compile(fn, args)(*args))
+        assert {p: p.read_bytes() for p in sources} == written
+        tuning.store("k", {"choice": "unfused"})
+        tuning._path("k").write_bytes(b"\xff{\"choice\"")
+        assert tuning.load("k") is None
