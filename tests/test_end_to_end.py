@@ -223,9 +223,11 @@ def test_a_module_is_captured_again_when_its_parameters_or_mode_change():
             assert compiled.report.regions and compiled.report.regions[0].fused, str(compiled.report)
             model.proj.weight = torch.nn.Parameter(weight(16, 32).T.contiguous())
             torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+            model.proj = torch.nn.Linear(16, 32).to(DEVICE)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
             model.train()  # (dropout with p=1 zeroes its input: the norm's output is its bias)
             torch.testing.assert_close(compiled(x), model.norm.bias.expand(8, 32))
-    assert len(compiled._specs) == 3
+    assert len(compiled._specs) == 4
 
 
 def test_default_arguments_take_their_defaults():
