@@ -30,7 +30,7 @@ import torch.fx as fx
 from . import settings as settings_mod
 from .errors import fallback, notice_once
 from .graph_check import GRAPH_CHECKS, faster_graph, mutates  # noqa: F401  (GRAPH_CHECKS: for inspection)
-from .pipeline import compile_graph
+from .pipeline import compile_graph, fake_inputs
 from .region_op import register as register_region
 from .report import Report
 from .rewrite import inline
@@ -202,23 +202,6 @@ def _fix_scalars(gm: fx.GraphModule, args, scalars: frozenset) -> fx.GraphModule
     return fx.GraphModule(gm, graph)
 
 
-def _static(example_inputs) -> tuple:
-    """Dynamo's example inputs as fake tensors of a fresh fake mode without a shape
-    environment: capture then sees plain integer sizes (no sym_size nodes), so views
-    between regions stay inside them. Nothing is allocated."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    mode = FakeTensorMode()
-    out = []
-    with mode:
-        for t in example_inputs:
-            if isinstance(t, torch.Tensor):
-                out.append(torch.empty_strided(tuple(int(s) for s in t.shape), tuple(int(s) for s in t.stride()),
-                                               dtype=t.dtype, device=t.device))
-            else:
-                out.append(t)
-    return tuple(out)
-
-
 REPORTS: list = []  # the reports of the last graphs lowered, newest last (for inspection, like GRAPH_CHECKS)
 
 
@@ -236,7 +219,7 @@ class Lowered:
 def lower(gm: fx.GraphModule, example_inputs, disabled_kinds=frozenset(), warm: bool = False) -> Lowered:
     """``gm`` through the pipeline, each fused region then replaced by a ``comfuse::region``
     call. ``warm``: run the regions once now even where autotuning is off (``_tune_now``)."""
-    fused, report = compile_graph(gm, _static(example_inputs), execute=False, disabled_kinds=disabled_kinds)
+    fused, report = compile_graph(gm, fake_inputs(example_inputs), execute=False, disabled_kinds=disabled_kinds)
     REPORTS.append(report)
     del REPORTS[:-16]
     if fused is None:

@@ -18,8 +18,8 @@ import inspect
 import torch
 
 from . import settings as settings_mod
-from .errors import notice_once
-from .pipeline import compile_graph
+from .errors import notice_once, summary
+from .pipeline import compile_graph, fake_inputs
 from .report import Report
 from .runtime.region import FusedRegion
 
@@ -157,8 +157,41 @@ class CompiledFunction:
         return self._specialize(args, state)(*args)
 
 
-def explain(fn, example_inputs) -> Report:
-    """Find, plan and generate without running anything; return the report."""
-    if not isinstance(example_inputs, (tuple, list)):
+def explain(fn, example_inputs=(), kwargs: dict | None = None) -> Report:
+    """Find, plan and generate without running a kernel; return the report. ``fn`` is traced
+    whole where it can be; a program that cannot be (keyword inputs, cache objects, Python
+    that tracing cannot follow: most Hugging Face models) is captured as the torch.compile
+    backend sees it instead, graph by graph, running ``fn`` once eagerly to do so."""
+    if isinstance(example_inputs, torch.Tensor) or not isinstance(example_inputs, (tuple, list)):
         raise TypeError("comfuse.explain: example_inputs must be a tuple or list of arguments")
-    return Specialization(fn, tuple(example_inputs), execute=False).report
+    args = tuple(example_inputs)
+    if not kwargs:
+        report = Specialization(fn, args, execute=False).report
+        if not report.error:
+            return report
+    return _explain_graphs(fn, args, dict(kwargs or {}))
+
+
+def _explain_graphs(fn, args: tuple, kwargs: dict) -> Report:
+    """The regions of every graph Dynamo hands a backend for ``fn(*args, **kwargs)`` (graph
+    breaks and all), each region's anchor prefixed by its graph's number."""
+    reports = []
+
+    def record(gm, example_inputs):
+        reports.append(compile_graph(gm, fake_inputs(example_inputs), execute=False)[1])
+        return gm.forward
+
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    try:
+        with torch.no_grad():
+            torch.compile(fn, backend=record, dynamic=False)(*args, **kwargs)
+    except Exception as e:
+        return Report(function=name, regions=[], error=f"torch.compile could not capture {name}: {summary(e)}")
+    merged = Report(function=name, regions=[], graph="\n\n".join(r.graph for r in reports if r.graph))
+    for number, report in enumerate(reports):
+        for region in report.regions:
+            region.index, region.anchor = len(merged.regions), f"graph {number}: {region.anchor}"
+            merged.regions.append(region)
+    errors = [r.error for r in reports if r.error]
+    merged.error = "; ".join(errors)
+    return merged

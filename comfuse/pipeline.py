@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from . import settings as settings_mod
 from .errors import CaptureError, fallback, notice_once, summary
@@ -177,3 +178,19 @@ def fuse_chain(gm: fx.GraphModule, cands: list, links: list, report: Report):
     module = FusedChain(cands, merged, planned, unfused, rep)  # (its candidates: at tuning, 4.)
     module.kernel = kernel
     return merged, module
+
+
+def fake_inputs(example_inputs) -> tuple:
+    """Dynamo's example inputs as fake tensors of a fresh fake mode without a shape
+    environment: capture then sees plain integer sizes (no sym_size nodes), so views
+    between regions stay inside them. Nothing is allocated."""
+    mode = FakeTensorMode()
+    out = []
+    with mode:
+        for t in example_inputs:
+            if isinstance(t, torch.Tensor):
+                out.append(torch.empty_strided(tuple(int(s) for s in t.shape), tuple(int(s) for s in t.stride()),
+                                               dtype=t.dtype, device=t.device))
+            else:
+                out.append(t)
+    return tuple(out)
