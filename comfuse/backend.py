@@ -33,7 +33,7 @@ from .graph_check import GRAPH_CHECKS, faster_graph, mutates  # noqa: F401  (GRA
 from .pipeline import compile_graph, fake_inputs
 from .region_op import register as register_region
 from .report import Report
-from .rewrite import inline
+from .rewrite import inline, views_as_reshapes
 from .runtime import tuning
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -247,6 +247,7 @@ def lower(gm: fx.GraphModule, example_inputs, disabled_kinds=frozenset(), warm: 
         kept.append(module)
     if not kept:
         return Lowered(None, report)  # autotuning left every region unfused: Inductor gets Dynamo's graph
+    views_as_reshapes(graph)  # (Inductor traces the graph again, where strides may differ)
     graph.lint()
     fused.recompile()
     return Lowered(fused, report, any(tuning.saves_memory(m.region) for m in kept if getattr(m, "region", None)))

@@ -125,3 +125,18 @@ def drop_identity_views(graph: fx.Graph) -> int:
             graph.erase_node(node)
             removed += 1
     return removed
+
+
+def views_as_reshapes(graph: fx.Graph) -> int:
+    """Turn every ``view`` and ``_unsafe_view`` into ``reshape``: the capture chose a view where
+    its strides allowed one, and Inductor, tracing the graph again with its own decompositions,
+    may give the same tensor other strides (a ``cat`` with an empty cache tensor returns the
+    other input's layout), where a view fails. A reshape is a view wherever one is possible,
+    and the graph is functional: nothing writes through the view. Returns how many changed."""
+    changed = 0
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in (torch.ops.aten.view.default,
+                                                          torch.ops.aten._unsafe_view.default):
+            node.target = torch.ops.aten.reshape.default
+            changed += 1
+    return changed

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import comfuse
-from comfuse import backend as backend_reports
+from comfuse import backend as backend_reports, settings
 
 from helpers import DEVICE
 
@@ -289,6 +289,38 @@ def test_explain_lists_the_regions_of_hugging_face_models(name):
     assert all(r.anchor.startswith("graph ") for r in report.regions)
     positional = comfuse.explain(model, (kwargs["input_ids"],))
     assert not positional.error and len(positional.fused) >= 1, str(positional)
+
+
+def _grads(model) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+def test_hf_gpt2_trains_through_the_backend():
+    """GPT-2 with its defaults (dropout, caches on) and labels: a training step compiles with
+    the fused regions in the graph (Inductor traces it again, where a view the capture chose
+    met other strides); without dropout, the loss and all gradients equal eager's."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    ids = torch.randint(0, 128, (2, 16), device=DEVICE)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=64, n_layer=1, n_head=4)).to(DEVICE)
+    with settings.override(strict=True):
+        torch._dynamo.reset()
+        torch.compile(model, backend="comfuse")(input_ids=ids, labels=ids).loss.backward()
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=64, n_layer=1, n_head=4, resid_pdrop=0.0,
+                                       embd_pdrop=0.0, attn_pdrop=0.0)).to(DEVICE)
+    with settings.override(strict=True):
+        torch._dynamo.reset()
+        backend_reports.REPORTS.clear()
+        loss = torch.compile(model, backend="comfuse")(input_ids=ids, labels=ids).loss
+        loss.backward()
+    assert any(r.fused for r in backend_reports.REPORTS), "\n".join(map(str, backend_reports.REPORTS))
+    got = _grads(model)
+    model.zero_grad()
+    want = model(input_ids=ids, labels=ids).loss
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got, _grads(model), rtol=1e-4, atol=1e-5)
 
 
 def test_hf_bert_layer_inference_and_training():

@@ -82,3 +82,23 @@ def test_training_under_a_distributed_engine_matches_one_process(tmp_path, engin
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result["fused"] >= 1, f"rank {rank}: no region fused"
         assert result["error"] < 1e-5, f"rank {rank}: parameters differ from one process's by {result['error']:.2e}"
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+def test_the_distributed_script_runs_a_llama_model_on_the_cpu(tmp_path, engine):
+    """scripts/distributed_check.py --tiny --device cpu: a Llama model with its loss under
+    torchrun, two gloo ranks; rank 0's parameters equal one process's eager training."""
+    import os
+    import subprocess
+    import sys
+    pytest.importorskip("transformers", reason="transformers is part of the dev extras")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           os.path.join(root, "scripts", "distributed_check.py"), str(tmp_path), "--engine", engine,
+                           "--model", "llama", "--tiny", "--device", "cpu", "--steps", "2"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"{engine}-llama-comfuse-rank{r}.json").read_text()) for r in range(WORLD)]
+    assert all(r["regions_fused"] >= 1 for r in ranks), ranks
+    assert ranks[0]["parameter_difference"] < 1e-5, ranks[0]
