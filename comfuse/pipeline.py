@@ -183,14 +183,17 @@ def fuse_chain(gm: fx.GraphModule, cands: list, links: list, report: Report):
 def fake_inputs(example_inputs) -> tuple:
     """Dynamo's example inputs as fake tensors of a fresh fake mode without a shape
     environment: capture then sees plain integer sizes (no sym_size nodes), so views
-    between regions stay inside them. Nothing is allocated."""
+    between regions stay inside them. Nothing is allocated. Each keeps ``requires_grad``:
+    ops that decide by it what to save for a backward (attention's log-sum-exp) must decide
+    as they will when Inductor's AOTAutograd differentiates the graph."""
     mode = FakeTensorMode()
     out = []
     with mode:
         for t in example_inputs:
             if isinstance(t, torch.Tensor):
-                out.append(torch.empty_strided(tuple(int(s) for s in t.shape), tuple(int(s) for s in t.stride()),
-                                               dtype=t.dtype, device=t.device))
+                fake = torch.empty_strided(tuple(int(s) for s in t.shape), tuple(int(s) for s in t.stride()),
+                                           dtype=t.dtype, device=t.device)
+                out.append(fake.requires_grad_(t.requires_grad) if t.is_floating_point() else fake)
             else:
                 out.append(t)
     return tuple(out)

@@ -291,6 +291,16 @@ def test_explain_lists_the_regions_of_hugging_face_models(name):
     assert not positional.error and len(positional.fused) >= 1, str(positional)
 
 
+def test_fake_inputs_keep_requires_grad():
+    """Capture sees what the call will need: attention saves its log-sum-exp for a backward
+    only when an input requires grad, and Inductor's backward then reads it."""
+    from comfuse.pipeline import fake_inputs
+    x, w, ids = torch.randn(4, 8).requires_grad_(), torch.randn(8, 8), torch.arange(4)
+    fx_, fw, fids, n = fake_inputs((x, w, ids, 3))
+    assert fx_.requires_grad and not fw.requires_grad and not fids.requires_grad and n == 3
+    assert fx_.shape == x.shape and fx_.stride() == x.stride() and fids.dtype == ids.dtype
+
+
 def _grads(model) -> torch.Tensor:
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
