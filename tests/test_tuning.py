@@ -481,6 +481,8 @@ def test_damaged_cache_entries_are_rebuilt(tmp_path, monkeypatch):
     from comfuse.runtime import build, cache
     fn, wl = SUITE["rmsnorm"].fn, SUITE["rmsnorm"]
     args = wl.inputs(8, 16, 24, device=DEVICE)
+    monkeypatch.setattr(cache, "_loaded", {})  # (kernels built by earlier tests: built again here)
+    monkeypatch.setattr(build, "_kernels", {})
     with settings.override(cache_dir=tmp_path):
         comfuse.compile(fn, args)(*args)
         sources = list(cache.kernel_dir().glob("*.py"))
