@@ -80,7 +80,7 @@ class _ModuleState:
     def key(self) -> int:
         if self.last is None or self._fingerprint() != self.last:
             self.mods = list(self.module.modules())  # (a submodule may have been replaced)
-            self.params = [p for p in self.module.parameters()]
+            self.params = list(self.module.parameters())
             self.last = self._fingerprint()
             self.current = self.ids.setdefault(tuple(self.last), len(self.ids))
         return self.current
