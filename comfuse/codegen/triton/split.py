@@ -46,6 +46,12 @@ class SplitEmitter(Emitter):
         super().__init__(plan, name)
         self.template = template  # a ws_split plan's (planner.template.LseTemplate)
 
+    def row_block(self) -> None:
+        """A combine kernel's rows: program pid_m's BLOCK_M of them, and their mask."""
+        self.line("pid_m = tl.program_id(0)")
+        self.line("offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
+        self.line("mask_m = offs_m < M")
+
     def emit_split(self) -> KernelSource:
         p = self.plan
         op = p.form.onepass
@@ -125,9 +131,7 @@ class SplitEmitter(Emitter):
         self.lines = []
         self.function(f"{self.name}_combine", sig, consts,
                       "merge each row's statistics over the slices of N; compute the outputs")
-        self.line("pid_m = tl.program_id(0)")
-        self.line("offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
-        self.line("mask_m = offs_m < M")
+        self.row_block()
         self.line("chunks = tl.arange(0, CHUNKS_POW2)")
         self.line("both = (chunks < CHUNKS)[:, None] & mask_m[None, :]")
         slot_of = {key: j for j, key in enumerate(slots)}
@@ -203,9 +207,7 @@ class SplitEmitter(Emitter):
         self.lines = []
         self.function(f"{self.name}_combine", sig, SPLIT_CONSTEXPRS,
                       "merge each row's per-tile log-sum-exps and its target logit; compute the outputs")
-        self.line("pid_m = tl.program_id(0)")
-        self.line("offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
-        self.line("mask_m = offs_m < M")
+        self.row_block()
         self.line("# log-sum-exp over the row's tiles, 32 tiles at a time (a running max and a rescaled sum)")
         self.line('run_m = tl.full((BLOCK_M,), float("-inf"), tl.float32)')
         self.line("run_s = tl.zeros((BLOCK_M,), dtype=tl.float32)")
