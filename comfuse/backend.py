@@ -22,19 +22,14 @@ Options (``torch.compile(..., options={...})``): ``mode`` (above), ``disable`` (
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 
 import torch
 import torch.fx as fx
 
 from . import settings as settings_mod
 from .errors import fallback, notice_once
-from .graph_check import GRAPH_CHECKS, faster_graph, mutates  # noqa: F401  (GRAPH_CHECKS: for inspection)
-from .pipeline import compile_graph, fake_inputs
-from .region_op import register as register_region
-from .report import Report
-from .rewrite import inline, views_as_reshapes
-from .runtime import tuning
+from .graph_check import GRAPH_CHECKS, faster_graph  # noqa: F401  (GRAPH_CHECKS: for inspection)
+from .inductor_pass import REPORTS, RegionPass  # noqa: F401  (REPORTS: for inspection)
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 SETTINGS = ("schedule", "fuel", "autotune", "graph_check")  # the settings a backend option may set
@@ -89,41 +84,37 @@ def _symbolic(example_inputs) -> bool:
 
 
 def comfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None):
-    """The torch.compile backend: fuse what comfuse can, give the rest to Inductor (in
-    ``mode``, torch.compile's)."""
+    """The torch.compile backend: Inductor compiles the graph (in ``mode``, torch.compile's),
+    with comfuse's pass fusing regions in each graph it lowers."""
     opts = _options(options, mode)
     if _symbolic(example_inputs):
         return PerShape(gm, example_inputs, opts)
-    compiled, lowered = _compile_lowered(gm, example_inputs, opts)
+    compiled, regions = _compile_with_regions(gm, example_inputs, opts)
     if compiled is None:
         return _inductor(gm, example_inputs, opts)
+    if not regions.fused:
+        return compiled  # (nothing fused in the forward: the graph is Inductor's, the backward's regions aside)
     with settings_mod.override(**opts["settings"]):
-        return faster_graph(gm, example_inputs, compiled, lowered, lambda: _inductor(gm, list(example_inputs), opts))
+        return faster_graph(gm, example_inputs, compiled, regions.fused, regions.saves_memory,
+                            lambda: _inductor(gm, list(example_inputs), opts))
 
 
-
-
-def _compile_lowered(gm: fx.GraphModule, example_inputs, opts: dict, shapes: str = "", own: bool = False):
-    """(Inductor's compilation of ``gm`` with comfuse's regions in it, its Lowered record), or
-    (None, the record or None) when nothing fuses or lowering or compiling fails (with a
-    warning; COMFUSE_STRICT=1 raises): the caller then runs Inductor's code without them.
-    ``own``: a compilation of its own, not inside Dynamo's (PerShape, at a call)."""
-    instead = "Inductor's code runs without fused regions"
-    with settings_mod.override(**opts["settings"]):
-        try:
-            lowered = lower(gm, example_inputs, opts["kinds"], warm=opts.get("cudagraphs", False))
-        except Exception as e:  # capture or planning failed: the graph is still Inductor's
-            fallback(f"backend: could not lower this graph{shapes}", e, instead, stacklevel=4)
-            return None, None
-    if lowered.gm is None:
-        return None, lowered
+def _compile_with_regions(gm: fx.GraphModule, example_inputs, opts: dict, shapes: str = "", own: bool = False):
+    """(Inductor's compilation of ``gm`` with comfuse's pass fusing regions in each graph it
+    lowers, the pass), or (None, None) when Inductor fails with the pass in (with a warning;
+    COMFUSE_STRICT=1 raises): the caller then compiles the graph without it. ``own``: a
+    compilation of its own, not inside Dynamo's (PerShape, at a call)."""
+    regions = RegionPass(opts["kinds"], opts["settings"], warm=opts.get("cudagraphs", False))
+    patches = dict(opts.get("inductor") or {}, post_grad_custom_post_pass=regions)
     try:
         with (torch._guards.tracing(None) if own else contextlib.nullcontext()):
-            return _inductor(lowered.gm, list(example_inputs) if own else example_inputs, opts), lowered
+            from torch._inductor.compile_fx import compile_fx
+            inputs = list(example_inputs) if own else example_inputs
+            return compile_fx(gm, inputs, config_patches=patches), regions
     except Exception as e:
-        fallback(f"backend: Inductor could not compile the graph with fused regions{shapes}", e, instead,
-                 stacklevel=4)
-        return None, lowered
+        fallback(f"backend: Inductor could not compile the graph with comfuse's regions{shapes}", e,
+                 "Inductor's code runs without fused regions", stacklevel=3)
+        return None, None
 
 
 class PerShape:
@@ -160,15 +151,20 @@ class PerShape:
         return fn(*args)
 
     def _build(self, key, args):
-        compiled, lowered = _compile_lowered(_fix_scalars(self.gm, args, self.scalars), args, self.opts,
-                                             " for its new shapes", own=True)
-        report = lowered.report if lowered is not None else None
-        self.reports[key] = report if compiled is not None else None
+        compiled, regions = _compile_with_regions(_fix_scalars(self.gm, args, self.scalars), args, self.opts,
+                                                  " for its new shapes", own=True)
         if compiled is None:
-            self.regionless = report is not None and not report.regions and not report.error
+            self.reports[key] = None
             return self.dynamic
+        self.reports[key] = regions.reports[0] if regions.reports else None
+        if not regions.found:
+            self.regionless = True  # (no GEMM region in the forward: no shape will fuse one)
+            return self.dynamic
+        if not regions.fused:
+            return compiled
         with settings_mod.override(**self.opts["settings"]):
-            return faster_graph(self.gm, args, compiled, lowered, None, plain=self.dynamic)
+            return faster_graph(self.gm, args, compiled, regions.fused, regions.saves_memory, None,
+                                plain=self.dynamic)
 
 
 def _shape_key(args, scalars: frozenset) -> tuple:
@@ -200,86 +196,6 @@ def _fix_scalars(gm: fx.GraphModule, args, scalars: frozenset) -> fx.GraphModule
                 user.replace_all_uses_with(value.item())
                 graph.erase_node(user)
     return fx.GraphModule(gm, graph)
-
-
-REPORTS: list = []  # the reports of the last graphs lowered, newest last (for inspection, like GRAPH_CHECKS)
-
-
-@dataclasses.dataclass
-class Lowered:
-    """What ``lower`` made of a graph: ``gm``, the aten graph with every fused region replaced
-    by a ``comfuse::region`` call (None when nothing fuses or capture fails); ``report``, what
-    comfuse found and decided; ``saves_memory``: a region kept fused avoids a huge
-    intermediate (a loss over a vocabulary)."""
-    gm: fx.GraphModule | None
-    report: Report
-    saves_memory: bool = False
-
-
-def lower(gm: fx.GraphModule, example_inputs, disabled_kinds=frozenset(), warm: bool = False) -> Lowered:
-    """``gm`` through the pipeline, each fused region then replaced by a ``comfuse::region``
-    call. ``warm``: run the regions once now even where autotuning is off (``_tune_now``)."""
-    fused, report = compile_graph(gm, fake_inputs(example_inputs), execute=False, disabled_kinds=disabled_kinds)
-    REPORTS.append(report)
-    del REPORTS[:-16]
-    if fused is None:
-        return Lowered(None, report)
-    graph = fused.graph
-    _tune_now(fused, example_inputs, warm)
-    kept = []
-    for node in list(graph.nodes):
-        if node.op != "call_module":
-            continue
-        module = fused.get_submodule(node.target)
-        if getattr(module, "prefer_unfused", False):  # autotuning: its ops are faster left to Inductor
-            inline(fused, node, module.unfused)
-            continue
-        is_tensor = [isinstance(a, fx.Node) and not isinstance(a.meta.get("val"), (int, torch.SymInt))
-                     for a in node.args]
-        region_id = register_region(module, is_tensor)
-        tensors = [a for a, t in zip(node.args, is_tensor) if t]
-        scalars = [a for a, t in zip(node.args, is_tensor) if not t]
-        with graph.inserting_before(node):
-            call = graph.call_function(torch.ops.comfuse.region.default, (region_id, tensors, scalars))
-        node.replace_all_uses_with(call)
-        graph.erase_node(node)
-        fused.delete_submodule(node.target)  # the registry holds it; Inductor need not pickle it
-        kept.append(module)
-    if not kept:
-        return Lowered(None, report)  # autotuning left every region unfused: Inductor gets Dynamo's graph
-    views_as_reshapes(graph)  # (Inductor traces the graph again, where strides may differ)
-    graph.lint()
-    fused.recompile()
-    return Lowered(fused, report, any(tuning.saves_memory(m.region) for m in kept if getattr(m, "region", None)))
-
-
-def _tune_now(gm: fx.GraphModule, example_inputs, warm: bool = False) -> None:
-    """Autotune every fused region at compile time, on Dynamo's real example inputs: the
-    regions whose unfused ops win are then left in the graph for Inductor, which fuses
-    them with their neighbours (inside a comfuse::region call they could not be). Skipped
-    for fake or CPU inputs and for graphs that write to their inputs (running the graph
-    once more would repeat the writes); their regions tune on their first call instead.
-
-    ``warm`` (torch.compile's CUDA-graph modes): the call runs on a GPU even with autotuning
-    off, so that each kernel's first launch, which builds it and allocates the scratch it
-    keeps for later launches (a strip's workspace and arrival counters), happens here and
-    not inside Inductor's CUDA-graph warm-up, whose private memory pool must hold only the
-    tensors it tracks."""
-    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
-    if not tensors:
-        return
-    if not tuning.enabled(tensors[0].device) and not (warm and tensors[0].device.type == "cuda"):  # "auto": GPUs only
-        return
-    from torch._subclasses.fake_tensor import FakeTensor
-    if any(isinstance(t, FakeTensor) for t in tensors) or mutates(gm):
-        return
-    try:
-        with torch.no_grad():
-            gm(*example_inputs)
-    except Exception as e:
-        fallback("backend: autotuning at compile time failed", e, "the regions tune on their first call")
-
-
 
 
 def register() -> None:

@@ -99,14 +99,16 @@ def _time_graphs(calls: dict, device) -> dict:
     return {n: statistics.median(t) for n, t in rounds.items()}
 
 
-def faster_graph(gm: fx.GraphModule, example_inputs, fused, lowered, compile_plain, plain=None):
+def faster_graph(gm: fx.GraphModule, example_inputs, fused, regions: int, saves_memory: bool, compile_plain,
+                 plain=None):
     """``fused`` (Inductor's compilation of the graph with comfuse's regions in it) or, when
     the graph is checked (COMFUSE_GRAPH_CHECK), a ``GraphChoice`` between it and Inductor's
     compilation of ``gm`` as Dynamo gave it (``plain``, or ``compile_plain()`` when not given).
-    ``lowered``: the backend's Lowered record of the fused graph."""
+    ``regions``: how many regions the fused graph keeps; ``saves_memory``: one of them avoids a
+    huge intermediate."""
     if not _checks_graph(gm, example_inputs):
         return fused
-    if lowered.saves_memory:  # Inductor's graph would hold (and, timed, allocate) that tensor
+    if saves_memory:  # Inductor's graph would hold (and, timed, allocate) that tensor
         log.info("backend: a fused region saves a large intermediate (a loss over a vocabulary): "
                  "the graph keeps it without timing Inductor's")
         return fused
@@ -117,7 +119,7 @@ def faster_graph(gm: fx.GraphModule, example_inputs, fused, lowered, compile_pla
     except Exception as e:  # keep the fused graph: each of its regions won its own timing
         fallback("compiling the graph without fused regions, to time it, failed", e, "the fused graph runs")
         return fused
-    return GraphChoice(fused, plain, sum(bool(r.fused) for r in lowered.report.regions))
+    return GraphChoice(fused, plain, regions)
 
 
 class GraphChoice:

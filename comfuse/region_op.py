@@ -28,12 +28,12 @@ _ids = itertools.count()
 _lock = threading.Lock()
 
 
-def register(module, is_tensor: list) -> int:
+def register(module, is_tensor: list, carry_statistics: bool = True) -> int:
     """A new id for ``module``, derived from what it computes. The id is all a compiled graph
     records of its region (``comfuse::region(id, ...)``), and Inductor caches compiled graphs
     on disk by their text: with ids 0, 1, 2... per process, another process's region 0 (another
     version's statistics, another region) would reuse code built for this one's output shapes."""
-    rows = module.carries_statistics() if hasattr(module, "carries_statistics") else 0
+    rows = module.carries_statistics() if carry_statistics and hasattr(module, "carries_statistics") else 0
     what = repr((getattr(module, "plan", None), getattr(module, "output_specs", None), tuple(is_tensor), rows,
                  CODEGEN_VERSION, torch.__version__))
     with _lock:

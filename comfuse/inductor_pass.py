@@ -1,0 +1,239 @@
+"""comfuse inside Inductor's compilation: a post-grad graph pass.
+
+The backend lets Dynamo, AOTAutograd and Inductor run as they do; Inductor calls ``RegionPass``
+on every graph it lowers, after AOTAutograd has split the joint graph into a forward and a
+backward (or kept one inference graph). So the backward is Inductor's own, the tensors it
+saves (a pre-norm sum, LayerNorm's mean and rstd) are outputs of the forward graph and
+therefore extra outputs of the fused kernels, and the backward graph's own GEMMs followed by
+row reductions are regions like any other.
+
+On each graph the pass runs the pipeline (pipeline.py) on a copy, then, where regions fused,
+puts the copy in the graph's place with each fused region as one ``comfuse::region`` call
+(region_op.py) that Inductor schedules like any extern kernel, fusing everything around it.
+Any failure leaves the graph exactly as Inductor gave it, with a warning naming the reason
+(``COMFUSE_STRICT=1`` raises).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from . import settings as settings_mod
+from .errors import fallback
+from .pipeline import compile_graph, fake_inputs
+from .region_op import register as register_region
+from .report import Report
+from .rewrite import inline, views_as_reshapes
+from .runtime import tuning
+
+REPORTS: list = []  # the reports of the last graphs lowered, newest last (for inspection)
+
+
+@dataclasses.dataclass
+class Lowered:
+    """What ``lower`` made of a graph: ``gm``, the aten graph with every fused region replaced
+    by a ``comfuse::region`` call (None when nothing fuses); ``report``, what comfuse found and
+    decided; ``saves_memory``: a region kept fused avoids a huge intermediate (a loss over a
+    vocabulary)."""
+    gm: fx.GraphModule | None
+    report: Report
+    saves_memory: bool = False
+
+
+def lower(gm: fx.GraphModule, example_inputs, disabled_kinds=frozenset(), tune=None, name: str = "") -> Lowered:
+    """``gm`` through the pipeline, each fused region then replaced by a ``comfuse::region``
+    call. ``tune(fused_gm)``: autotune the regions now (those whose unfused ops win are left
+    in the graph, for Inductor to fuse with their neighbours)."""
+    fused, report = compile_graph(gm, fake_inputs(example_inputs), execute=False, disabled_kinds=disabled_kinds)
+    if name:
+        report.function = name
+    REPORTS.append(report)
+    del REPORTS[:-16]
+    if fused is None:
+        return Lowered(None, report)
+    graph = fused.graph
+    if tune is not None:
+        tune(fused)
+    kept = []
+    for node in list(graph.nodes):
+        if node.op != "call_module":
+            continue
+        module = fused.get_submodule(node.target)
+        if getattr(module, "prefer_unfused", False):  # autotuning: its ops are faster left to Inductor
+            inline(fused, node, module.unfused)
+            continue
+        is_tensor = [isinstance(a, fx.Node) and not isinstance(a.meta.get("val"), (int, torch.SymInt))
+                     for a in node.args]
+        region_id = register_region(module, is_tensor, carry_statistics=False)
+        tensors = [a for a, t in zip(node.args, is_tensor) if t]
+        scalars = [a for a, t in zip(node.args, is_tensor) if not t]
+        with graph.inserting_before(node):
+            call = graph.call_function(torch.ops.comfuse.region.default, (region_id, tensors, scalars))
+        node.replace_all_uses_with(call)
+        graph.erase_node(node)
+        fused.delete_submodule(node.target)  # the registry holds it; Inductor need not pickle it
+        kept.append(module)
+    if not kept:
+        return Lowered(None, report)  # autotuning left every region unfused
+    views_as_reshapes(graph)  # (Inductor lowers the graph with its own strides, where a view may fail)
+    graph.lint()
+    fused.recompile()
+    return Lowered(fused, report, any(tuning.saves_memory(m.region) for m in kept if getattr(m, "region", None)))
+
+
+def random_like(value):
+    """A real tensor shaped like the fake ``value``: normal floats, zero integers (valid as
+    indices anywhere), or ``value`` itself when it is not a tensor."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    out = torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype, device=value.device)
+    if out.is_floating_point():
+        out.normal_()
+    else:
+        out.zero_()
+    return out
+
+
+def tune_on_random_inputs(fused: fx.GraphModule, warm: bool = False) -> None:
+    """Autotune each fused region of ``fused`` now, on random inputs of its shapes (the graph's
+    own tensors are fake here): a region decides between its plans and its ops before
+    Inductor lowers the graph, so the losers are inlined and Inductor fuses them. Only where
+    autotuning is on (by default, on a GPU); elsewhere the regions decide at their first call.
+
+    ``warm`` (torch.compile's CUDA-graph modes): each region runs once on a GPU even with
+    autotuning off, so that its kernel's first launch, which builds it and allocates the
+    scratch it keeps for later launches (a strip's workspace and arrival counters), happens
+    here and not inside Inductor's CUDA-graph warm-up, whose private memory pool must hold
+    only the tensors it tracks."""
+    for node in fused.graph.nodes:
+        if node.op != "call_module":
+            continue
+        vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args]
+        tensors = [v for v in vals if isinstance(v, torch.Tensor)]
+        if not tensors or not (tuning.enabled(tensors[0].device) or (warm and tensors[0].device.type == "cuda")):
+            continue
+        module = fused.get_submodule(node.target)
+        try:
+            with torch.no_grad():
+                module(*[random_like(v) for v in vals])
+        except Exception as e:
+            fallback(f"backend: autotuning the region at {module.report.anchor} failed", e,
+                     "it decides at its first call")
+
+
+def _symbolic(values) -> bool:
+    for v in values:
+        if isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and any(
+                not isinstance(s, int) for s in (*v.shape, *v.stride()))):
+            return True
+    return False
+
+
+def _transplant(graph: fx.Graph, source: fx.GraphModule, owner: torch.nn.Module) -> None:
+    """Replace ``graph``'s nodes (``owner``'s graph, which Inductor holds) by ``source``'s, in
+    place; the placeholders stay, matched to ``source``'s by position, and the constants
+    ``source`` reads become attributes of ``owner`` under fresh names."""
+    old_inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    new_inputs = [n for n in source.graph.nodes if n.op == "placeholder"]
+    if len(old_inputs) != len(new_inputs):
+        raise RuntimeError(f"the lowered graph has {len(new_inputs)} inputs, the graph {len(old_inputs)}")
+    names = {}
+    for node in source.graph.nodes:
+        if node.op == "get_attr" and node.target not in names:
+            fresh = f"comfuse_constant{len(names)}"
+            while hasattr(owner, fresh):
+                fresh += "_"
+            setattr(owner, fresh, getattr(source, node.target))
+            names[node.target] = fresh
+    for node in reversed(list(graph.nodes)):
+        if node.op != "placeholder":
+            graph.erase_node(node)
+    env = dict(zip(new_inputs, old_inputs))
+    for node in source.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        if node.op == "output":
+            graph.output(fx.map_arg(node.args[0], lambda n: env[n]))
+            break
+        env[node] = graph.node_copy(node, lambda n: env[n])
+        if node.op == "get_attr":
+            env[node].target = names[node.target]
+
+
+def _refresh_meta(gm: fx.GraphModule, values) -> None:
+    """Every node's ``val`` again under the fake mode of the graph's inputs (Inductor's)."""
+    from torch._guards import detect_fake_mode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+    mode = detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*values)
+
+
+def graph_kind(graph: fx.Graph) -> str:
+    """"backward", "forward" (of a training graph) or "inference", by AOTAutograd's names
+    for the inputs (torch 2.11 does not tell a post-grad pass which it is lowering)."""
+    targets = [str(n.target) for n in graph.nodes if n.op == "placeholder"]
+    if any(t.startswith("tangents") for t in targets):
+        return "backward"
+    return "forward" if any(t.startswith("primals") for t in targets) else "inference"
+
+
+class RegionPass(CustomGraphPass):
+    """The post-grad pass the backend hands Inductor (``post_grad_custom_post_pass``).
+    ``kinds``: the kinds of fusion left out; ``settings``: comfuse settings in force while
+    it runs. ``lowered`` collects each graph's Lowered record, in the order Inductor lowered
+    them (the forward first; the backward at the first backward call)."""
+
+    def __init__(self, kinds=frozenset(), settings: dict | None = None, warm: bool = False):
+        self.kinds = frozenset(kinds)
+        self.settings = dict(settings or {})
+        self.warm = warm
+        self.lowered: list = []
+
+    @property
+    def reports(self) -> list:
+        return [lowered.report for lowered in self.lowered]
+
+    @property
+    def found(self) -> int:
+        """Regions found so far, fused or not."""
+        return sum(len(r.regions) for r in self.reports)
+
+    @property
+    def fused(self) -> int:
+        """Regions kept fused so far (in the graphs lowered until now)."""
+        return sum(1 for lowered in self.lowered if lowered.gm is not None
+                   for r in lowered.report.regions if r.fused)
+
+    @property
+    def saves_memory(self) -> bool:
+        return any(lowered.saves_memory for lowered in self.lowered)
+
+    def uuid(self):
+        # None: Inductor does not cache what this pass touched (its kernels and decisions
+        # live in this process)
+        return None
+
+    def __call__(self, graph: fx.Graph) -> None:
+        owner = graph.owning_module
+        values = [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"]
+        if owner is None or _symbolic(values) or not any(isinstance(v, torch.Tensor) for v in values):
+            return
+        name = f"{graph_kind(graph)} graph {len(self.lowered)}"
+        instead = "Inductor's code for this graph runs without fused regions"
+        with settings_mod.override(**self.settings):
+            try:
+                copy = fx.Graph()
+                copy.output(copy.graph_copy(graph, {}))
+                tune = lambda fused: tune_on_random_inputs(fused, self.warm)  # noqa: E731
+                lowered = lower(fx.GraphModule(owner, copy), values, self.kinds, tune=tune, name=name)
+                self.lowered.append(lowered)
+                if lowered.gm is None:
+                    return
+                _refresh_meta(lowered.gm, values)
+                _transplant(graph, lowered.gm, owner)
+                graph.lint()
+            except Exception as e:
+                fallback(f"backend: comfuse could not lower {name}", e, instead, stacklevel=3)
