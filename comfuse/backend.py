@@ -1,12 +1,13 @@
 """``torch.compile(model, backend="comfuse")``.
 
-Dynamo hands the backend a graph of torch calls. comfuse captures it as an aten graph and runs
-the pipeline on it (pipeline.py: regions and chains, plans, candidates, kernels), replaces each
-fused region with one call of the ``comfuse::region`` operator (region_op.py), and hands the
-graph to Inductor (``compile_fx``), which sees the fused regions as opaque kernels. A graph in
-which nothing fuses is handed to Inductor untouched, so a model is never compiled worse than by
-Inductor alone; on a GPU a graph that keeps fused regions is timed against Inductor's
-compilation without them at its first call, and the faster is kept (graph_check.py).
+Dynamo hands the backend a graph of torch calls; the backend hands it to Inductor
+(``compile_fx``) as Inductor's own backend would, with one addition: comfuse's post-grad pass
+(inductor_pass.py), which Inductor runs on every graph it lowers (the forward, the backward
+at the first backward, or the inference graph) and which replaces each region that fuses with
+one call of the ``comfuse::region`` operator (region_op.py). The backward is Inductor's, and
+Inductor fuses everything around a region. On a GPU a graph that keeps fused regions is timed
+against Inductor's compilation without them at its first call, and the faster is kept
+(graph_check.py); any failure in comfuse's part leaves Inductor's code running.
 
 ``mode`` (``torch.compile(..., mode=...)``, or the option ``mode`` beside others: torch.compile
 takes a mode or options, not both) is Inductor's for the code around the regions: "default",
@@ -104,7 +105,7 @@ def _compile_with_regions(gm: fx.GraphModule, example_inputs, opts: dict, shapes
     lowers, the pass), or (None, None) when Inductor fails with the pass in (with a warning;
     COMFUSE_STRICT=1 raises): the caller then compiles the graph without it. ``own``: a
     compilation of its own, not inside Dynamo's (PerShape, at a call)."""
-    regions = RegionPass(opts["kinds"], opts["settings"], warm=opts.get("cudagraphs", False))
+    regions = RegionPass(opts["kinds"], opts["settings"])
     patches = dict(opts.get("inductor") or {}, post_grad_custom_post_pass=regions)
     try:
         with (torch._guards.tracing(None) if own else contextlib.nullcontext()):

@@ -23,6 +23,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from . import settings as settings_mod
 from .errors import fallback
+from .kernel_node import launch_from_inductor
 from .pipeline import compile_graph, fake_inputs
 from .region_op import register as register_region
 from .report import Report
@@ -30,6 +31,7 @@ from .rewrite import inline, views_as_reshapes
 from .runtime import tuning
 
 REPORTS: list = []  # the reports of the last graphs lowered, newest last (for inspection)
+LAUNCH_FROM_INDUCTOR = True  # one-launch Triton kernels as Inductor's own kernel nodes (kernel_node.py)
 
 
 @dataclasses.dataclass
@@ -65,6 +67,13 @@ def lower(gm: fx.GraphModule, example_inputs, disabled_kinds=frozenset(), tune=N
         if getattr(module, "prefer_unfused", False):  # autotuning: its ops are faster left to Inductor
             inline(fused, node, module.unfused)
             continue
+        kept.append(module)
+        why = launch_from_inductor(graph, node, module, list(node.args)) if LAUNCH_FROM_INDUCTOR else "off"
+        module.report.launch = "Inductor's wrapper launches the kernel" if not why else \
+            f"through the comfuse::region operator ({why})"
+        if not why:
+            fused.delete_submodule(node.target)
+            continue
         is_tensor = [isinstance(a, fx.Node) and not isinstance(a.meta.get("val"), (int, torch.SymInt))
                      for a in node.args]
         region_id = register_region(module, is_tensor, carry_statistics=False)
@@ -75,7 +84,6 @@ def lower(gm: fx.GraphModule, example_inputs, disabled_kinds=frozenset(), tune=N
         node.replace_all_uses_with(call)
         graph.erase_node(node)
         fused.delete_submodule(node.target)  # the registry holds it; Inductor need not pickle it
-        kept.append(module)
     if not kept:
         return Lowered(None, report)  # autotuning left every region unfused
     views_as_reshapes(graph)  # (Inductor lowers the graph with its own strides, where a view may fail)
@@ -97,23 +105,23 @@ def random_like(value):
     return out
 
 
-def tune_on_random_inputs(fused: fx.GraphModule, warm: bool = False) -> None:
-    """Autotune each fused region of ``fused`` now, on random inputs of its shapes (the graph's
-    own tensors are fake here): a region decides between its plans and its ops before
-    Inductor lowers the graph, so the losers are inlined and Inductor fuses them. Only where
-    autotuning is on (by default, on a GPU); elsewhere the regions decide at their first call.
-
-    ``warm`` (torch.compile's CUDA-graph modes): each region runs once on a GPU even with
-    autotuning off, so that its kernel's first launch, which builds it and allocates the
-    scratch it keeps for later launches (a strip's workspace and arrival counters), happens
-    here and not inside Inductor's CUDA-graph warm-up, whose private memory pool must hold
-    only the tensors it tracks."""
+def tune_on_random_inputs(fused: fx.GraphModule) -> None:
+    """Run each fused region of ``fused`` once now, on random inputs of its shapes (the graph's
+    own tensors are fake here), so that it is autotuned (where autotuning is on: by default,
+    on a GPU) or checked against its own ops (COMFUSE_VALIDATE) before Inductor lowers the
+    graph: a region whose ops win is inlined for Inductor to fuse with its neighbours, and a
+    checked kernel can be launched by Inductor itself (kernel_node.py). On a GPU this also
+    makes each kernel's first launch, which builds it and allocates the scratch it keeps
+    (a strip's workspace and arrival counters), happen here and not inside Inductor's
+    CUDA-graph warm-up, whose private memory pool must hold only the tensors it tracks.
+    On a CPU only where autotuning is on (``COMFUSE_AUTOTUNE=1``); otherwise the regions
+    decide at their first call."""
     for node in fused.graph.nodes:
         if node.op != "call_module":
             continue
         vals = [a.meta.get("val") if isinstance(a, fx.Node) else a for a in node.args]
         tensors = [v for v in vals if isinstance(v, torch.Tensor)]
-        if not tensors or not (tuning.enabled(tensors[0].device) or (warm and tensors[0].device.type == "cuda")):
+        if not tensors or not (tensors[0].device.type == "cuda" or tuning.enabled(tensors[0].device)):
             continue
         module = fused.get_submodule(node.target)
         try:
@@ -186,10 +194,9 @@ class RegionPass(CustomGraphPass):
     it runs. ``lowered`` collects each graph's Lowered record, in the order Inductor lowered
     them (the forward first; the backward at the first backward call)."""
 
-    def __init__(self, kinds=frozenset(), settings: dict | None = None, warm: bool = False):
+    def __init__(self, kinds=frozenset(), settings: dict | None = None):
         self.kinds = frozenset(kinds)
         self.settings = dict(settings or {})
-        self.warm = warm
         self.lowered: list = []
 
     @property
@@ -227,8 +234,8 @@ class RegionPass(CustomGraphPass):
             try:
                 copy = fx.Graph()
                 copy.output(copy.graph_copy(graph, {}))
-                tune = lambda fused: tune_on_random_inputs(fused, self.warm)  # noqa: E731
-                lowered = lower(fx.GraphModule(owner, copy), values, self.kinds, tune=tune, name=name)
+                lowered = lower(fx.GraphModule(owner, copy), values, self.kinds, tune=tune_on_random_inputs,
+                                name=name)
                 self.lowered.append(lowered)
                 if lowered.gm is None:
                     return

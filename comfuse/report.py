@@ -19,6 +19,7 @@ class RegionReport:
     outputs: list = dataclasses.field(default_factory=list)  # fx nodes the kernel writes
     notes: list = dataclasses.field(default_factory=list)  # where growth stopped, and why
     kernel_path: str = ""  # generated source on disk
+    launch: str = ""  # inside Inductor: who launches the kernel (or why comfuse's operator does)
     forms: list = dataclasses.field(default_factory=list)  # (pass, IR text) per planner step
     templates: list = dataclasses.field(default_factory=list)  # (Gluon schedule, '' or why not) on sm_90
     planned: object = dataclasses.field(default=None, repr=False)  # the Plan / ChainPlan run
@@ -49,6 +50,8 @@ class RegionReport:
             parts.append(f"  stopped at {note}")
         if self.kernel_path:
             parts.append(f"  kernel source: {self.kernel_path}")
+        if self.launch and self.fused:
+            parts.append(f"  launched: {self.launch}")
         if self.ir:
             parts.append("  " + self.ir.replace("\n", "\n  "))
         return "\n".join(parts)

@@ -72,7 +72,7 @@ def time_ms(call, rounds: int) -> tuple:
     return statistics.median(out), min(out), max(out)
 
 
-def run(name: str, layers: int, rounds: int, out) -> list:
+def run(name: str, layers: int, rounds: int, out, forms) -> list:
     torch.manual_seed(0)
     model, (batch, seq), vocab = build(name, layers)
     model = model.to("cuda", torch.bfloat16)
@@ -80,9 +80,10 @@ def run(name: str, layers: int, rounds: int, out) -> list:
     ref_loss = step(model, model, ids).float()
     ref_grads = grads(model)
     rows = []
-    for form in ("inductor", "comfuse"):
+    for form in forms:
         torch._dynamo.reset()
         inductor_pass.REPORTS.clear()
+        inductor_pass.LAUNCH_FROM_INDUCTOR = form != "comfuse-op"
         backend = "inductor" if form == "inductor" else "comfuse"
         row = {"model": name, "layers": layers, "tokens": batch * seq, "form": form}
         try:
@@ -98,9 +99,11 @@ def run(name: str, layers: int, rounds: int, out) -> list:
                 cm(input_ids=ids, labels=ids)  # (the inference graph compiles here)
                 row["forward_ms"] = time_ms(lambda: cm(input_ids=ids, labels=ids), rounds)
             row["step_ms"] = time_ms(lambda: step(cm, model, ids), rounds)
-            if form == "comfuse":
-                row["regions"] = [f"{r.function}: {sum(x.fused for x in r.regions)}/{len(r.regions)} fused"
-                                  for r in inductor_pass.REPORTS]
+            if form != "inductor":
+                row["regions"] = [f"{r.function}: {sum(x.fused for x in r.regions)}/{len(r.regions)} fused, "
+                                  f"{sum(x.fused and x.launch.startswith('Inductor') for x in r.regions)} "
+                                  "launched by Inductor" for r in inductor_pass.REPORTS if r.regions]
+                row["schedules"] = sorted({x.schedule for r in inductor_pass.REPORTS for x in r.regions if x.fused})
                 row["graph_checks"] = list(comfuse.backend.GRAPH_CHECKS)
         except Exception as e:  # reported, not hidden
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -114,13 +117,15 @@ def main() -> None:
     ap.add_argument("--models", default="gpt2,llama")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--forms", default="inductor,comfuse",
+                    help="inductor, comfuse, comfuse-op (every region through the comfuse::region operator)")
     args = ap.parse_args()
     out_dir = Path(os.environ.get("OUT", "/tmp/comfuse-out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = []
     with open(out_dir / "models_check.jsonl", "a") as out:
         for name in args.models.split(","):
-            rows += run(name, args.layers, args.rounds, out)
+            rows += run(name, args.layers, args.rounds, out, args.forms.split(","))
     print("| model | form | first call s | forward ms [range] | step ms [range] | loss rel err | grads rel err | note |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -14,7 +14,7 @@ LAYERS = [
     ("runtime",),
     ("rewrite",),
     ("pipeline",),
-    ("compiled", "region_op", "graph_check"),
+    ("compiled", "region_op", "graph_check", "kernel_node", "inductor_pass"),
     ("backend",),
     ("__init__",),
     ("bench", "demo"),

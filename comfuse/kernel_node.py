@@ -1,0 +1,140 @@
+"""A fused region as a kernel Inductor launches itself.
+
+In a graph Inductor lowers, a ``comfuse::region`` call is an extern kernel: Inductor's wrapper
+calls the operator through the dispatcher, and comfuse's Python launches the kernel. Where the
+region's kernel is a plain Triton kernel of one launch, ``launch_from_inductor`` replaces the
+call by Inductor's own node for a user-defined Triton kernel
+(``triton_kernel_wrapper_functional``): its outputs are ``empty_strided`` buffers, its
+tensor arguments the region's inputs, its sizes, strides and compile-time arguments constants.
+Inductor copies the kernel's source into the module it generates and launches it as it
+launches its own kernels, so a fused region costs one kernel launch of host time, and CUDA
+graphs capture it.
+
+Not launched this way (``why_not_launched`` says why; the region op runs them): the Gluon
+kernels (Inductor compiles user kernels as Triton), plans with scratch that lives across
+launches or several launches (cooperative strips, split reductions), TMA plans, chains,
+COMFUSE_CHECK (every launch compared in Python), and regions not yet checked on the GPU.
+"""
+from __future__ import annotations
+
+import functools
+import operator
+
+import torch
+import torch.fx as fx
+import triton
+
+from . import settings as settings_mod
+from .runtime.kernel import Kernel
+from .runtime.operands import operand3, prepare
+from .runtime.region import FusedRegion
+
+ONE_LAUNCH = ("tile", "row_in_cta")  # the Triton schedules whose kernel is one launch with no scratch
+_SCRATCH_ROLES = {"a_desc", "b_desc", "workspace", "counters"}
+
+
+def why_not_launched(module, device: torch.device) -> str:
+    """'' where Inductor can launch ``module``'s kernel itself, else the reason it cannot."""
+    if not isinstance(module, FusedRegion):
+        return "a chain runs through the region operator"
+    if device.type != "cuda":
+        return "Inductor launches Triton kernels on CUDA tensors only"
+    if settings_mod.get().check:
+        return "COMFUSE_CHECK compares every launch with the reference in Python"
+    if module.failed or module.prefer_unfused:
+        return "the region runs its ops"
+    kernel = module.kernel
+    if not isinstance(kernel, Kernel):
+        return "a Gluon kernel (Inductor compiles user kernels as Triton)"
+    if kernel.plan.schedule not in ONE_LAUNCH or getattr(kernel.plan.form, "persistent", False):
+        return f"a {kernel.plan.schedule} plan keeps scratch across launches or launches more than once"
+    if any(p.role in _SCRATCH_ROLES for p in kernel.source.params):
+        return "the plan's kernel takes TMA descriptors or scratch"
+    if device not in module.tuned and device not in module.validated:
+        return "the region was not yet run on this GPU (its first call checks it)"
+    return ""
+
+
+@functools.cache
+def _with_launch_options(fn, num_warps: int, num_stages: int):
+    """``fn`` with its warps and pipeline stages fixed: Inductor takes them from a kernel's
+    autotuning configurations only (one configuration: nothing is timed)."""
+    return triton.autotune(configs=[triton.Config({}, num_warps=num_warps, num_stages=num_stages)], key=[])(fn)
+
+
+def _pointer(view: torch.Tensor, base: torch.Tensor) -> bool:
+    """Whether ``view`` starts where ``base`` does in the same storage (the kernel then takes
+    ``base``'s buffer with ``view``'s strides)."""
+    return torch._C._is_alias_of(view, base) and view.storage_offset() == base.storage_offset()
+
+
+def launch_from_inductor(graph: fx.Graph, call: fx.Node, module, ext_nodes: list) -> str:
+    """Replace the region call ``call`` (its outputs read by ``getitem``) by a user-defined
+    Triton kernel node that Inductor launches; '' when done, else the reason it was not (the
+    graph is then unchanged). ``ext_nodes``: the region's arguments in their own order."""
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table, triton_kernel_wrapper_functional
+    vals = [n.meta.get("val") if isinstance(n, fx.Node) else n for n in ext_nodes]
+    a, b = vals[module.operands[0]], vals[module.operands[1]]
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return "the operands carry no shapes"
+    why = why_not_launched(module, a.device)
+    if why:
+        return why
+    kernel, region, device = module.kernel, module.region, a.device
+    # the graph tensors a launch argument may start at: (fake value, node)
+    bases = [(vals[i], ext_nodes[i]) for i in range(len(vals)) if isinstance(vals[i], torch.Tensor)]
+    a3, b3 = operand3(a, region.gemm.batched), operand3(b, region.gemm.batched)
+    ins = [prepare(vals[bind.ext], bind, device) for bind in module.cand_inputs]
+    with a.fake_mode:
+        results = [torch.empty(shape, dtype=dtype, device=device)
+                   for (_, dtype), shape in zip(module._canon_outs, module.out_shapes)]
+    outs = [r.view(canon) for r, (canon, _) in zip(results, module._canon_outs)]
+    if kernel.plan.transposed:
+        a3, b3, ins, outs = (b3.transpose(1, 2), a3.transpose(1, 2), [t.transpose(1, 2) for t in ins],
+                             [t.transpose(1, 2) for t in outs])
+    launches = kernel.launches(a3, b3, ins, outs)
+    if len(launches) != 1:
+        return "the plan launches more than one kernel"
+    fn, grid, args, options = launches[0]
+    names = fn.arg_names
+    tensors, constants, written = {}, {}, []
+    with graph.inserting_before(call):
+        empties = []
+        for r in results:
+            node = graph.call_function(torch.ops.aten.empty_strided.default, (list(r.shape), list(r.stride())),
+                                       {"dtype": r.dtype, "device": device})
+            node.meta["val"] = r
+            empties.append(node)
+        for name, value in zip(names, args):
+            if not isinstance(value, torch.Tensor):
+                constants[name] = value
+                continue
+            out = next((j for j, r in enumerate(results) if _pointer(value, r)), None)
+            if out is not None:
+                tensors[name] = empties[out]
+                written.append((name, out))
+                continue
+            node = next((n for v, n in bases if _pointer(value, v)), None)
+            if node is None:  # (a side input made anew, not a view: the region op passes it)
+                for e in empties:
+                    graph.erase_node(e)
+                return "a kernel argument is not a view of a graph tensor"
+            tensors[name] = node
+        constants.update({n: options[n] for n in names[len(args):]})
+        launch = graph.call_function(triton_kernel_wrapper_functional, (), dict(
+            kernel_idx=kernel_side_table.add_kernel(
+                _with_launch_options(fn, options["num_warps"], options["num_stages"])),
+            constant_args_idx=kernel_side_table.add_constant_args(constants),
+            grid=[tuple((*grid, 1, 1)[:3])], tma_descriptor_metadata={}, kwargs=tensors,
+            tensors_to_clone=[name for name, _ in written]))
+        launch.meta["val"] = {name: results[j] for name, j in written}
+        by_output = {j: name for name, j in written}
+        for user in list(call.users):
+            if user.op != "call_function" or user.target is not operator.getitem:
+                raise RuntimeError("a region call's outputs are read other than by index")
+            got = graph.call_function(operator.getitem, (launch, by_output[user.args[1]]))
+            got.meta["val"] = results[user.args[1]]
+            user.replace_all_uses_with(got)
+            graph.erase_node(user)
+    graph.erase_node(call)
+    return ""
