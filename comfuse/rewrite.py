@@ -60,6 +60,9 @@ def rewrite(gm: fx.GraphModule, fused: list) -> None:
         with graph.inserting_before(cand.anchor):
             call = graph.call_module(name, tuple(replaced.get(e, e) for e in cand.externals))
             outs = [graph.call_function(operator.getitem, (call, k)) for k in range(len(cand.outputs))]
+        for ob, new in zip(cand.outputs, outs):  # (shapes for whoever reads the graph next)
+            if "val" in ob.node.meta:
+                new.meta["val"] = ob.node.meta["val"]
         for ob, new in zip(cand.outputs, outs):
             ob.node.replace_all_uses_with(new, delete_user_cb=lambda u: u not in members)
             replaced[ob.node] = new

@@ -773,3 +773,26 @@ def test_inductor_launches_one_launch_triton_kernels_itself(mode):
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     got, want = torch.cat([gx.flatten(), gw.flatten()]), torch.cat([x.grad.flatten(), model.lin.weight.grad.flatten()])
     assert (got - want).norm() / want.norm() < 1e-4
+
+
+def test_a_region_fed_by_another_is_tuned_at_compile_time(monkeypatch):
+    """Two regions in a row (a GEMM + LayerNorm whose output is the next GEMM's operand): the
+    pass runs each on random inputs shaped like its arguments, the second's first argument
+    being the first region's output, and the graph matches eager."""
+    from comfuse.runtime import tuning
+    monkeypatch.setattr(tuning, "load", lambda k: None)
+    monkeypatch.setattr(tuning, "store", lambda k, d: None)
+    ran = []
+    real_decide = tuning.decide
+    monkeypatch.setattr(tuning, "decide", lambda names, *a, **k: ran.append(len(names)) or real_decide(names, *a, **k))
+    torch.manual_seed(0)
+    w1, w2 = torch.randn(32, 48, device=DEVICE), torch.randn(48, 40, device=DEVICE)
+
+    def fn(x):
+        h = F.layer_norm(x @ w1, (48,))
+        return torch.softmax(h @ w2, -1)
+    x = torch.randn(16, 32, device=DEVICE)
+    with settings.override(strict=True), torch.no_grad():
+        out = compiled(fn, options={"autotune": "1", "graph_check": "0", "disable": "b2b"})(x)
+    assert len(ran) == 2, str(last_report())  # (both decided now; on the interpreter the ops win)
+    torch.testing.assert_close(out, fn(x), rtol=1e-4, atol=1e-5)
