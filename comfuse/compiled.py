@@ -19,7 +19,7 @@ import torch
 
 from . import settings as settings_mod
 from .errors import notice_once, summary
-from .pipeline import compile_graph, fake_inputs
+from .pipeline import compile_graph
 from .report import Report
 from .runtime.region import FusedRegion
 
@@ -110,6 +110,7 @@ class CompiledFunction:
         self._sig = self._sig if plain else None
         self._state = _ModuleState(fn) if isinstance(fn, torch.nn.Module) else None
         self._specs: collections.OrderedDict = collections.OrderedDict()
+        self._trainer = None  # torch.compile's form, built at the first call that needs gradients
         self._specialize(self._bind(tuple(example_inputs), {}), self._state_key())
 
     def _state_key(self) -> tuple:
@@ -151,11 +152,19 @@ class CompiledFunction:
         state = self._state_key()  # (first: it notices replaced parameters)
         if torch.is_grad_enabled() and (any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
                                         or (self._state is not None and self._state.trains())):
-            notice_once(f"grad:{id(self)}", "comfuse: inputs or parameters require grad and comfuse.compile's "
-                        "kernels have no backward; running the function eagerly "
-                        "(torch.compile(backend=\"comfuse\") trains)")
-            return self._fn(*args)
+            return self._training()(*args)
         return self._specialize(args, state)(*args)
+
+    def _training(self):
+        """The function compiled for training: through torch.compile with comfuse's backend,
+        where Dynamo guards it, AOTAutograd differentiates it and comfuse fuses regions in the
+        forward and the backward graphs Inductor lowers."""
+        if self._trainer is None:
+            notice_once(f"grad:{id(self)}", "comfuse: inputs or parameters require grad; "
+                        f"{getattr(self._fn, '__name__', type(self._fn).__name__)} trains through "
+                        "torch.compile(backend=\"comfuse\") (forward and backward graphs)")
+            self._trainer = torch.compile(self._fn, backend="comfuse", dynamic=False)
+        return self._trainer
 
 
 def explain(fn, example_inputs=(), kwargs: dict | None = None) -> Report:
@@ -174,25 +183,51 @@ def explain(fn, example_inputs=(), kwargs: dict | None = None) -> Report:
 
 
 def _explain_graphs(fn, args: tuple, kwargs: dict) -> Report:
-    """The regions of every graph Dynamo hands a backend for ``fn(*args, **kwargs)`` (graph
-    breaks and all), each region's anchor prefixed by its graph's number."""
-    reports = []
-
-    def record(gm, example_inputs):
-        reports.append(compile_graph(gm, fake_inputs(example_inputs), execute=False)[1])
-        return gm.forward
-
+    """The regions of every graph Inductor lowers for ``fn(*args, **kwargs)`` under the
+    torch.compile backend (graph breaks and all), each region's anchor prefixed by its graph
+    ("forward graph 0: mm_3"). Where inputs or parameters require grad, the backward's graphs
+    too: gradients are taken (and returned, not accumulated) so that AOTAutograd compiles the
+    backward. Everything runs unfused (COMFUSE_DISABLE) and nothing is autotuned."""
+    from .inductor_pass import REPORTS
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    REPORTS.clear()  # (the pass keeps the last few: these are this call's)
     try:
-        with torch.no_grad():
-            torch.compile(fn, backend=record, dynamic=False)(*args, **kwargs)
+        with settings_mod.override(disable=True, autotune="0", graph_check="0"):
+            torch._dynamo.reset()
+            out = torch.compile(fn, backend="comfuse", dynamic=False)(*args, **kwargs)
+            _differentiate(out, fn, args, kwargs)
     except Exception as e:
         return Report(function=name, regions=[], error=f"torch.compile could not capture {name}: {summary(e)}")
+    finally:
+        torch._dynamo.reset()
+    reports = list(REPORTS)
     merged = Report(function=name, regions=[], graph="\n\n".join(r.graph for r in reports if r.graph))
-    for number, report in enumerate(reports):
+    for report in reports:
         for region in report.regions:
-            region.index, region.anchor = len(merged.regions), f"graph {number}: {region.anchor}"
+            region.index, region.anchor = len(merged.regions), f"{report.function}: {region.anchor}"
             merged.regions.append(region)
-    errors = [r.error for r in reports if r.error]
-    merged.error = "; ".join(errors)
+    merged.error = "; ".join(r.error for r in reports if r.error)
     return merged
+
+
+def _differentiate(out, fn, args: tuple, kwargs: dict) -> None:
+    """Gradients of ``out``'s floating-point tensors that require grad with respect to what
+    requires grad among the inputs and ``fn``'s parameters, taken and dropped."""
+    leaves = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if isinstance(fn, torch.nn.Module):
+        leaves += [p for p in fn.parameters() if p.requires_grad]
+    flat = []
+    stack = [out]
+    while stack:  # (model outputs: tensors, tuples, dicts, dataclass-like objects)
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            flat.append(item)
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif hasattr(item, "to_tuple"):
+            stack.extend(item.to_tuple())
+    outs = [t for t in flat if t.requires_grad and t.is_floating_point()]
+    if torch.is_grad_enabled() and outs and leaves:
+        torch.autograd.grad([t.float().sum() for t in outs], leaves, allow_unused=True)

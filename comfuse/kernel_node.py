@@ -39,7 +39,10 @@ def why_not_launched(module, device: torch.device) -> str:
         return "a chain runs through the region operator"
     if device.type != "cuda":
         return "Inductor launches Triton kernels on CUDA tensors only"
-    if settings_mod.get().check:
+    settings = settings_mod.get()
+    if settings.disable:
+        return "COMFUSE_DISABLE runs regions unfused"
+    if settings.check:
         return "COMFUSE_CHECK compares every launch with the reference in Python"
     if module.failed or module.prefer_unfused:
         return "the region runs its ops"

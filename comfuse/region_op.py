@@ -58,15 +58,29 @@ def region_op(region_id: int, tensors: list[torch.Tensor], scalars: list[int]) -
     # (forward directly: region modules carry no hooks, and nn.Module's call path costs
     # microseconds on every call of a compiled graph)
     outs = module.forward(*_arguments(region_id, tensors, scalars))
-    # a custom op's outputs must not alias its inputs (the fused path returns fresh tensors;
-    # the unfused ops may return views)
-    outs = [o.clone() if o._base is not None and any(o._base is x or o._base is x._base for x in tensors)
-            else o for o in outs]
+    # a custom op's outputs must not alias its inputs nor each other (the fused path returns
+    # fresh tensors; the unfused ops may return an input, a view of one, or one tensor twice)
+    outs = _fresh(list(outs), tensors)
     rows = statistic_rows(region_id)
     if rows:
         stats = module.take_statistics()
         outs.append(stats if stats is not None else
                     torch.full((rows, module.region.sizes.M), float("nan"), device=tensors[0].device))
+    return outs
+
+
+def _fresh(outs: list, tensors) -> list:
+    """``outs`` with a copy in place of each output that shares storage with an input or
+    with an earlier output."""
+    taken = {x.untyped_storage().data_ptr() for x in tensors if isinstance(x, torch.Tensor) and x.numel()}
+    for i, o in enumerate(outs):
+        if not o.numel():
+            continue
+        ptr = o.untyped_storage().data_ptr()
+        if ptr in taken:
+            outs[i] = o = o.clone()
+            ptr = o.untyped_storage().data_ptr()
+        taken.add(ptr)
     return outs
 
 

@@ -6,9 +6,11 @@ comfuse's backend, each compiled afresh: the first call's seconds (forward and b
 loss and all gradients as one vector against eager's, the forward (with loss) and the training
 step in ms (median of rounds of back-to-back calls, host time included) and, for comfuse, the
 regions fused in the forward and backward graphs. One JSON line per model and form goes to
-``$OUT/models_check.jsonl``; a table is printed last.
+``$OUT/models_check.jsonl``, the table to ``$OUT/results.md`` and, last, to stdout.
 
-    python scripts/models_check.py [--models gpt2,llama] [--layers 2] [--rounds 5]
+    python scripts/models_check.py [--models gpt2,llama,bert] [--layers 2] [--rounds 5]
+        [--forms inductor,comfuse,comfuse-op]
+    python scripts/models_check.py --report models_check.jsonl   # the table again
 """
 from __future__ import annotations
 
@@ -117,24 +119,37 @@ def main() -> None:
     ap.add_argument("--models", default="gpt2,llama")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--report", default="", help="only write the table of this JSONL file to stdout")
     ap.add_argument("--forms", default="inductor,comfuse",
                     help="inductor, comfuse, comfuse-op (every region through the comfuse::region operator)")
     args = ap.parse_args()
+    if args.report:
+        print(markdown([json.loads(line) for line in open(args.report) if line.strip()]), end="")
+        return
     out_dir = Path(os.environ.get("OUT", "/tmp/comfuse-out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = []
     with open(out_dir / "models_check.jsonl", "a") as out:
         for name in args.models.split(","):
             rows += run(name, args.layers, args.rounds, out, args.forms.split(","))
-    print("| model | form | first call s | forward ms [range] | step ms [range] | loss rel err | grads rel err | note |")
-    print("|---|---|---|---|---|---|---|---|")
+    table = markdown(rows)
+    (out_dir / "results.md").write_text(table)
+    print(table)
+
+
+def markdown(rows: list) -> str:
+    """The rows as a table (what ``--report`` writes again from a JSONL file)."""
+    lines = ["| model | form | first call s | forward ms [range] | step ms [range] | loss rel err | "
+             "grads rel err | regions |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         fmt = lambda t: f"{t[0]:.3f} [{t[1]:.3f}..{t[2]:.3f}]" if t else "-"  # noqa: E731
         note = r.get("error") or "; ".join(r.get("regions", []))
-        print(f"| {r['model']} | {r['form']} | {r.get('first_call_s', '-')} | {fmt(r.get('forward_ms'))} | "
-              f"{fmt(r.get('step_ms'))} | {r.get('loss_rel_err', float('nan')):.2e} | "
-              f"{r.get('grads_rel_err', float('nan')):.2e} | {note} |")
-
+        if r.get("schedules"):
+            note += f" (schedules: {', '.join(r['schedules'])})"
+        lines.append(f"| {r['model']} | {r['form']} | {r.get('first_call_s', '-')} | {fmt(r.get('forward_ms'))} | "
+                     f"{fmt(r.get('step_ms'))} | {r.get('loss_rel_err', float('nan')):.2e} | "
+                     f"{r.get('grads_rel_err', float('nan')):.2e} | {note} |")
+    return "\n".join(lines) + "\n"
 
 if __name__ == "__main__":
     main()

@@ -285,13 +285,17 @@ def _tiny_models():
 @pytest.mark.parametrize("name", ["bert", "gpt2", "llama"])
 def test_explain_lists_the_regions_of_hugging_face_models(name):
     """Whole-program tracing fails on these models (cache objects, keyword inputs); explain then
-    captures them as the backend does and lists every graph's regions, with no kernel run."""
+    captures them as the backend does and lists every graph's regions, the backward's too (the
+    parameters require grad), with no fused kernel run."""
+    import re
     torch.manual_seed(0)
     model, kwargs = _tiny_models()[name]
     model = model.eval().to(DEVICE)
     report = comfuse.explain(model, (), kwargs)
     assert not report.error and report.fused, str(report)
-    assert all(r.anchor.startswith("graph ") for r in report.regions)
+    assert all(re.match(r"(forward|backward|inference) graph \d+: ", r.anchor) for r in report.regions)
+    assert any(r.anchor.startswith("backward") for r in report.regions), str(report)
+    assert all(p.grad is None for p in model.parameters())  # (gradients taken, not accumulated)
     positional = comfuse.explain(model, (kwargs["input_ids"],))
     assert not positional.error and len(positional.fused) >= 1, str(positional)
 
