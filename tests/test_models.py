@@ -1,0 +1,104 @@
+"""Hugging Face models through ``torch.compile(backend="comfuse")``, as users write them: built
+from tiny configs with their defaults (caches on, SDPA attention; dropout off so that eager is
+the reference), a training step's loss and every gradient (one vector) against eager's, at two
+batch and sequence sizes (the second makes Dynamo recompile with dynamic shapes), and with at
+least one region fused in the graphs Inductor lowered. On a GPU the same runs on CUDA tensors.
+"""
+import pytest
+import torch
+
+import comfuse  # noqa: F401  (registers the backend)
+from comfuse import inductor_pass, settings
+
+from helpers import DEVICE
+
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
+              pytest.mark.filterwarnings("ignore::comfuse.ComfuseWarning")]
+
+tf = pytest.importorskip("transformers")
+V = 128  # vocabulary
+
+
+def _text(batch, seq, labels=True):
+    ids = torch.randint(0, V, (batch, seq), device=DEVICE)
+    return {"input_ids": ids, "labels": ids} if labels else {"input_ids": ids}
+
+
+def _models():
+    """name -> (model, inputs(batch, seq) -> kwargs)."""
+    return {
+        "bert_mlm": (tf.BertForMaskedLM(tf.BertConfig(
+            vocab_size=V, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=128,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)), _text),
+        "gpt2_lm": (tf.GPT2LMHeadModel(tf.GPT2Config(
+            vocab_size=V, n_embd=64, n_layer=1, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)), _text),
+        "llama_lm": (tf.LlamaForCausalLM(tf.LlamaConfig(
+            vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=4)), _text),
+        "qwen2_gqa": (tf.Qwen2ForCausalLM(tf.Qwen2Config(
+            vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2)), _text),
+        "vit": (tf.ViTModel(tf.ViTConfig(
+            image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+            intermediate_size=128, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
+            lambda batch, seq: {"pixel_values": torch.randn(batch, 3, 32, 32, device=DEVICE)}),
+        "t5": (tf.T5ForConditionalGeneration(tf.T5Config(
+            vocab_size=V, d_model=64, d_kv=16, d_ff=128, num_layers=1, num_decoder_layers=1, num_heads=4,
+            dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)), _text),
+    }
+
+
+def _loss(out) -> torch.Tensor:
+    if getattr(out, "loss", None) is not None:
+        return out.loss
+    hidden = out.last_hidden_state
+    weights = torch.linspace(-1, 1, hidden.shape[-1], device=hidden.device)
+    return (hidden * weights).sum() / hidden.numel()  # (not a plain sum: LayerNorm makes that constant)
+
+
+def _step(fn, model, kwargs):
+    model.zero_grad(set_to_none=True)
+    loss = _loss(fn(**kwargs))
+    loss.backward()
+    # (a parameter the loss does not reach has no gradient in eager and zeros in a compiled graph)
+    grads = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
+                       for p in model.parameters()])
+    return loss.detach(), grads
+
+
+def _check(name, mode="default", sizes=((2, 16), (3, 12))):
+    torch.manual_seed(0)
+    model, inputs = _models()[name]
+    model = model.to(DEVICE)
+    torch._dynamo.reset()
+    inductor_pass.REPORTS.clear()
+    compiled = torch.compile(model, backend="comfuse", mode=mode)
+    for batch, seq in sizes:
+        kwargs = inputs(batch, seq)
+        with settings.override(strict=True):
+            loss, grads = _step(compiled, model, kwargs)
+        want_loss, want_grads = _step(model, model, kwargs)
+        torch.testing.assert_close(loss, want_loss, rtol=1e-4, atol=1e-5)
+        err = ((grads - want_grads).norm() / want_grads.norm()).item()
+        assert err < 1e-4, f"{name} at {batch}x{seq}: gradients' relative error {err:.2e}"
+    regions = [r for rep in inductor_pass.REPORTS for r in rep.regions]
+    assert any(r.fused for r in regions), "\n".join(map(str, inductor_pass.REPORTS))
+    return regions
+
+
+@pytest.mark.parametrize("name", ["bert_mlm", "gpt2_lm", "llama_lm", "qwen2_gqa", "vit", "t5"])
+def test_a_training_step_matches_eager_at_two_sizes(name):
+    _check(name)
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune-no-cudagraphs"])
+def test_the_other_modes_train_too(mode):
+    _check("gpt2_lm", mode=mode, sizes=((2, 16),))
+
+
+def test_the_backward_graph_has_regions_of_its_own():
+    """The training step's backward graph is searched like the forward: its GEMMs are regions
+    (the input gradients of the MLP's projections, fused or not, each with its reason)."""
+    regions = _check("llama_lm", sizes=((2, 16),))
+    assert any(r.anchor and "backward" in rep.function for rep in inductor_pass.REPORTS for r in rep.regions)
+    assert regions
