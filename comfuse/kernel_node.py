@@ -76,6 +76,8 @@ def launch_from_inductor(graph: fx.Graph, call: fx.Node, module, ext_nodes: list
     Triton kernel node that Inductor launches; '' when done, else the reason it was not (the
     graph is then unchanged). ``ext_nodes``: the region's arguments in their own order."""
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table, triton_kernel_wrapper_functional
+    if not isinstance(module, FusedRegion):
+        return why_not_launched(module, torch.device("cpu"))
     vals = [n.meta.get("val") if isinstance(n, fx.Node) else n for n in ext_nodes]
     a, b = vals[module.operands[0]], vals[module.operands[1]]
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
