@@ -76,7 +76,7 @@ def lower(gm: fx.GraphModule, example_inputs, disabled_kinds=frozenset(), tune=N
             continue
         is_tensor = [isinstance(a, fx.Node) and not isinstance(a.meta.get("val"), (int, torch.SymInt))
                      for a in node.args]
-        region_id = register_region(module, is_tensor, carry_statistics=False)
+        region_id = register_region(module, is_tensor)
         tensors = [a for a, t in zip(node.args, is_tensor) if t]
         scalars = [a for a, t in zip(node.args, is_tensor) if not t]
         with graph.inserting_before(node):

@@ -131,24 +131,6 @@ class Kernel:
         return [(self.fn, (groups * plan.tiles_n,),
                  self.arguments(a3, b3, ins, outs, ws, counters, groups), options)]
 
-    def split_statistics(self, a3, b3, ins, outs) -> torch.Tensor:
-        """Split plans: run only the statistics kernel and return a copy of its workspace,
-        [statistic arrays (``parts``), CHUNKS, M] fp32 (the backward's statistics pass
-        without the [M, N] intermediate or a second GEMM pass in torch). One batch only."""
-        if self.plan.schedule != "split" or a3.shape[0] != 1:
-            raise ValueError("split_statistics needs a split plan over one batch")
-        fn, grid, args, options = self.launches(a3, b3, ins, outs)[0]
-        fn[grid](*args, **options)
-        return self.split_workspace(a3.device, a3.shape[1]).clone()
-
-    def split_workspace(self, device, M: int) -> torch.Tensor:
-        """A split plan's workspace as its last launch on ``device`` over M rows left it:
-        [statistic arrays, CHUNKS, M] fp32, a view valid until this kernel runs again."""
-        form = self.plan.form
-        slots = sum(len(parts(st)) for st in form.onepass.stats)
-        ws, _ = self.scratch(device, slots * form.chunks * M)
-        return ws[:slots * form.chunks * M].view(slots, form.chunks, M)
-
     def options(self, a3, b3, ins, outs, on_cpu: bool) -> dict:
         """Compile-time arguments of a launch (constexprs, warps, stages)."""
         low = a3.dtype in (torch.float16, torch.bfloat16)

@@ -1,14 +1,11 @@
 """A fused GEMM + epilogue region inside a captured graph (``FusedRegion``): its chosen plan's
-kernel, autotuned among its candidate plans on a GPU, or its original ops.
-
-A split region (a loss over a wide row) also keeps the per-row statistics its last call
-computed, for the backward (``take_statistics``; runtime/onepass_grad.py)."""
+kernel, autotuned among its candidate plans on a GPU, or its original ops."""
 from __future__ import annotations
 
 import torch
 
 from ..ir import canonical_shape, evaluate, evaluate_with_scale
-from . import onepass_grad, tuning
+from . import tuning
 from .build import build, kernel_name
 from ..errors import KernelMismatch
 from .check import agreement_tolerance, compare, region_tolerance
@@ -33,25 +30,9 @@ class FusedRegion(Fused):
         self.tolerance = agreement_tolerance(cand.region)
         self._views = Views()
         self._canon_outs = [(canonical_shape(cand.region, o.axes), o.dtype) for o in cand.region.outputs]
-        self._split_ran = None  # (kernel, device, M) of this call's split launch, for its statistics
-
-    def forward(self, *ext):
-        if self._split_ran is not None:  # (nn.Module's attribute writes cost microseconds a call)
-            self._split_ran = None
-        return super().forward(*ext)
 
     def device_of(self, ext) -> torch.device:
         return ext[self.operands[0]].device
-
-    def run_separate(self, ext):
-        self._split_ran = None  # (autotuning's launches do not count)
-        return self.separate(*ext)
-
-    def validate(self, ext, device, outs):
-        checked = super().validate(ext, device, outs)
-        if checked is not outs:
-            self._split_ran = None
-        return checked
 
     @property
     def output_specs(self) -> list:
@@ -106,8 +87,6 @@ class FusedRegion(Fused):
                           [t.transpose(1, 2) for t in outs])
         else:
             kernel.launch(a3, b3, ins, outs)
-            if kernel.plan.schedule in SPLIT_SCHEDULES and a3.shape[0] == 1:
-                self._split_ran = (kernel, device, a3.shape[1])
         if check:
             self.check(a3, b3, ins, outs, kernel)
         return tuple(results)
@@ -119,41 +98,6 @@ class FusedRegion(Fused):
             result = compare(out, ref, tol, scale)
             if not result.ok:
                 raise KernelMismatch(f"kernel {kernel.source.name} output {spec.name}: {result}")
-
-    # ---- the backward of a split region (a loss over a wide row) ---------------------------
-    def split_statistics(self, ext) -> list:
-        """A split plan's merged per-row statistics on ``ext``, from its fused statistics
-        kernel (the backward's first pass; runtime/onepass_grad.py)."""
-        with torch.no_grad():
-            a3, b3, ins = self.canonical(ext)
-            a3, b3, ins = a3.detach(), b3.detach(), [t.detach() for t in ins]
-            outs = [torch.empty(canonical_shape(self.plan.region, o.axes), dtype=o.dtype, device=a3.device)
-                    for o in self.plan.region.outputs]
-            if self.kernel is None or self.kernel.plan is not self.plan:
-                self.kernel = build(self.plan)
-            return onepass_grad.merge_slices(self.plan.form.onepass, self.kernel.split_statistics(a3, b3, ins, outs))
-
-    def carries_statistics(self) -> int:
-        """How many per-row statistic rows a call hands its backward (``take_statistics``):
-        those of a split plan (or the Gluon template's terminal kind, ws_split) over one batch
-        in the found orientation, else 0."""
-        plan = self.plan
-        if plan.schedule not in SPLIT_SCHEDULES or plan.transposed or self.region.sizes.B != 1:
-            return 0
-        return onepass_grad.packed_rows(plan.form.onepass)
-
-    def take_statistics(self):
-        """The merged per-row statistics of the split kernel this call just ran, packed
-        [rows, M] fp32 (``onepass_grad.pack_statistics``), or None when the call ran
-        something else (unfused ops, another plan): the forward's first pass, kept so the
-        backward need not run it again."""
-        ran, self._split_ran = self._split_ran, None
-        if ran is None or ran[0] is not self.kernel:
-            return None
-        kernel, device, M = ran
-        op = self.plan.form.onepass
-        with torch.no_grad():
-            return onepass_grad.pack_statistics(op, onepass_grad.merge_slices(op, kernel.split_workspace(device, M)))
 
     def region_operands(self, ext):
         """(a3, b3, side inputs) in the region's canonical 3-D layout, as views of ``ext``."""

@@ -114,7 +114,6 @@ class LseKernel:
     combine_fn: object
     _scratch: dict = dataclasses.field(default_factory=dict)  # (device, M, N) -> (workspace, dummy tile)
     _bound: dict = dataclasses.field(default_factory=dict)  # tensor layout -> (template run, statics, config)
-    _last: tuple = (None, 0)  # the last launch's targets and N (for split_workspace)
 
     @property
     def path(self) -> str:
@@ -171,8 +170,6 @@ class LseKernel:
     def launch(self, a3: torch.Tensor, b3: torch.Tensor, ins: list, outs: list) -> None:
         ws = self.statistics(a3, b3, ins)
         self.combine(a3, b3, ins, outs, ws)
-        t = self.plan.form.template.target
-        self._last = (ins[t] if t is not None else None, b3.shape[2])  # (for split_workspace)
 
     def bind(self, a, b, targets):
         """Check a layout's tensors, launch the template once through the JIT; return (run,
@@ -189,37 +186,6 @@ class LseKernel:
         if len(self._bound) > 64:
             self._bound.clear()
         return (*launch_direct(strip.strip_kernel, grid, args, options, set(range(strip.PER_CALL))), cfg)
-
-    def split_statistics(self, a3, b3, ins, outs) -> torch.Tensor:
-        """The one-pass form's statistics for the backward, as a split kernel's workspace of one
-        slice ([statistic arrays, 1, M]; ``Kernel.split_statistics``): the log-sum-exp (its parts:
-        max = the log-sum-exp, sum = 1) and the max it stands in for, and the target pick."""
-        t = self.plan.form.template
-        ws = self.statistics(a3, b3, ins)
-        return self.as_split(ws, ins[t.target] if t.target is not None else None, a3.shape[1], b3.shape[2])
-
-    def split_workspace(self, device, M: int) -> torch.Tensor:
-        """``split_statistics``'s result from the workspace the last launch left (the forward's
-        statistics, carried to its backward)."""
-        targets, N = self._last
-        return self.as_split(self.workspace(device, M, N)[0], targets, M, N)
-
-    def as_split(self, ws, targets, M: int, N: int) -> torch.Tensor:
-        t, op = self.plan.form.template, self.plan.form.onepass
-        tiles = N // self.plan.block_n
-        lse = torch.logsumexp(ws[:tiles * M].view(tiles, M), 0)
-        if t.target is not None:
-            target = targets.reshape(-1)
-            pick = torch.where((target >= 0) & (target < N), ws[tiles * M:(tiles + 1) * M], torch.zeros_like(lse))
-        rows = []
-        for k, st in enumerate(op.stats):
-            if k == t.pick:
-                rows.append(pick)
-            elif parts(st) == ("m", "s"):
-                rows += [lse, torch.ones_like(lse)]
-            else:
-                rows.append(lse)
-        return torch.stack(rows).view(len(rows), 1, M)
 
 
 def build_lse(plan: Plan, name: str) -> LseKernel:
