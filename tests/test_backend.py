@@ -48,6 +48,9 @@ def test_inference_and_training_match_eager():
     with torch.no_grad():
         torch.testing.assert_close(cm(x, r), model(x, r), rtol=1e-4, atol=1e-5)
     assert ("gemm_epilogue", True) in kinds(last_report())
+    # (on the CPU, and under COMFUSE_CHECK everywhere, the operator launches it, and says why)
+    launch = next(r.launch for r in last_report().regions if r.fused)
+    assert launch.startswith("through the comfuse::region operator (") and ("CUDA" in launch or "CHECK" in launch)
     x.requires_grad_(True)
     out = cm(x, r)
     g = torch.randn_like(out)  # (not out.square().sum(): through a LayerNorm that is nearly constant)
