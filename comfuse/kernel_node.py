@@ -92,8 +92,8 @@ def launch_from_inductor(graph: fx.Graph, call: fx.Node, module, ext_nodes: list
     ins = [prepare(vals[bind.ext], bind, device) for bind in module.cand_inputs]
     with a.fake_mode:
         results = [torch.empty(shape, dtype=dtype, device=device)
-                   for (_, dtype), shape in zip(module._canon_outs, module.out_shapes)]
-    outs = [r.view(canon) for r, (canon, _) in zip(results, module._canon_outs)]
+                   for (_, dtype), shape in zip(module.canon_outs, module.out_shapes)]
+    outs = [r.view(canon) for r, (canon, _) in zip(results, module.canon_outs)]
     if kernel.plan.transposed:
         a3, b3, ins, outs = (b3.transpose(1, 2), a3.transpose(1, 2), [t.transpose(1, 2) for t in ins],
                              [t.transpose(1, 2) for t in outs])

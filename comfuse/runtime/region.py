@@ -29,7 +29,7 @@ class FusedRegion(Fused):
         self.regions = [cand.region]
         self.tolerance = agreement_tolerance(cand.region)
         self._views = Views()
-        self._canon_outs = [(canonical_shape(cand.region, o.axes), o.dtype) for o in cand.region.outputs]
+        self.canon_outs = [(canonical_shape(cand.region, o.axes), o.dtype) for o in cand.region.outputs]
 
     def device_of(self, ext) -> torch.device:
         return ext[self.operands[0]].device
@@ -80,8 +80,8 @@ class FusedRegion(Fused):
         # each output allocated in its own shape, the kernel given its canonical view: the
         # tensors returned are bases of their own (no view of a temporary for a caller to inspect)
         results = [torch.empty(shape, dtype=dtype, device=device)
-                   for shape, (_, dtype) in zip(self.out_shapes, self._canon_outs)]
-        outs = [r.view(canon) for r, (canon, _) in zip(results, self._canon_outs)]
+                   for shape, (_, dtype) in zip(self.out_shapes, self.canon_outs)]
+        outs = [r.view(canon) for r, (canon, _) in zip(results, self.canon_outs)]
         if kernel.plan.transposed:
             kernel.launch(b3.transpose(1, 2), a3.transpose(1, 2), [t.transpose(1, 2) for t in ins],
                           [t.transpose(1, 2) for t in outs])
