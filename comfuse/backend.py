@@ -30,7 +30,7 @@ import torch.fx as fx
 from . import settings as settings_mod
 from .errors import fallback, notice_once
 from .graph_check import GRAPH_CHECKS, faster_graph  # noqa: F401  (GRAPH_CHECKS: for inspection)
-from .inductor_pass import REPORTS, RegionPass  # noqa: F401  (REPORTS: for inspection)
+from .inductor_pass import REPORTS, RegionPass, symbolic  # noqa: F401  (REPORTS: for inspection)
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 SETTINGS = ("schedule", "fuel", "autotune", "graph_check")  # the settings a backend option may set
@@ -75,20 +75,11 @@ def _inductor(gm: fx.GraphModule, example_inputs, opts: dict):
     return compile_fx(gm, example_inputs, config_patches=patches) if patches else compile_fx(gm, example_inputs)
 
 
-def _symbolic(example_inputs) -> bool:
-    for t in example_inputs:
-        if isinstance(t, torch.Tensor) and any(not isinstance(s, int) for s in t.shape):
-            return True
-        if isinstance(t, torch.SymInt):
-            return True
-    return False
-
-
 def comfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None):
     """The torch.compile backend: Inductor compiles the graph (in ``mode``, torch.compile's),
     with comfuse's pass fusing regions in each graph it lowers."""
     opts = _options(options, mode)
-    if _symbolic(example_inputs):
+    if symbolic(example_inputs):
         return PerShape(gm, example_inputs, opts)
     compiled, regions = _compile_with_regions(gm, example_inputs, opts)
     if compiled is None:

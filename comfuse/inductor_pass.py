@@ -132,7 +132,9 @@ def tune_on_random_inputs(fused: fx.GraphModule) -> None:
                      "it decides at its first call")
 
 
-def _symbolic(values) -> bool:
+def symbolic(values) -> bool:
+    """Whether some value is a symbolic size or a tensor with symbolic sizes or strides
+    (dynamic shapes: comfuse's kernels are specialised to sizes)."""
     for v in values:
         if isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and any(
                 not isinstance(s, int) for s in (*v.shape, *v.stride()))):
@@ -226,7 +228,7 @@ class RegionPass(CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
         owner = graph.owning_module
         values = [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"]
-        if owner is None or _symbolic(values) or not any(isinstance(v, torch.Tensor) for v in values):
+        if owner is None or symbolic(values) or not any(isinstance(v, torch.Tensor) for v in values):
             return
         name = f"{graph_kind(graph)} graph {len(self.lowered)}"
         instead = "Inductor's code for this graph runs without fused regions"
