@@ -75,13 +75,17 @@ def _inductor(gm: fx.GraphModule, example_inputs, opts: dict):
     return compile_fx(gm, example_inputs, config_patches=patches) if patches else compile_fx(gm, example_inputs)
 
 
-def comfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None):
+def comfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None,
+                    passes: list | None = None):
     """The torch.compile backend: Inductor compiles the graph (in ``mode``, torch.compile's),
-    with comfuse's pass fusing regions in each graph it lowers."""
+    with comfuse's pass fusing regions in each graph it lowers. ``passes``: a list that gets
+    the graph's RegionPass, whose reports grow as Inductor lowers the forward and, at the
+    first backward, the backward (comfuse.compile and explain read them; a graph with
+    dynamic shapes adds none)."""
     opts = _options(options, mode)
     if symbolic(example_inputs):
         return PerShape(gm, example_inputs, opts)
-    compiled, regions = _compile_with_regions(gm, example_inputs, opts)
+    compiled, regions = _compile_with_regions(gm, example_inputs, opts, passes=passes)
     if compiled is None:
         return _inductor(gm, example_inputs, opts)
     if not regions.fused:
@@ -91,12 +95,15 @@ def comfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = N
                             lambda: _inductor(gm, list(example_inputs), opts))
 
 
-def _compile_with_regions(gm: fx.GraphModule, example_inputs, opts: dict, shapes: str = "", own: bool = False):
+def _compile_with_regions(gm: fx.GraphModule, example_inputs, opts: dict, shapes: str = "", own: bool = False,
+                          passes: list | None = None):
     """(Inductor's compilation of ``gm`` with comfuse's pass fusing regions in each graph it
     lowers, the pass), or (None, None) when Inductor fails with the pass in (with a warning;
     COMFUSE_STRICT=1 raises): the caller then compiles the graph without it. ``own``: a
-    compilation of its own, not inside Dynamo's (PerShape, at a call)."""
+    compilation of its own, not inside Dynamo's (PerShape, at a call); ``passes``: gets the pass."""
     regions = RegionPass(opts["kinds"], opts["settings"])
+    if passes is not None:
+        passes.append(regions)
     patches = dict(opts.get("inductor") or {}, post_grad_custom_post_pass=regions)
     try:
         with (torch._guards.tracing(None) if own else contextlib.nullcontext()):

@@ -39,10 +39,12 @@ class Lowered:
     """What ``lower`` made of a graph: ``gm``, the aten graph with every fused region replaced
     by a ``comfuse::region`` call (None when nothing fuses); ``report``, what comfuse found and
     decided; ``saves_memory``: a region kept fused avoids a huge intermediate (a loss over a
-    vocabulary)."""
+    vocabulary); ``modules``: the fused modules kept, launched by the region operator or by
+    Inductor (kernel_node.py)."""
     gm: fx.GraphModule | None
     report: Report
     saves_memory: bool = False
+    modules: list = dataclasses.field(default_factory=list)
 
 
 def lower(gm: fx.GraphModule, example_inputs, disabled_kinds=frozenset(), tune=None, name: str = "") -> Lowered:
@@ -89,7 +91,7 @@ def lower(gm: fx.GraphModule, example_inputs, disabled_kinds=frozenset(), tune=N
     views_as_reshapes(graph)  # (Inductor lowers the graph with its own strides, where a view may fail)
     graph.lint()
     fused.recompile()
-    return Lowered(fused, report, any(tuning.saves_memory(m.region) for m in kept if getattr(m, "region", None)))
+    return Lowered(fused, report, any(tuning.saves_memory(m.region) for m in kept if getattr(m, "region", None)), kept)
 
 
 def random_like(value):
