@@ -64,8 +64,9 @@ except Exception as _e:  # pragma: no cover - an old or unusual torch: comfuse.c
 
 
 def compile(fn, example_inputs) -> CompiledFunction:  # noqa: A001 - mirrors torch.compile
-    """Trace ``fn`` on ``example_inputs`` and return a callable with ``fn``'s signature whose
-    GEMM + epilogue regions run as fused kernels; everything else runs as eager PyTorch."""
+    """``fn`` through torch.compile with comfuse's backend, captured, built and tuned on
+    ``example_inputs`` before it returns: a callable with ``fn``'s signature whose GEMM +
+    epilogue regions run as fused kernels; everything else runs as eager PyTorch."""
     return CompiledFunction(fn, example_inputs)
 
 

@@ -1,93 +1,69 @@
 """``comfuse.compile(fn, example_inputs)`` and ``comfuse.explain``.
 
-``CompiledFunction`` keeps one specialisation per input signature (shapes, dtypes, devices,
-the values of non-tensor arguments, defaults included) and, for a module, per state (which
-parameter and buffer objects it holds, each submodule's training flag); a call with a new
-signature or state captures again, so a call never reuses a kernel built for other shapes or
-a graph traced with other weights or in another mode. Python state beyond these (a global a
-branch reads) is traced as it was at capture; ``torch.compile(backend="comfuse")`` guards it. In each specialisation the captured graph
-has every fused region replaced by its module (pipeline.py); everything else runs as eager
-PyTorch ops.
+``comfuse.compile`` is ``torch.compile(fn, dynamic=False)`` with a backend of its own
+(``CompiledFunction._backend``), so Dynamo captures the program and its guards decide when a
+call needs a new graph: shapes, strides, dtypes and devices, the values of non-tensor
+arguments and of defaults, a module's parameters, buffers and submodules and their training
+flags, grad mode, and the Python state a branch reads (a global, an attribute). Each graph
+Dynamo hands over (one per graph break and per specialisation) is built by one of two routes:
+
+- no gradient needed (grad mode off, or no input or parameter of the graph requires grad:
+  AOTAutograd's own test): comfuse's pipeline (pipeline.py) rewrites the graph, each fused
+  region one call of its module; everything else runs as the eager aten ops it traced to;
+- gradients needed: the torch.compile backend (backend.py): AOTAutograd differentiates the
+  graph, Inductor compiles the forward and the backward, and comfuse's pass fuses regions
+  in each.
+
+The constructor calls the compiled function once on the example inputs, under the caller's
+grad mode, so the first graphs are captured, built and (on a GPU) autotuned before
+``comfuse.compile`` returns; that call's outputs are dropped and the random state is
+restored after it (its other effects stand: a batch norm in training mode updates its
+running statistics). Each compiled function keeps its own cache entries in Dynamo
+(``isolate_recompiles``), at most COMFUSE_MAX_SPECIALIZATIONS per frame (Dynamo's recompile
+limit for this function; beyond it Dynamo runs the frame eagerly, as torch.compile does).
+As with torch.compile, the compiled graphs live in Dynamo's cache of ``fn``'s code until
+``torch._dynamo.reset()``, and count towards Dynamo's cap on the entries of one code object
+(``accumulated_recompile_limit``, 256) whichever compiled function made them.
 """
 from __future__ import annotations
 
-import collections
+import dataclasses
 import functools
-import inspect
 
 import torch
+import torch.fx as fx
 
 from . import settings as settings_mod
 from .errors import notice_once, summary
-from .pipeline import compile_graph
+from .pipeline import compile_graph, fake_inputs
 from .report import Report
-from .runtime.region import FusedRegion
+from .runtime.fused import Fused
 
 
-class Specialization:
-    """The captured, rewritten graph for one input signature, and its report."""
+@dataclasses.dataclass
+class Built:
+    """One graph Dynamo handed a compiled function's backend, as built: by comfuse's pipeline
+    (``own``: its report; ``gm``: the rewritten graph, None where nothing fused) or inside
+    Inductor (``passes``: the RegionPass of its compilation, whose reports grow as Inductor
+    lowers the forward and, at the first backward, the backward)."""
+    function: str
+    own: Report | None = None
+    gm: fx.GraphModule | None = None
+    passes: list = dataclasses.field(default_factory=list)
 
-    def __init__(self, fn, args: tuple, execute: bool = True):
-        self.fn = fn
-        self.gm, self.report = compile_graph(fn, args, execute=execute)
+    @property
+    def report(self) -> Report:
+        if self.own is not None:
+            return self.own
+        return merged_report(self.function, [r for p in self.passes for r in p.reports])
 
-    def __call__(self, *args):
-        if self.gm is None:
-            return self.fn(*args)
-        return self.gm.forward(*args)  # (not gm(...): nn.Module's call path costs ~1.6 us a call)
-
-
-def _signature(args) -> tuple:
-    key = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            # which of the last two dims has unit stride: plans with TMA loads depend on it
-            st = a.stride()
-            unit = (st[-2] == 1, st[-1] == 1) if len(st) >= 2 else ()
-            key.append(("T", a.shape, a.dtype, a.device, unit))
+    def modules(self) -> list:
+        """The fused modules (regions and chains) in graph order."""
+        if self.gm is not None:
+            found = self.gm.modules()
         else:
-            try:
-                hash(a)
-            except TypeError:
-                raise TypeError(f"comfuse.compile: argument of type {type(a).__name__} is neither a "
-                                "tensor nor a hashable constant") from None
-            key.append(("C", type(a), a))
-    return tuple(key)
-
-
-class _ModuleState:
-    """What a module's captured graph depends on besides its arguments: the parameter, buffer
-    and submodule objects (a replaced parameter must not run with the old one's values; values
-    changed in place are read at each call) and every submodule's training flag (dropout, batch
-    norm). ``key()`` is a small number per distinct state, read at each call from flat lists
-    of the submodules' own dictionaries (cheaper than walking ``parameters()`` and
-    ``modules()`` again)."""
-
-    def __init__(self, module: torch.nn.Module):
-        self.module = module
-        self.ids: dict = {}
-        self.last = None
-        self.key()
-
-    def _fingerprint(self) -> list:
-        out = []
-        for m in self.mods:
-            out.append(m.training)
-            out.extend(map(id, m._parameters.values()))
-            out.extend(map(id, m._buffers.values()))
-            out.extend(map(id, m._modules.values()))
-        return out
-
-    def key(self) -> int:
-        if self.last is None or self._fingerprint() != self.last:
-            self.mods = list(self.module.modules())  # (a submodule may have been replaced)
-            self.params = list(self.module.parameters())
-            self.last = self._fingerprint()
-            self.current = self.ids.setdefault(tuple(self.last), len(self.ids))
-        return self.current
-
-    def trains(self) -> bool:
-        return any(p.requires_grad for p in self.params)
+            found = (m for p in self.passes for lowered in p.lowered for m in lowered.modules)
+        return [m for m in found if isinstance(m, Fused)]
 
 
 class CompiledFunction:
@@ -100,71 +76,67 @@ class CompiledFunction:
             raise TypeError("comfuse.compile: example_inputs must be a tuple or list of arguments")
         functools.update_wrapper(self, fn, updated=())
         self._fn = fn
-        try:
-            self._sig = inspect.signature(fn)
-        except (TypeError, ValueError):
-            self._sig = None
-        # arguments bound with their defaults where the signature is plain (no *args, **kwargs)
-        plain = self._sig is not None and all(
-            p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in self._sig.parameters.values())
-        self._sig = self._sig if plain else None
-        self._state = _ModuleState(fn) if isinstance(fn, torch.nn.Module) else None
-        self._specs: collections.OrderedDict = collections.OrderedDict()
-        self._trainer = None  # torch.compile's form, built at the first call that needs gradients
-        self._specialize(self._bind(tuple(example_inputs), {}), self._state_key())
+        self._name = getattr(fn, "__qualname__", None) or type(fn).__name__
+        self._graphs: list = []  # a Built record for each graph Dynamo handed over, newest last
+        self._compiled = torch.compile(fn, backend=self._backend, dynamic=False, isolate_recompiles=True,
+                                       recompile_limit=settings_mod.get().max_specializations)
+        with torch.random.fork_rng(devices=_cuda_devices(fn, example_inputs)):
+            self._compiled(*example_inputs)
 
-    def _state_key(self) -> tuple:
-        return (self._state.key(),) if self._state is not None else ()
+    def __call__(self, *args, **kwargs):
+        return self._compiled(*args, **kwargs)
 
-    def _bind(self, args, kwargs) -> tuple:
-        if self._sig is None or (not kwargs and len(args) == len(self._sig.parameters)):
-            return args
-        bound = self._sig.bind(*args, **kwargs)
-        bound.apply_defaults()
-        return tuple(bound.arguments.values())
-
-    def _specialize(self, args: tuple, state: tuple = ()) -> Specialization:
-        key = _signature(args) + state
-        spec = self._specs.get(key)
-        if spec is None:
-            limit = settings_mod.get().max_specializations
-            if len(self._specs) >= limit:
-                self._specs.popitem(last=False)
-                notice_once(f"specs:{id(self)}", f"comfuse: more than {limit} input signatures for "
-                            f"{getattr(self._fn, '__name__', self._fn)}; dropping the oldest")
-            spec = Specialization(self._fn, args)
-            self._specs[key] = spec
-        return spec
+    def _backend(self, gm: fx.GraphModule, example_inputs):
+        """Dynamo's backend for this function. ``example_inputs`` are the call's own tensors
+        (real, not fake), parameters and buffers among them (Dynamo lifts them to inputs)."""
+        tensors = [t for t in (*example_inputs, *gm.parameters()) if isinstance(t, torch.Tensor)]
+        if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            notice_once(f"grad:{id(self)}", f"comfuse: inputs or parameters require grad; {self._name} trains "
+                        "through torch.compile(backend=\"comfuse\") (forward and backward graphs)")
+            from .backend import comfuse_backend
+            built = Built(self._name)
+            compiled = comfuse_backend(gm, example_inputs, passes=built.passes)
+            self._graphs.append(built)
+            return compiled
+        fused, report = compile_graph(gm, fake_inputs(example_inputs))
+        report.function = self._name
+        self._graphs.append(Built(self._name, own=report, gm=fused))
+        # (forward, not the module: nn.Module's call path costs ~1.6 us a call)
+        return gm.forward if fused is None else fused.forward
 
     @property
     def report(self) -> Report:
-        """The report of the most recently built specialisation."""
-        return next(reversed(self._specs.values())).report
+        """The report of the most recently built graph (for a graph that trains: the regions
+        of the graphs Inductor lowered for it, the backward's after the first backward)."""
+        if not self._graphs:
+            return Report(function=self._name, regions=[],
+                          error="torch.compile captured no graph (no tensor operations, or Dynamo skipped it)")
+        return self._graphs[-1].report
 
     def fused_regions(self) -> list:
-        """The FusedRegion modules of the most recently built specialisation, in graph order
-        (each holds its plan, its alternatives and, once called, its kernel)."""
-        gm = next(reversed(self._specs.values())).gm
-        return [] if gm is None else [m for m in gm.modules() if isinstance(m, FusedRegion)]
+        """The fused modules (FusedRegion, FusedChain) of the most recently built graph, in
+        graph order: each holds its plan, its alternatives and, once called, its kernel."""
+        return self._graphs[-1].modules() if self._graphs else []
 
-    def __call__(self, *args, **kwargs):
-        args = self._bind(args, kwargs)
-        state = self._state_key()  # (first: it notices replaced parameters)
-        if torch.is_grad_enabled() and (any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
-                                        or (self._state is not None and self._state.trains())):
-            return self._training()(*args)
-        return self._specialize(args, state)(*args)
 
-    def _training(self):
-        """The function compiled for training: through torch.compile with comfuse's backend,
-        where Dynamo guards it, AOTAutograd differentiates it and comfuse fuses regions in the
-        forward and the backward graphs Inductor lowers."""
-        if self._trainer is None:
-            notice_once(f"grad:{id(self)}", "comfuse: inputs or parameters require grad; "
-                        f"{getattr(self._fn, '__name__', type(self._fn).__name__)} trains through "
-                        "torch.compile(backend=\"comfuse\") (forward and backward graphs)")
-            self._trainer = torch.compile(self._fn, backend="comfuse", dynamic=False)
-        return self._trainer
+def _cuda_devices(fn, args) -> list:
+    """The CUDA devices whose random state a call of ``fn`` on ``args`` may draw from."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if isinstance(fn, torch.nn.Module):
+        tensors += [*fn.parameters(), *fn.buffers()]
+    return sorted({t.device.index for t in tensors if t.is_cuda})
+
+
+def merged_report(name: str, reports: list) -> Report:
+    """One report of several graphs' reports, each region's anchor prefixed by its graph
+    ("forward graph 0: mm_3"); the regions are copies, numbered afresh."""
+    merged = Report(function=name, regions=[], graph="\n\n".join(r.graph for r in reports if r.graph))
+    for report in reports:
+        for region in report.regions:
+            merged.regions.append(dataclasses.replace(region, index=len(merged.regions),
+                                                      anchor=f"{report.function}: {region.anchor}"))
+    merged.error = "; ".join(r.error for r in reports if r.error)
+    return merged
 
 
 def explain(fn, example_inputs=(), kwargs: dict | None = None) -> Report:
@@ -176,7 +148,7 @@ def explain(fn, example_inputs=(), kwargs: dict | None = None) -> Report:
         raise TypeError("comfuse.explain: example_inputs must be a tuple or list of arguments")
     args = tuple(example_inputs)
     if not kwargs:
-        report = Specialization(fn, args, execute=False).report
+        _, report = compile_graph(fn, args, execute=False)
         if not report.error:
             return report
     return _explain_graphs(fn, args, dict(kwargs or {}))
@@ -187,27 +159,20 @@ def _explain_graphs(fn, args: tuple, kwargs: dict) -> Report:
     torch.compile backend (graph breaks and all), each region's anchor prefixed by its graph
     ("forward graph 0: mm_3"). Where inputs or parameters require grad, the backward's graphs
     too: gradients are taken (and returned, not accumulated) so that AOTAutograd compiles the
-    backward. Everything runs unfused (COMFUSE_DISABLE) and nothing is autotuned."""
-    from .inductor_pass import REPORTS
+    backward. Everything runs unfused (COMFUSE_DISABLE) and nothing is autotuned. The backend
+    is a fresh one in cache entries of its own, so nothing compiled before is reused or
+    dropped."""
+    from .backend import comfuse_backend
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
-    REPORTS.clear()  # (the pass keeps the last few: these are this call's)
+    passes: list = []
+    backend = functools.partial(comfuse_backend, passes=passes)
     try:
         with settings_mod.override(disable=True, autotune="0", graph_check="0"):
-            torch._dynamo.reset()
-            out = torch.compile(fn, backend="comfuse", dynamic=False)(*args, **kwargs)
+            out = torch.compile(fn, backend=backend, dynamic=False, isolate_recompiles=True)(*args, **kwargs)
             _differentiate(out, fn, args, kwargs)
     except Exception as e:
         return Report(function=name, regions=[], error=f"torch.compile could not capture {name}: {summary(e)}")
-    finally:
-        torch._dynamo.reset()
-    reports = list(REPORTS)
-    merged = Report(function=name, regions=[], graph="\n\n".join(r.graph for r in reports if r.graph))
-    for report in reports:
-        for region in report.regions:
-            region.index, region.anchor = len(merged.regions), f"{report.function}: {region.anchor}"
-            merged.regions.append(region)
-    merged.error = "; ".join(r.error for r in reports if r.error)
-    return merged
+    return merged_report(name, [r for p in passes for r in p.reports])
 
 
 def _differentiate(out, fn, args: tuple, kwargs: dict) -> None:

@@ -36,7 +36,7 @@ class Settings:
     graph_check: str  # COMFUSE_GRAPH_CHECK: time a fused graph against Inductor's (auto, 1, 0)
     # -- graph limits --
     fuel: int  # COMFUSE_FUEL: fuse at most this many regions per graph (-1: no cap)
-    max_specializations: int  # COMFUSE_MAX_SPECIALIZATIONS: input signatures kept per function
+    max_specializations: int  # COMFUSE_MAX_SPECIALIZATIONS: graphs per compiled function's frame, shapes per dynamic graph
     # -- planner --
     schedule: str  # COMFUSE_SCHEDULE: force one schedule; empty: the planner and autotuning choose
     # -- developer override (docs/design.md, not a user setting) --

@@ -125,7 +125,7 @@ def test_new_shapes_dtypes_and_devices_respecialise():
         with quiet_notices():
             out = compiled(*args)
         assert_matches_reference(fn, args, out)
-    assert len(compiled._specs) == 4
+    assert len(compiled._graphs) == 4
 
 
 def test_keyword_arguments_and_signature():
@@ -166,13 +166,12 @@ def test_kernel_failure_at_launch_falls_back_with_a_warning(monkeypatch):
         out = compiled(*args)
     torch.testing.assert_close(out, fn(*args))
     assert not compiled.report.regions[0].fused
-    # (an unexpected fallback fails a test: conftest turns FallbackWarning into an error)
-    unexpected = comfuse.compile(fn, SUITE["rmsnorm"].inputs(10, 16, 24, device=DEVICE))
+    # (an unexpected fallback fails a test: conftest turns FallbackWarning into an error; the
+    # example inputs' call inside comfuse.compile is the first launch)
     with pytest.raises(comfuse.FallbackWarning, match="synthetic launch failure"):
-        unexpected(*SUITE["rmsnorm"].inputs(10, 16, 24, device=DEVICE))
-    strict = comfuse.compile(fn, SUITE["rmsnorm"].inputs(9, 16, 24, device=DEVICE))
+        comfuse.compile(fn, SUITE["rmsnorm"].inputs(10, 16, 24, device=DEVICE))
     with settings.override(strict=True), pytest.raises(RuntimeError, match="synthetic launch"):
-        strict(*SUITE["rmsnorm"].inputs(9, 16, 24, device=DEVICE))
+        comfuse.compile(fn, SUITE["rmsnorm"].inputs(9, 16, 24, device=DEVICE))
 
 
 def test_inputs_requiring_grad_train_through_the_backend():
@@ -206,15 +205,15 @@ class _Block(torch.nn.Module):
 def test_trainable_parameters_train():
     """A module whose parameters require grad trains through torch.compile with comfuse's
     backend: its forward region fused, Inductor's backward, every gradient eager's (none may
-    be silently lost)."""
-    from comfuse import inductor_pass
+    be silently lost). The example call compiles the forward, the first backward the backward."""
     model, x = _Block().to(DEVICE), randn(8, 16)
-    compiled = comfuse.compile(model, (x,))
-    inductor_pass.REPORTS.clear()
     with pytest.warns(comfuse.ComfuseWarning, match="parameters require grad"):
-        out = compiled(x)
-    assert any(r.fused for rep in inductor_pass.REPORTS for r in rep.regions), inductor_pass.REPORTS
+        compiled = comfuse.compile(model, (x,))
+    assert any(r.fused for r in compiled.report.regions), str(compiled.report)
+    assert all(r.anchor.startswith("forward graph") for r in compiled.report.regions)
+    out = compiled(x)
     (out * torch.arange(32.0, device=DEVICE)).sum().backward()
+    assert any(r.anchor.startswith("backward graph") for r in compiled.report.regions), str(compiled.report)
     got = torch.cat([p.grad.flatten() for p in model.parameters()])
     model.zero_grad()
     (model(x) * torch.arange(32.0, device=DEVICE)).sum().backward()
@@ -222,22 +221,136 @@ def test_trainable_parameters_train():
     assert (got - want).norm() / want.norm() < 1e-5  # (all gradients as one vector; fp32 sums reordered)
 
 
-def test_a_module_is_captured_again_when_its_parameters_or_mode_change():
-    """A replaced parameter, or train() after eval(), captures again: never the old weights'
-    graph or the other mode's."""
-    model, x = _Block(p=1.0).to(DEVICE).eval(), randn(8, 16)
+def test_example_inputs_compile_before_comfuse_compile_returns():
+    """The example call captures, builds and runs the graph inside comfuse.compile: the report
+    and the fused modules are there at once, and a call with the same inputs builds nothing."""
+    fn = SUITE["softmax"].fn
+    args = SUITE["softmax"].inputs(8, 16, 24, device=DEVICE)
+    with quiet_notices():
+        compiled = comfuse.compile(fn, args)
+    assert compiled.report.regions[0].fused and len(compiled.fused_regions()) == 1, str(compiled.report)
+    assert len(compiled._graphs) == 1
+    with quiet_notices():
+        assert_matches_reference(fn, args, compiled(*args))
+    assert len(compiled._graphs) == 1
+    with pytest.raises(TypeError, match="tuple or list"):
+        comfuse.compile(fn, args[0])
+    with pytest.raises(TypeError, match="expects a callable"):
+        comfuse.compile(None, args)
+
+
+def test_the_example_call_leaves_the_random_state_as_it_found_it():
+    model, x = _Block(p=0.5).to(DEVICE).train(), randn(8, 16)
     with torch.no_grad():
-        compiled = comfuse.compile(model, (x,))
+        torch.manual_seed(1)
         with quiet_notices():
+            compiled = comfuse.compile(model, (x,))
+            got = compiled(x)
+        torch.manual_seed(1)
+        torch.testing.assert_close(got, model(x), rtol=1e-4, atol=1e-4)
+
+
+def test_a_replaced_parameter_or_submodule_gives_eagers_result():
+    model, x = _Block().to(DEVICE).eval(), randn(8, 16)
+    with torch.no_grad(), quiet_notices():
+        compiled = comfuse.compile(model, (x,))
+        assert compiled.report.regions and compiled.report.regions[0].fused, str(compiled.report)
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+        model.proj.weight = torch.nn.Parameter(weight(16, 32).T.contiguous())
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+        model.proj = torch.nn.Linear(16, 32).to(DEVICE)
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+        with torch.no_grad():
+            model.norm.weight.mul_(2.0)  # (in place: the next call reads it)
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+        assert compiled.report.regions[0].fused, str(compiled.report)
+
+
+def test_train_after_compiling_in_eval_mode_applies_dropout():
+    model, x = _Block(p=1.0).to(DEVICE).eval(), randn(8, 16)
+    with torch.no_grad(), quiet_notices():
+        compiled = comfuse.compile(model, (x,))
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+        model.train()  # (dropout with p=1 zeroes its input: the norm's output is its bias)
+        torch.testing.assert_close(compiled(x), model.norm.bias.expand(8, 32))
+        model.eval()
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+SQUASH = True
+
+
+def _squashed(x, w):
+    return torch.tanh(x @ w) if SQUASH else torch.sigmoid(x @ w) * 3.0
+
+
+class _Gated(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj, self.gate = torch.nn.Linear(16, 32), True
+
+    def forward(self, x):
+        h = self.proj(x)
+        return torch.relu(h) if self.gate else torch.softmax(h, -1)
+
+
+def test_a_changed_python_branch_gives_eagers_result():
+    """A branch on a global or on a module's attribute: Dynamo guards what it read."""
+    global SQUASH
+    x, w = randn(8, 16), weight(16, 32)
+    with quiet_notices():
+        compiled = comfuse.compile(_squashed, (x, w))
+        assert_matches_reference(_squashed, (x, w), compiled(x, w))
+        try:
+            SQUASH = False
+            assert_matches_reference(_squashed, (x, w), compiled(x, w))
+        finally:
+            SQUASH = True
+        model = _Gated().to(DEVICE).eval()
+        with torch.no_grad():
+            compiled = comfuse.compile(model, (x,))
             torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
-            assert compiled.report.regions and compiled.report.regions[0].fused, str(compiled.report)
-            model.proj.weight = torch.nn.Parameter(weight(16, 32).T.contiguous())
+            model.gate = False
             torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
-            model.proj = torch.nn.Linear(16, 32).to(DEVICE)
-            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
-            model.train()  # (dropout with p=1 zeroes its input: the norm's output is its bias)
-            torch.testing.assert_close(compiled(x), model.norm.bias.expand(8, 32))
-    assert len(compiled._specs) == 4
+    assert compiled.report.regions[0].fused and compiled.report.regions[0].schedule, str(compiled.report)
+
+
+def test_a_grad_mode_switch_gives_eagers_result():
+    """Compiled without grad, a module trains once grad is on (and its gradients are eager's);
+    back under no_grad it runs comfuse's graph again, without an autograd graph."""
+    model, x = _Block().to(DEVICE), randn(8, 16)
+    with torch.no_grad(), quiet_notices():
+        compiled = comfuse.compile(model, (x,))
+        assert not compiled(x).requires_grad
+    assert compiled.fused_regions() and compiled.report.regions[0].fused
+    with quiet_notices():
+        out = compiled(x)
+    assert out.requires_grad
+    out.sum().backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).sum().backward()
+    for g, p in zip(got, model.parameters()):
+        torch.testing.assert_close(g, p.grad, rtol=1e-4, atol=1e-5)
+    with torch.no_grad(), quiet_notices():
+        out = compiled(x)
+        torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-4)
+    assert not out.requires_grad
+    assert len(compiled._graphs) == 2  # (the no-grad graph again: Dynamo's cache still has it)
+
+
+def test_every_graph_of_a_graph_break_gets_its_regions():
+    def two(x, w1, w2):
+        h = torch.relu(x @ w1)
+        torch._dynamo.graph_break()
+        return torch.softmax(h @ w2, -1)
+    args = (randn(8, 16), weight(16, 24), weight(24, 12))
+    compiled, out = compile_and_run(two, args)
+    assert_matches_reference(two, args, out)
+    assert len(compiled._graphs) == 2
+    for built in compiled._graphs:
+        assert [r.fused for r in built.report.regions] == [True], str(built.report)
+    assert "exp" in compiled.report.regions[0].ir, str(compiled.report)  # (the last graph's: the softmax)
 
 
 def test_default_arguments_take_their_defaults():
@@ -249,6 +362,9 @@ def test_default_arguments_take_their_defaults():
     assert_matches_reference(f, (x, w), out)
     with quiet_notices():
         assert_matches_reference(lambda x, w: f(x, w, scale=3.0), (x, w), compiled(x, w, scale=3.0))
+        f.__defaults__ = (1e-5, 0.5)  # (a changed default: Dynamo guards the defaults)
+        assert_matches_reference(f, (x, w), compiled(x, w))
+        torch.testing.assert_close(compiled(x, w), f(x, w))
 
 
 def test_fp16_products_beyond_the_range_stay_finite_in_the_epilogue():

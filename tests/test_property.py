@@ -160,6 +160,7 @@ def programs(draw):
 @given(programs())
 def test_random_epilogues_fuse_and_match_float64(program):
     PROPERTY_COUNTS["random epilogues (fused vs float64)"] += 1
+    torch._dynamo.reset()  # (every example compiles build's fn: Dynamo caches at most 256 graphs of one code)
     fn, args = build(program), make_inputs(program)
     reduced = program.N if program.axis == -1 else program.M
     schedule = program.schedule if reduced > 1 else ""  # reductions over one element vanish
@@ -270,6 +271,7 @@ def test_random_per_row_losses_run_split(case):
     """Per-row outputs over the whole row (losses) in the split schedule: one-pass statistics
     over slices of N, merged, then combined; against float64."""
     PROPERTY_COUNTS["random losses (split schedule)"] += 1
+    torch._dynamo.reset()  # (as above)
     g = torch.Generator().manual_seed(case["seed"])
     M, K, N, dt = case["M"], case["K"], case["N"], case["dtype"]
     x = torch.randn(M, K, generator=g)

@@ -77,8 +77,7 @@ def test_after_the_rounds_only_the_finalists_compete(monkeypatch):
 
 
 def fused_module(compiled):
-    spec = next(iter(compiled._specs.values()))
-    return next(m for m in spec.gm.modules() if m.__class__.__name__ == "FusedRegion")
+    return next(m for m in compiled.fused_regions() if m.__class__.__name__ == "FusedRegion")
 
 
 @pytest.fixture
@@ -106,17 +105,21 @@ def test_unfused_wins_when_it_is_faster(monkeypatch, fresh_cache):
     assert not again.report.regions[0].fused
 
 
+def falling(count: int = 20) -> list:
+    """Times for fake_timer: the unfused ops 1 ms, then each candidate faster than the one
+    before (the last is the fastest, however many there are)."""
+    return [1.0] + [0.5 - 0.01 * i for i in range(count)]
+
+
 def test_fastest_candidate_plan_is_kept(monkeypatch, fresh_cache):
     wl = SUITE["ln_postnorm"]
     args = wl.inputs(16, 16, 100, device=DEVICE)
-    compiled = comfuse.compile(wl.fn, args)
+    calls = fake_timer(monkeypatch, falling())
+    compiled = comfuse.compile(wl.fn, args)  # (its example call autotunes)
+    out = compiled(*args)
     module = fused_module(compiled)
     n = len(module.alternatives)
-    assert n >= 2  # cooperative and row_in_cta both fit this row
-    times = [1.0] + [0.5] * n
-    times[n] = 0.1  # the last candidate is the fastest
-    fake_timer(monkeypatch, times)
-    out = compiled(*args)
+    assert n >= 2 and len(calls) == n + 1  # cooperative and row_in_cta both fit this row
     assert module.plan is module.alternatives[-1]
     assert compiled.report.regions[0].fused and "autotuned" in compiled.report.regions[0].plan
     assert_matches_reference(wl.fn, args, out)
@@ -125,19 +128,22 @@ def test_fastest_candidate_plan_is_kept(monkeypatch, fresh_cache):
 def test_a_failing_candidate_scores_inf(monkeypatch, fresh_cache):
     wl = SUITE["rmsnorm"]
     args = wl.inputs(16, 16, 100, device=DEVICE)
-    compiled = comfuse.compile(wl.fn, args)
-    module = fused_module(compiled)
-    broken = module.alternatives[0]
     from comfuse.runtime import build as kernel_mod, region as region_mod
     real_build = kernel_mod.build
+    first = []  # the first candidate autotuning builds: it fails
 
     def build(plan):
-        if plan is broken:
+        first[:] = first or [plan]
+        if plan is first[0]:
             raise RuntimeError("synthetic failure")
         return real_build(plan)
     monkeypatch.setattr(region_mod, "build", build)
     fake_timer(monkeypatch, [1.0] + [0.2] * 10)
+    compiled = comfuse.compile(wl.fn, args)
     out = compiled(*args)
+    module = fused_module(compiled)
+    broken = first[0]
+    assert broken in module.alternatives
     decision = tuning.load(tuning.key(module.region, torch.device(DEVICE)))
     assert decision["times_ms"][kernel_mod.kernel_name(broken)] == float("inf")
     assert decision["choice"] != kernel_mod.kernel_name(broken)
@@ -157,15 +163,11 @@ def test_a_decision_among_fewer_candidates_is_not_reused(monkeypatch, fresh_cach
     calls = fake_timer(monkeypatch, [1.0, 0.5] + [0.5] * 20)
     first(*args)  # autotuning on now: the one candidate is timed and the decision stored
     assert len(calls) == 2
+    calls = fake_timer(monkeypatch, falling())
     full = comfuse.compile(wl.fn, args)
     module = fused_module(full)
     n = len(module.alternatives)
     assert n >= 2
-    calls.clear()
-    times = [1.0] + [0.5] * n
-    times[n] = 0.1
-    calls = fake_timer(monkeypatch, times)
-    full(*args)
     assert len(calls) == n + 1  # every candidate timed again
     assert module.plan is module.alternatives[-1]
     # and that decision covers both: neither region measures again
@@ -208,8 +210,7 @@ def test_a_chain_times_its_candidate_plans_and_keeps_the_fastest(monkeypatch, fr
     fake_timer(monkeypatch, [1.0, 0.9, 0.5, 0.8, 0.8])  # unfused, then the candidates in order
     compiled = comfuse.compile(mlp, (x, w1, w2))
     out = compiled(x, w1, w2)
-    chain = next(m for m in next(iter(compiled._specs.values())).gm.modules()
-                 if m.__class__.__name__ == "FusedChain")
+    chain = next(m for m in compiled.fused_regions() if m.__class__.__name__ == "FusedChain")
     from comfuse.planner.chain import chain_candidates
     assert len(chain_candidates(chain.plan)) >= 2
     report = next(r for r in compiled.report.regions if r.kind == "b2b")
@@ -435,37 +436,41 @@ def test_a_choice_shaped_by_one_calls_layout_is_not_remembered(monkeypatch, fres
     it is kept for this process only."""
     wl = SUITE["rmsnorm"]
     args = wl.inputs(16, 16, 100, device=DEVICE)
-    compiled = comfuse.compile(wl.fn, args)
-    module = fused_module(compiled)
-    picky = module.alternatives[0]
     from comfuse.errors import UnsupportedLayout
-    from comfuse.runtime.build import kernel_name
-    real_run = type(module).run
+    from comfuse.runtime.region import FusedRegion
+    real_run = FusedRegion.run
+    picky = []  # the first candidate autotuning runs: the layout rules it out
 
     def run(self, ext, device, kernel=None, check=False):
-        if kernel is not None and kernel.source.name == kernel_name(picky):
-            raise UnsupportedLayout("TMA needs 16-byte aligned operands; this one is not")
+        if kernel is not None:
+            picky[:] = picky or [kernel.source.name]
+            if kernel.source.name == picky[0]:
+                raise UnsupportedLayout("TMA needs 16-byte aligned operands; this one is not")
         return real_run(self, ext, device, kernel, check)
-    monkeypatch.setattr(type(module), "run", run)
+    monkeypatch.setattr(FusedRegion, "run", run)
     fake_timer(monkeypatch, [1.0] + [0.2] * 10)
+    compiled = comfuse.compile(wl.fn, args)
     out = compiled(*args)
-    assert tuning.load(tuning.key(module.region, torch.device(DEVICE))) is None
+    module = fused_module(compiled)
+    assert picky and tuning.load(tuning.key(module.region, torch.device(DEVICE))) is None
     assert compiled.report.regions[0].fused
     assert_matches_reference(wl.fn, args, out)
 
 
 def test_a_pinned_form_keeps_autotuning_off_at_every_call(monkeypatch, fresh_cache):
     """Settings are read at each call: a function compiled under override(autotune="0") would
-    autotune at its first call outside it; settings.pinned carries them to every call."""
+    autotune at its next call outside it; settings.pinned carries them to every call."""
     wl = SUITE["softmax"]
     args = wl.inputs(16, 16, 100, device=DEVICE)
     monkeypatch.setattr(tuning, "measure", lambda *a, **k: pytest.fail("autotuned"))
     with settings.override(autotune="1"):
-        forced = settings.pinned(comfuse.compile(wl.fn, args), autotune="0")
+        with settings.override(autotune="0"):
+            compiled = comfuse.compile(wl.fn, args)
+        forced = settings.pinned(compiled, autotune="0")
         for _ in range(2):
             assert_matches_reference(wl.fn, args, forced(*args))
         with pytest.raises(BaseException, match="autotuned"):
-            comfuse.compile(wl.fn, args)(*args)
+            compiled(*args)
     with pytest.raises(TypeError, match="unknown comfuse settings"):
         settings.pinned(wl.fn, autotun="0")
 
