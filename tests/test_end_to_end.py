@@ -128,6 +128,19 @@ def test_new_shapes_dtypes_and_devices_respecialise():
     assert len(compiled._graphs) == 4
 
 
+def test_max_specializations_caps_the_graphs_of_a_function():
+    """COMFUSE_MAX_SPECIALIZATIONS is Dynamo's recompile limit for the function (read when it
+    is compiled): beyond it, calls run eagerly, with eager's result."""
+    wl = SUITE["softmax"]
+    with settings.override(max_specializations=2):
+        compiled, _ = compile_and_run(wl.fn, wl.inputs(8, 16, 24, device=DEVICE))
+    for m in (9, 10, 11):
+        args = wl.inputs(m, 16, 24, device=DEVICE)
+        with quiet_notices():
+            torch.testing.assert_close(compiled(*args), wl.fn(*args))
+    assert len(compiled._graphs) == 2
+
+
 def test_keyword_arguments_and_signature():
     def f(x, w, scale=2.0):
         return torch.tanh(x @ w) * scale
