@@ -18,22 +18,32 @@ The constructor calls the compiled function once on the example inputs, under th
 grad mode, so the first graphs are captured, built and (on a GPU) autotuned before
 ``comfuse.compile`` returns; that call's outputs are dropped and the random state is
 restored after it (its other effects stand: a batch norm in training mode updates its
-running statistics). Each compiled function keeps its own cache entries in Dynamo
-(``isolate_recompiles``), at most COMFUSE_MAX_SPECIALIZATIONS per frame (Dynamo's recompile
-limit for this function; beyond it Dynamo runs the frame eagerly, as torch.compile does).
-As with torch.compile, the compiled graphs live in Dynamo's cache of ``fn``'s code until
-``torch._dynamo.reset()``, and count towards Dynamo's cap on the entries of one code object
-(``accumulated_recompile_limit``, 256) whichever compiled function made them.
+running statistics).
+
+Dynamo caches compiled frames per code object, so torch.compile'ing ``fn`` twice would share
+one cache and one recompile count (a benchmark compiles one workload many times). Dynamo
+compiles instead a small function that calls ``fn`` (``_entry``), with a code object of its
+own for each compiled function, and inlines ``fn`` into it (a module through its
+``__call__``: no OptimizedModule wrapper either). Where torch.compile takes them (torch
+2.13), COMFUSE_MAX_SPECIALIZATIONS is the function's recompile limit per frame and
+``isolate_recompiles`` keeps the frames of ``fn``'s graph breaks its own too; with older
+torch Dynamo's global ``recompile_limit`` applies, and Dynamo 2.11 does not guard the
+defaults of the function it inlines (a call's own arguments it does guard). Beyond the limit
+Dynamo runs the frame eagerly, as torch.compile does. The compiled graphs live in Dynamo's
+caches until ``torch._dynamo.reset()``.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
+import re
 
 import torch
 import torch.fx as fx
 
 from . import settings as settings_mod
+from .backend import comfuse_backend
 from .errors import notice_once, summary
 from .pipeline import compile_graph, fake_inputs
 from .report import Report
@@ -78,8 +88,8 @@ class CompiledFunction:
         self._fn = fn
         self._name = getattr(fn, "__qualname__", None) or type(fn).__name__
         self._graphs: list = []  # a Built record for each graph Dynamo handed over, newest last
-        self._compiled = torch.compile(fn, backend=self._backend, dynamic=False, isolate_recompiles=True,
-                                       recompile_limit=settings_mod.get().max_specializations)
+        self._compiled = torch.compile(_entry(fn, self._name), backend=self._backend, dynamic=False,
+                                       **_cache_options(settings_mod.get().max_specializations))
         with torch.random.fork_rng(devices=_cuda_devices(fn, example_inputs)):
             self._compiled(*example_inputs)
 
@@ -93,7 +103,6 @@ class CompiledFunction:
         if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
             notice_once(f"grad:{id(self)}", f"comfuse: inputs or parameters require grad; {self._name} trains "
                         "through torch.compile(backend=\"comfuse\") (forward and backward graphs)")
-            from .backend import comfuse_backend
             built = Built(self._name)
             compiled = comfuse_backend(gm, example_inputs, passes=built.passes)
             self._graphs.append(built)
@@ -117,6 +126,24 @@ class CompiledFunction:
         """The fused modules (FusedRegion, FusedChain) of the most recently built graph, in
         graph order: each holds its plan, its alternatives and, once called, its kernel."""
         return self._graphs[-1].modules() if self._graphs else []
+
+
+def _entry(fn, name: str):
+    """A function that calls ``fn``, with a code object of its own (named after ``fn``)."""
+    def entry(*args, **kwargs):
+        return fn(*args, **kwargs)
+    label = "comfuse_" + re.sub(r"\W", "_", name)
+    entry.__code__ = entry.__code__.replace(co_name=label, co_qualname=label)
+    return entry
+
+
+def _cache_options(limit: int) -> dict:
+    """torch.compile's per-function cache options where it has them (torch 2.13)."""
+    known = inspect.signature(torch.compile).parameters
+    options = {"recompile_limit": limit} if "recompile_limit" in known else {}
+    if "isolate_recompiles" in known:
+        options["isolate_recompiles"] = True
+    return options
 
 
 def _cuda_devices(fn, args) -> list:
@@ -162,7 +189,6 @@ def _explain_graphs(fn, args: tuple, kwargs: dict) -> Report:
     backward. Everything runs unfused (COMFUSE_DISABLE) and nothing is autotuned. The backend
     is a fresh one in cache entries of its own, so nothing compiled before is reused or
     dropped."""
-    from .backend import comfuse_backend
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
     passes: list = []
     backend = functools.partial(comfuse_backend, passes=passes)

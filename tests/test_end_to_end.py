@@ -1,5 +1,6 @@
 """comfuse.compile end to end on the CPU (Triton interpreter); COMFUSE_CHECK=1 (conftest) also
 checks every kernel launch against the IR's float64 reference interpreter."""
+import inspect
 import math
 import zlib
 
@@ -128,6 +129,8 @@ def test_new_shapes_dtypes_and_devices_respecialise():
     assert len(compiled._graphs) == 4
 
 
+@pytest.mark.skipif("recompile_limit" not in inspect.signature(torch.compile).parameters,
+                    reason="this torch.compile takes no recompile_limit of a function's own")
 def test_max_specializations_caps_the_graphs_of_a_function():
     """COMFUSE_MAX_SPECIALIZATIONS is Dynamo's recompile limit for the function (read when it
     is compiled): beyond it, calls run eagerly, with eager's result."""
@@ -375,9 +378,10 @@ def test_default_arguments_take_their_defaults():
     assert_matches_reference(f, (x, w), out)
     with quiet_notices():
         assert_matches_reference(lambda x, w: f(x, w, scale=3.0), (x, w), compiled(x, w, scale=3.0))
-        f.__defaults__ = (1e-5, 0.5)  # (a changed default: Dynamo guards the defaults)
-        assert_matches_reference(f, (x, w), compiled(x, w))
-        torch.testing.assert_close(compiled(x, w), f(x, w))
+        if torch.__version__ >= "2.13":  # (Dynamo 2.11 does not guard the defaults of a function it inlines)
+            f.__defaults__ = (1e-5, 0.5)
+            assert_matches_reference(f, (x, w), compiled(x, w))
+            torch.testing.assert_close(compiled(x, w), f(x, w))
 
 
 def test_fp16_products_beyond_the_range_stay_finite_in_the_epilogue():
