@@ -133,7 +133,8 @@ def _entry(fn, name: str):
     def entry(*args, **kwargs):
         return fn(*args, **kwargs)
     label = "comfuse_" + re.sub(r"\W", "_", name)
-    entry.__code__ = entry.__code__.replace(co_name=label, co_qualname=label)
+    names = {"co_name": label, **({"co_qualname": label} if hasattr(entry.__code__, "co_qualname") else {})}
+    entry.__code__ = entry.__code__.replace(**names)  # (replace makes a new code object, whatever it renames)
     return entry
 
 
