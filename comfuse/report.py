@@ -20,6 +20,7 @@ class RegionReport:
     notes: list = dataclasses.field(default_factory=list)  # where growth stopped, and why
     kernel_path: str = ""  # generated source on disk
     launch: str = ""  # inside Inductor: who launches the kernel (or why comfuse's operator does)
+    tuned_ms: tuple = ()  # autotuned: (the chosen plan's ms, the unfused ops' ms), alone on random inputs
     forms: list = dataclasses.field(default_factory=list)  # (pass, IR text) per planner step
     templates: list = dataclasses.field(default_factory=list)  # (Gluon schedule, '' or why not) on sm_90
     planned: object = dataclasses.field(default=None, repr=False)  # the Plan / ChainPlan run

@@ -1,16 +1,32 @@
 """Whole Hugging Face models through ``torch.compile(backend="comfuse")`` against Inductor, on a GPU.
 
-For each model (built from a config, random weights, bf16, labels given so the loss is part of
-the graph): eager's loss and gradients as the reference; then Inductor's default mode and
-comfuse's backend, each compiled afresh: the first call's seconds (forward and backward), the
-loss and all gradients as one vector against eager's, the forward (with loss) and the training
-step in ms (median of rounds of back-to-back calls, host time included) and, for comfuse, the
-regions fused in the forward and backward graphs. One JSON line per model and form goes to
-``$OUT/models_check.jsonl``, the table to ``$OUT/results.md`` and, last, to stdout.
+For each model (built from a config, random weights, bf16, labels given where the model takes
+them so the loss is part of the graph): eager's loss and gradients as the reference; then each
+form compiled afresh: the first call's seconds (forward and backward), the loss and all
+gradients as one vector against eager's, the forward (with loss, grad off) and the training
+step in ms (median of rounds of back-to-back calls, host time included), and a profile of one
+forward and one step: every kernel's GPU time, and the host time of each launch (the
+profiler's CPU record of an Inductor kernel launch, of a comfuse kernel Inductor launches,
+and of a ``comfuse::region`` operator call). For comfuse, the regions of every graph Inductor
+lowered, with each fused region's autotuned time against its unfused ops' (standalone, on
+random inputs), summed per graph: what the region should save inside the model.
+
+Forms: ``inductor`` (default mode); ``comfuse`` (the backend's defaults: regions autotuned,
+the fused graph kept only where it beats Inductor's in the whole-graph check); ``forced``
+(regions that won their autotuning kept, no whole-graph check); ``forced-op`` (the same with
+every region through the ``comfuse::region`` operator, none launched by Inductor).
+
+``--modes`` instead runs every model at a small size through the backend in ``default``,
+``reduce-overhead`` and ``max-autotune-no-cudagraphs`` with two batch and sequence sizes (the
+second a recompile), each step's loss and gradients against eager's.
+
+One JSON line per run goes to ``$OUT/models_check.jsonl`` (kernel tables to
+``$OUT/profiles/``), the table to ``$OUT/results.md`` and, last, to stdout.
 
     python scripts/models_check.py [--models gpt2,llama,bert] [--layers 2] [--rounds 5]
-        [--forms inductor,comfuse,comfuse-op]
-    python scripts/models_check.py --report models_check.jsonl   # the table again
+        [--forms inductor,comfuse,forced,forced-op]
+    python scripts/models_check.py --modes [--models gpt2,llama,bert,qwen2,vit,t5]
+    python scripts/models_check.py --report models_check.jsonl   # the tables again
 """
 from __future__ import annotations
 
@@ -26,37 +42,87 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import comfuse  # noqa: E402,F401  (registers the backend)
-from comfuse import inductor_pass  # noqa: E402
+from comfuse import inductor_pass, settings  # noqa: E402
+from comfuse.runtime.timing import kernel_times  # noqa: E402
+
+MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 
 
-def build(name: str, layers: int):
+def build(name: str, layers: int, small: bool = False):
+    """(model, batch, seq, vocab, inputs(batch, seq) -> kwargs) at the size users run, or small."""
     import transformers as tf
+    h, ff, vocab = (256, 512, 1024) if small else (None, None, None)
+
+    def text(v):
+        def inputs(batch, seq):
+            ids = torch.randint(0, v, (batch, seq), device="cuda")
+            return {"input_ids": ids, "labels": ids}
+        return inputs
     if name == "gpt2":
-        cfg = tf.GPT2Config(n_layer=layers, n_embd=768, n_head=12, vocab_size=50257, resid_pdrop=0.0,
-                            embd_pdrop=0.0, attn_pdrop=0.0)
-        return tf.GPT2LMHeadModel(cfg), (8, 1024), 50257
+        v = vocab or 50257
+        cfg = tf.GPT2Config(n_layer=layers, n_embd=h or 768, n_head=8 if small else 12, vocab_size=v,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return tf.GPT2LMHeadModel(cfg), 8, 1024, text(v)
     if name == "llama":
-        cfg = tf.LlamaConfig(num_hidden_layers=layers, hidden_size=2048, intermediate_size=5632,
-                             num_attention_heads=32, num_key_value_heads=4, vocab_size=32000)
-        return tf.LlamaForCausalLM(cfg), (4, 2048), 32000
+        v = vocab or 32000
+        cfg = tf.LlamaConfig(num_hidden_layers=layers, hidden_size=h or 2048, intermediate_size=ff or 5632,
+                             num_attention_heads=8 if small else 32, num_key_value_heads=4, vocab_size=v)
+        return tf.LlamaForCausalLM(cfg), 4, 2048, text(v)
+    if name == "qwen2":  # grouped-query attention (Qwen2-1.5B's widths)
+        v = vocab or 151936
+        cfg = tf.Qwen2Config(num_hidden_layers=layers, hidden_size=h or 1536, intermediate_size=ff or 8960,
+                             num_attention_heads=8 if small else 12, num_key_value_heads=2, vocab_size=v)
+        return tf.Qwen2ForCausalLM(cfg), 4, 2048, text(v)
     if name == "bert":
-        cfg = tf.BertConfig(num_hidden_layers=layers, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-        return tf.BertForMaskedLM(cfg), (32, 512), cfg.vocab_size
+        v = vocab or 30522
+        cfg = tf.BertConfig(num_hidden_layers=layers, hidden_size=h or 768, intermediate_size=ff or 3072,
+                            num_attention_heads=8 if small else 12, vocab_size=v,
+                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        return tf.BertForMaskedLM(cfg), 32, 512, text(v)
+    if name == "t5":
+        v = vocab or 32128
+        cfg = tf.T5Config(vocab_size=v, d_model=h or 512, d_kv=64, d_ff=ff or 2048, num_layers=layers,
+                          num_decoder_layers=layers, num_heads=4 if small else 8, dropout_rate=0.0,
+                          decoder_start_token_id=0, pad_token_id=0)
+        return tf.T5ForConditionalGeneration(cfg), 8, 512, text(v)
+    if name == "vit":  # no loss head: a fixed weighting of the last hidden state
+        cfg = tf.ViTConfig(num_hidden_layers=layers, hidden_size=h or 768, intermediate_size=ff or 3072,
+                           num_attention_heads=8 if small else 12, image_size=224, patch_size=16,
+                           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+        def pixels(batch, seq):  # (seq: the image side, a multiple of the patch)
+            x = torch.randn(batch, 3, seq, seq, device="cuda", dtype=torch.bfloat16)
+            return {"pixel_values": x, "interpolate_pos_encoding": seq != cfg.image_size}
+        return tf.ViTModel(cfg), 64, 224, pixels
     raise ValueError(name)
 
 
-def grads(model) -> torch.Tensor:
-    return torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+def loss_of(out) -> torch.Tensor:
+    if getattr(out, "loss", None) is not None:
+        return out.loss
+    hidden = out.last_hidden_state
+    weights = torch.linspace(-1, 1, hidden.shape[-1], device=hidden.device, dtype=hidden.dtype)
+    return (hidden.float() * weights).sum() / hidden.numel()
 
 
-def step(fn, model, ids):
+def step(fn, model, kwargs):
     model.zero_grad(set_to_none=True)
-    loss = fn(input_ids=ids, labels=ids).loss
+    loss = loss_of(fn(**kwargs))
     loss.backward()
     return loss
 
 
+def grads(model) -> torch.Tensor:
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).float().flatten()
+                      for p in model.parameters()])
+
+
+def rel(a, b) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
 def time_ms(call, rounds: int) -> tuple:
+    """(median, min, max) ms per call over ``rounds`` rounds of back-to-back calls."""
     call()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -74,42 +140,128 @@ def time_ms(call, rounds: int) -> tuple:
     return statistics.median(out), min(out), max(out)
 
 
-def run(name: str, layers: int, rounds: int, out, forms) -> list:
+def launch_kind(name: str) -> str:
+    if name == "comfuse::region":
+        return "comfuse::region op"
+    if name.startswith("comfuse_"):
+        return "comfuse kernel, Inductor's launch"
+    if name.startswith("triton_"):
+        return "Inductor kernel launch"
+    return ""
+
+
+def host_us(call, calls: int = 5) -> dict:
+    """kind -> [launches per call, median host us per launch]: the profiler's CPU records of
+    kernel launches (Inductor records each Triton launch under the kernel's name)."""
+    from torch.profiler import ProfilerActivity, profile
+    call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+    durations: dict = {}
+    for e in prof.events():
+        kind = launch_kind(e.name)
+        if kind:
+            durations.setdefault(kind, []).append(e.cpu_time_total)
+    return {k: [len(v) // calls, round(statistics.median(v), 1)] for k, v in sorted(durations.items())}
+
+
+def region_rows() -> list:
+    """Per graph Inductor lowered: fused/found regions, who launches them, and the sum of the
+    fused regions' autotuned ms minus their unfused ops' ms."""
+    rows = []
+    for r in inductor_pass.REPORTS:
+        if not r.regions:
+            continue
+        fused = [x for x in r.regions if x.fused]
+        tuned = [x.tuned_ms for x in fused if x.tuned_ms]
+        rows.append({"graph": r.function, "fused": len(fused), "found": len(r.regions),
+                     "by_inductor": sum(x.launch.startswith("Inductor") for x in fused),
+                     "schedules": sorted({x.schedule for x in fused}),
+                     "saved_alone_ms": round(sum(u - f for f, u in tuned), 4) if tuned else None})
+    return rows
+
+
+def profile(tag: str, call, out_dir: Path) -> dict:
+    gpu_ms, rows = kernel_times(call)
+    lines = [f"# {tag}: {gpu_ms:.3f} ms of GPU time a call", "| ms | launches | kernel |", "|---|---|---|"]
+    lines += [f"| {ms:.4f} | {n} | {name[:120]} |" for ms, n, name in rows]
+    (out_dir / "profiles").mkdir(exist_ok=True)
+    (out_dir / "profiles" / f"{tag}.md").write_text("\n".join(lines) + "\n")
+    return {"gpu_ms": round(gpu_ms, 4), "kernels": sum(n for _, n, _ in rows), "host_us": host_us(call)}
+
+
+def configure(form: str):
+    inductor_pass.LAUNCH_FROM_INDUCTOR = form != "forced-op"
+    return settings.override(graph_check="0") if form.startswith("forced") else settings.override()
+
+
+def run(name: str, layers: int, rounds: int, out, forms, out_dir: Path) -> list:
     torch.manual_seed(0)
-    model, (batch, seq), vocab = build(name, layers)
+    model, batch, seq, inputs = build(name, layers)
     model = model.to("cuda", torch.bfloat16)
-    ids = torch.randint(0, vocab, (batch, seq), device="cuda")
-    ref_loss = step(model, model, ids).float()
+    kwargs = inputs(batch, seq)
+    ref_loss = step(model, model, kwargs).float()
     ref_grads = grads(model)
     rows = []
     for form in forms:
         torch._dynamo.reset()
         inductor_pass.REPORTS.clear()
-        inductor_pass.LAUNCH_FROM_INDUCTOR = form != "comfuse-op"
-        backend = "inductor" if form == "inductor" else "comfuse"
-        row = {"model": name, "layers": layers, "tokens": batch * seq, "form": form}
+        row = {"model": name, "layers": layers, "batch": batch, "seq": seq, "form": form}
         try:
-            cm = torch.compile(model, backend=backend)
-            t0 = time.perf_counter()
-            loss = step(cm, model, ids).float()
-            torch.cuda.synchronize()
-            row["first_call_s"] = round(time.perf_counter() - t0, 1)
-            got = grads(model)
-            row["loss_rel_err"] = float((loss - ref_loss).abs() / ref_loss.abs())
-            row["grads_rel_err"] = float((got - ref_grads).norm() / ref_grads.norm())
-            with torch.no_grad():
-                cm(input_ids=ids, labels=ids)  # (the inference graph compiles here)
-                row["forward_ms"] = time_ms(lambda: cm(input_ids=ids, labels=ids), rounds)
-            row["step_ms"] = time_ms(lambda: step(cm, model, ids), rounds)
-            if form != "inductor":
-                row["regions"] = [f"{r.function}: {sum(x.fused for x in r.regions)}/{len(r.regions)} fused, "
-                                  f"{sum(x.fused and x.launch.startswith('Inductor') for x in r.regions)} "
-                                  "launched by Inductor" for r in inductor_pass.REPORTS if r.regions]
-                row["schedules"] = sorted({x.schedule for r in inductor_pass.REPORTS for x in r.regions if x.fused})
-                row["graph_checks"] = list(comfuse.backend.GRAPH_CHECKS)
+            with configure(form):
+                cm = torch.compile(model, backend="inductor" if form == "inductor" else "comfuse")
+                t0 = time.perf_counter()
+                loss = step(cm, model, kwargs).float()
+                torch.cuda.synchronize()
+                row["first_call_s"] = round(time.perf_counter() - t0, 1)
+                row["loss_rel_err"] = float((loss - ref_loss).abs() / ref_loss.abs())
+                row["grads_rel_err"] = rel(grads(model), ref_grads)
+                with torch.no_grad():
+                    cm(**kwargs)  # (the inference graph compiles here)
+                    row["forward_ms"] = time_ms(lambda: cm(**kwargs), rounds)
+                    row["forward_profile"] = profile(f"{name}-{form}-forward", lambda: cm(**kwargs), out_dir)
+                row["step_ms"] = time_ms(lambda: step(cm, model, kwargs), rounds)
+                row["step_profile"] = profile(f"{name}-{form}-step", lambda: step(cm, model, kwargs), out_dir)
+                if form != "inductor":
+                    row["regions"] = region_rows()
+                    row["graph_checks"] = [{k: v for k, v in c.items() if isinstance(v, (int, float, str, bool))}
+                                           for c in comfuse.backend.GRAPH_CHECKS]
         except Exception as e:  # reported, not hidden
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         print(json.dumps(row), file=out, flush=True)
+        print(json.dumps({k: row.get(k) for k in ("model", "form", "first_call_s", "forward_ms", "step_ms", "error")}),
+              flush=True)
+        rows.append(row)
+    return rows
+
+
+def modes(name: str, out) -> list:
+    """The small model through the backend in each mode at two sizes, against eager."""
+    rows = []
+    for mode in MODES:
+        torch.manual_seed(0)
+        model, batch, seq, inputs = build(name, 1, small=True)
+        model = model.to("cuda", torch.bfloat16)
+        torch._dynamo.reset()
+        inductor_pass.REPORTS.clear()
+        row = {"model": name, "mode": mode, "sizes": []}
+        try:
+            cm = torch.compile(model, backend="comfuse", mode=mode)
+            for b, s in ((2, 128), (3, 96)) if name != "vit" else ((2, 64), (3, 96)):
+                kwargs = inputs(b, s)
+                loss = step(cm, model, kwargs).float()
+                got = grads(model)
+                want = step(model, model, kwargs).float()
+                row["sizes"].append({"batch": b, "seq": s, "loss_rel_err": float((loss - want).abs() / want.abs()),
+                                     "grads_rel_err": rel(got, grads(model))})
+            row["regions"] = region_rows()
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        print(json.dumps(row), file=out, flush=True)
+        print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
 
@@ -119,9 +271,9 @@ def main() -> None:
     ap.add_argument("--models", default="gpt2,llama")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--report", default="", help="only write the table of this JSONL file to stdout")
-    ap.add_argument("--forms", default="inductor,comfuse",
-                    help="inductor, comfuse, comfuse-op (every region through the comfuse::region operator)")
+    ap.add_argument("--modes", action="store_true", help="small models in the three modes at two sizes")
+    ap.add_argument("--report", default="", help="only write the tables of this JSONL file to stdout")
+    ap.add_argument("--forms", default="inductor,comfuse,forced,forced-op")
     args = ap.parse_args()
     if args.report:
         print(markdown([json.loads(line) for line in open(args.report) if line.strip()]), end="")
@@ -131,25 +283,43 @@ def main() -> None:
     rows = []
     with open(out_dir / "models_check.jsonl", "a") as out:
         for name in args.models.split(","):
-            rows += run(name, args.layers, args.rounds, out, args.forms.split(","))
+            if args.modes:
+                rows += modes(name, out)
+            else:
+                rows += run(name, args.layers, args.rounds, out, args.forms.split(","), out_dir)
     table = markdown(rows)
     (out_dir / "results.md").write_text(table)
     print(table)
 
 
 def markdown(rows: list) -> str:
-    """The rows as a table (what ``--report`` writes again from a JSONL file)."""
-    lines = ["| model | form | first call s | forward ms [range] | step ms [range] | loss rel err | "
-             "grads rel err | regions |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        fmt = lambda t: f"{t[0]:.3f} [{t[1]:.3f}..{t[2]:.3f}]" if t else "-"  # noqa: E731
-        note = r.get("error") or "; ".join(r.get("regions", []))
-        if r.get("schedules"):
-            note += f" (schedules: {', '.join(r['schedules'])})"
-        lines.append(f"| {r['model']} | {r['form']} | {r.get('first_call_s', '-')} | {fmt(r.get('forward_ms'))} | "
-                     f"{fmt(r.get('step_ms'))} | {r.get('loss_rel_err', float('nan')):.2e} | "
-                     f"{r.get('grads_rel_err', float('nan')):.2e} | {note} |")
+    """The rows as tables (what ``--report`` writes again from a JSONL file)."""
+    fmt = lambda t: f"{t[0]:.3f} [{t[1]:.3f}..{t[2]:.3f}]" if t else "-"  # noqa: E731
+    timed = [r for r in rows if "form" in r]
+    lines = []
+    if timed:
+        lines += ["| model | form | first call s | forward ms [range] | step ms [range] | loss rel err | "
+                  "grads rel err | host us a launch (forward) | regions: fused/found, by Inductor, saved alone ms |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in timed:
+            host = r.get("forward_profile", {}).get("host_us", {})
+            hosts = "; ".join(f"{k}: {n} x {us}" for k, (n, us) in host.items())
+            regions = "; ".join(f"{g['graph']}: {g['fused']}/{g['found']}, {g['by_inductor']}, {g['saved_alone_ms']}"
+                                for g in r.get("regions", []))
+            lines.append(f"| {r['model']} | {r['form']} | {r.get('first_call_s', '-')} | {fmt(r.get('forward_ms'))} | "
+                         f"{fmt(r.get('step_ms'))} | {r.get('loss_rel_err', float('nan')):.2e} | "
+                         f"{r.get('grads_rel_err', float('nan')):.2e} | {hosts} | {r.get('error') or regions} |")
+    moded = [r for r in rows if "mode" in r]
+    if moded:
+        lines += ["", "| model | mode | batch x seq: loss rel err, grads rel err | regions fused/found |",
+                  "|---|---|---|---|"]
+        for r in moded:
+            sizes = "; ".join(f"{s['batch']}x{s['seq']}: {s['loss_rel_err']:.1e}, {s['grads_rel_err']:.1e}"
+                              for s in r["sizes"])
+            regions = "; ".join(f"{g['graph']}: {g['fused']}/{g['found']}" for g in r.get("regions", []))
+            lines.append(f"| {r['model']} | {r['mode']} | {r.get('error') or sizes} | {regions} |")
     return "\n".join(lines) + "\n"
+
 
 if __name__ == "__main__":
     main()

@@ -65,6 +65,7 @@ class FusedRegion(Fused):
                             f"{times[tuning.UNFUSED]:.4f} ms unfused"
                             f"{'; kept fused for memory: ' + tuning.intermediate_text(self.region) if kept else ''})")
         self.report.kernel_path = self.kernel.path
+        self.report.tuned_ms = (times[decision["choice"]], times[tuning.UNFUSED])
 
     def run(self, ext, device, kernel=None, check: bool = False):
         """Launch ``kernel`` (default: the chosen plan's); ``check``: compare with the float64
