@@ -502,3 +502,27 @@ def test_damaged_cache_entries_are_rebuilt(tmp_path, monkeypatch):
         tuning.store("k", {"choice": "unfused"})
         tuning._path("k").write_bytes(b"\xff{\"choice\"")
         assert tuning.load("k") is None
+
+
+def test_unfused_ops_compile_without_the_surrounding_compilations_passes():
+    """The backend tunes inside Inductor's compilation, whose config patches (comfuse's own
+    post-grad pass among them) stay in force: the region's ops must compile without that pass,
+    or it would find the region in them, tune it again, and recurse until Python's limit."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class Spy(CustomGraphPass):
+        calls = 0
+
+        def __call__(self, graph):
+            Spy.calls += 1
+
+        def uuid(self):
+            return None
+
+    gm = torch.fx.symbolic_trace(lambda x: torch.relu(x) + 1)
+    with inductor_config.patch(post_grad_custom_post_pass=Spy(), post_grad_custom_pre_pass=Spy()):
+        run, form = tuning.separate(gm, [torch.randn(4, 4)], on_cpu=True, forms=("inductor",))
+    assert form == "inductor" and Spy.calls == 0
+    out = run(torch.ones(4, 4))
+    assert torch.equal(out[0] if isinstance(out, (list, tuple)) else out, torch.full((4, 4), 2.0))

@@ -228,7 +228,13 @@ def _inductor(unfused, ext, form: str):
     """``unfused`` compiled by Inductor in ``form``'s mode, run once."""
     from torch._inductor.compile_fx import compile_fx
     mode = INDUCTOR_FORMS[form]
-    patches = torch._inductor.list_mode_options(mode) if mode else {}
+    patches = dict(torch._inductor.list_mode_options(mode) if mode else {})
+    # the backend tunes inside Inductor's compilation, whose config patches stay in force:
+    # without these the nested compilation would run comfuse's pass on the region's own ops,
+    # which tunes them again, and so on until Python's recursion limit (and would capture
+    # them in CUDA graphs, which the timing does itself where it wants them)
+    patches.update(post_grad_custom_pre_pass=None, post_grad_custom_post_pass=None)
+    patches["triton.cudagraphs"] = False
     # outside any compilation in progress (the backend tunes while Dynamo compiles):
     # this graph's guards and sizes are its own
     with torch._guards.tracing(None):
