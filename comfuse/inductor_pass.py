@@ -234,7 +234,7 @@ class RegionPass(CustomGraphPass):
             return
         name = f"{graph_kind(graph)} graph {len(self.lowered)}"
         instead = "Inductor's code for this graph runs without fused regions"
-        with settings_mod.override(**self.settings):
+        with settings_mod.override(**self.settings), tuning.inside_inductor():
             try:
                 copy = fx.Graph()
                 copy.output(copy.graph_copy(graph, {}))

@@ -526,3 +526,18 @@ def test_unfused_ops_compile_without_the_surrounding_compilations_passes():
     assert form == "inductor" and Spy.calls == 0
     out = run(torch.ones(4, 4))
     assert torch.equal(out[0] if isinstance(out, (list, tuple)) else out, torch.full((4, 4), 2.0))
+
+
+@pytest.mark.parametrize("max_autotune, form", [(False, "inductor"), (True, "inductor-max-autotune")])
+def test_inside_inductor_the_unfused_ops_compile_in_its_form_alone(monkeypatch, max_autotune, form):
+    """Inside the backend's pass the contender is the code Inductor would make of the ops in
+    the mode it is compiling in: that form alone is compiled."""
+    import torch._inductor.config as inductor_config
+    seen = _fake_inductor(monkeypatch)
+    gm = torch.fx.symbolic_trace(lambda x: torch.relu(x) + 1)
+    with inductor_config.patch(max_autotune=max_autotune), tuning.inside_inductor():
+        _, got = tuning.separate(gm, [torch.randn(4, 4)], on_cpu=True)
+    assert got == form and seen == [max_autotune]
+    seen.clear()
+    tuning.separate(gm, [torch.randn(4, 4)], on_cpu=True)  # outside: every form
+    assert seen == [False, True]

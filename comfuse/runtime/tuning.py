@@ -10,6 +10,7 @@ sizes, the GPU, and the torch, triton and code generator versions.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import json
@@ -243,13 +244,32 @@ def _inductor(unfused, ext, form: str):
     return compiled
 
 
-def separate(unfused, ext, on_cpu: bool = False, form: str | None = None, forms=tuple(INDUCTOR_FORMS)) -> tuple:
+_inside: list = []  # the Inductor forms of the compilations the backend is tuning inside
+
+
+@contextlib.contextmanager
+def inside_inductor():
+    """Tuning inside Inductor's compilation of a graph (the backend's pass): a region's
+    unfused ops are compiled only in that compilation's form, the code they would run as
+    if left to Inductor (a GEMM's max-autotune alone took 15 s on the H200)."""
+    config = torch._inductor.config
+    _inside.append("inductor-max-autotune" if config.max_autotune or config.max_autotune_gemm else "inductor")
+    try:
+        yield
+    finally:
+        _inside.pop()
+
+
+def separate(unfused, ext, on_cpu: bool = False, form: str | None = None, forms=None) -> tuple:
     """The region's own ops as the best separate execution comfuse can offer, and which form
     it is: on a GPU, the fastest of the ops run one by one ("ops") and their Inductor
-    compilations in ``forms`` (INDUCTOR_FORMS: Inductor's default mode and
-    max-autotune-no-cudagraphs). ``form``, a stored decision's, is taken without measuring
-    again. Falls back to the ops themselves when Inductor cannot compile them."""
+    compilations in ``forms`` (by default INDUCTOR_FORMS: Inductor's default mode and
+    max-autotune-no-cudagraphs; inside the backend's pass, the surrounding compilation's
+    form). ``form``, a stored decision's, is taken without measuring again. Falls back to
+    the ops themselves when Inductor cannot compile them."""
     gpu = _on_gpu(ext)
+    if forms is None:
+        forms = (_inside[-1],) if _inside else tuple(INDUCTOR_FORMS)
     if form == "ops" or not (gpu or on_cpu):
         return unfused, "ops"
     forms = (form,) if form in INDUCTOR_FORMS else forms
