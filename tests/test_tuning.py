@@ -541,3 +541,25 @@ def test_inside_inductor_the_unfused_ops_compile_in_its_form_alone(monkeypatch, 
     seen.clear()
     tuning.separate(gm, [torch.randn(4, 4)], on_cpu=True)  # outside: every form
     assert seen == [False, True]
+
+
+def test_candidates_compile_ahead_in_parallel_threads():
+    """The candidates' first calls (their compilation) run in threads, several at once; one
+    that fails is left for the timed pass to meet and report."""
+    import threading
+    barrier = threading.Barrier(3, timeout=30)  # (passes only if three calls run at the same time)
+    done = []
+
+    def first_call(i):
+        barrier.wait()
+        if i == 1:
+            raise RuntimeError("does not compile")
+        done.append(i)
+    tuning.in_threads(first_call, 3, workers=3)
+    assert sorted(done) == [0, 2]
+
+
+def test_no_compiling_ahead_off_the_gpu():
+    calls = []
+    tuning.compile_ahead(calls.append, 4, torch.device("cpu"))
+    assert calls == []

@@ -16,8 +16,10 @@ import functools
 import json
 import logging
 import math
+import os
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import triton
@@ -299,6 +301,39 @@ def separate(unfused, ext, on_cpu: bool = False, form: str | None = None, forms=
     return (unfused if name == "ops" else built[name]), name
 
 
+def in_threads(fn, count: int, workers: int) -> None:
+    """``fn(i)`` for i in range(count), at most ``workers`` at a time; an exception is dropped
+    (the caller meets it again when it runs ``fn(i)`` itself)."""
+    def quietly(i):
+        try:
+            fn(i)
+        except Exception as e:
+            log.debug("autotuning: candidate %d failed while compiling ahead: %s", i, e)
+    with ThreadPoolExecutor(max(workers, 1), thread_name_prefix="comfuse-compile") as pool:
+        list(pool.map(quietly, range(count)))
+
+
+def compile_ahead(run_fused, count: int, device: torch.device) -> None:
+    """On a GPU, the candidates' first calls, which generate and compile their kernels (1-3 s
+    each on the H200's host; Triton releases the GIL in its compiler passes and ptxas runs in
+    a process of its own), in parallel threads: the timed pass that follows only launches.
+    Each thread launches on the device's current stream, so the GPU still runs one candidate
+    at a time (a strip kernel's programs wait for one another and must all be resident)."""
+    workers = min(count, os.cpu_count() or 1, 16)
+    if device.type != "cuda" or workers < 2 or not torch.cuda.is_available():
+        return
+    stream = torch.cuda.current_stream(device)
+
+    def first_call(i):
+        with torch.cuda.device(device), torch.cuda.stream(stream), torch.no_grad():
+            run_fused(i)
+    start = time.perf_counter()
+    in_threads(first_call, count, workers)
+    torch.cuda.synchronize(device)
+    log.info("autotuning: %d candidates compiled in %.1f s by %d threads", count, time.perf_counter() - start,
+             workers)
+
+
 def decide(names: list, run_fused, run_unfused, device: torch.device, tol: float | None = None,
            exact=None) -> dict:
     """Time ``run_unfused()`` and ``run_fused(i)`` for each candidate; return the decision:
@@ -324,6 +359,7 @@ def decide(names: list, run_fused, run_unfused, device: torch.device, tol: float
         note = f"graph capture of the unfused ops failed ({type(e).__name__}); timed launches"
         timing = "launch"
         times = {UNFUSED: timed(run_unfused)}
+    compile_ahead(run_fused, len(names), device)
     rejected = {}
     exact_once = functools.cache(exact) if exact is not None else None  # (computed once, if ever)
     for i, name in enumerate(names):
