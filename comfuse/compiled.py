@@ -122,6 +122,12 @@ class CompiledFunction:
                           error="torch.compile captured no graph (no tensor operations, or Dynamo skipped it)")
         return self._graphs[-1].report
 
+    @property
+    def reports(self) -> list:
+        """Every graph's report, in the order built (a function Dynamo splits at a graph break,
+        or recompiles for new shapes, has several graphs)."""
+        return [built.report for built in self._graphs]
+
     def fused_regions(self) -> list:
         """The fused modules (FusedRegion, FusedChain) of the most recently built graph, in
         graph order: each holds its plan, its alternatives and, once called, its kernel."""
