@@ -555,8 +555,8 @@ def test_candidates_compile_ahead_in_parallel_threads():
         if i == 1:
             raise RuntimeError("does not compile")
         done.append(i)
-    tuning.in_threads(first_call, 3, workers=3)
-    assert sorted(done) == [0, 2]
+    failed = tuning.in_threads(first_call, 3, workers=3)
+    assert sorted(done) == [0, 2] and list(failed) == [1] and "does not compile" in str(failed[1])
 
 
 def test_no_compiling_ahead_off_the_gpu():

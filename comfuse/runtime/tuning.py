@@ -301,16 +301,21 @@ def separate(unfused, ext, on_cpu: bool = False, form: str | None = None, forms=
     return (unfused if name == "ops" else built[name]), name
 
 
-def in_threads(fn, count: int, workers: int) -> None:
-    """``fn(i)`` for i in range(count), at most ``workers`` at a time; an exception is dropped
-    (the caller meets it again when it runs ``fn(i)`` itself)."""
+def _why(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
+def in_threads(fn, count: int, workers: int) -> dict:
+    """``fn(i)`` for i in range(count), at most ``workers`` at a time; returns {i: the
+    exception} of those that raised (the caller meets it again when it runs ``fn(i)``)."""
     def quietly(i):
         try:
             fn(i)
         except Exception as e:
-            log.debug("autotuning: candidate %d failed while compiling ahead: %s", i, e)
+            return i, e
+        return i, None
     with ThreadPoolExecutor(max(workers, 1), thread_name_prefix="comfuse-compile") as pool:
-        list(pool.map(quietly, range(count)))
+        return {i: e for i, e in pool.map(quietly, range(count)) if e is not None}
 
 
 def compile_ahead(run_fused, count: int, device: torch.device) -> None:
@@ -328,10 +333,11 @@ def compile_ahead(run_fused, count: int, device: torch.device) -> None:
         with torch.cuda.device(device), torch.cuda.stream(stream), torch.no_grad():
             run_fused(i)
     start = time.perf_counter()
-    in_threads(first_call, count, workers)
+    failed = in_threads(first_call, count, workers)
     torch.cuda.synchronize(device)
-    log.info("autotuning: %d candidates compiled in %.1f s by %d threads", count, time.perf_counter() - start,
-             workers)
+    log.info("autotuning: %d candidates compiled in %.1f s by %d threads%s", count - len(failed),
+             time.perf_counter() - start, workers,
+             f"; {len(failed)} failed (first: {_why(next(iter(failed.values())))})" if failed else "")
 
 
 def decide(names: list, run_fused, run_unfused, device: torch.device, tol: float | None = None,
@@ -363,16 +369,20 @@ def decide(names: list, run_fused, run_unfused, device: torch.device, tol: float
     rejected = {}
     exact_once = functools.cache(exact) if exact is not None else None  # (computed once, if ever)
     for i, name in enumerate(names):
+        began = time.perf_counter()
         try:
             outs = run_fused(i)
             bad = _disagreement(outs, reference, tol, exact_once)
             if bad:
                 times[name], rejected[name] = math.inf, bad
                 continue
+            called = time.perf_counter()
             times[name] = timed(lambda: run_fused(i))
+            log.debug("  %s: first call and check %.2f s, timing %.2f s", name, called - began,
+                      time.perf_counter() - called)
         except Exception as e:
             times[name] = math.inf
-            rejected[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            rejected[name] = _why(e)
     first_pass, again = {}, {}
     if device.type == "cuda":
         def call(name):
