@@ -127,3 +127,26 @@ def test_comfuse_compile_trains_each_model_as_eager_does(name):
     err = ((grads - want_grads).norm() / want_grads.norm()).item()
     assert err < 1e-4, f"{name}: gradients' relative error {err:.2e}"
     assert any(r.regions for r in compiled.reports), compiled.reports
+
+
+def test_dropout_draws_the_same_numbers_as_inductors():
+    """GPT-2 with its default dropout, training: under one seed the backend's step gives the
+    loss and gradients Inductor's own step gives (comfuse's regions, its autotuning and its
+    whole-graph check draw no random numbers of the caller's)."""
+    ids = torch.randint(0, V, (2, 16), device=DEVICE)
+    results = []
+    for backend in ("inductor", "comfuse"):
+        torch.manual_seed(0)
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=V, n_embd=64, n_layer=1, n_head=4)).to(DEVICE)
+        model.train()
+        torch._dynamo.reset()
+        inductor_pass.REPORTS.clear()
+        compiled = torch.compile(model, backend=backend)
+        torch.manual_seed(1)
+        with settings.override(strict=True):
+            results.append(_step(compiled, model, {"input_ids": ids, "labels": ids}))
+    (loss, grads), (want_loss, want_grads) = results[1], results[0]
+    assert any(r.fused for rep in inductor_pass.REPORTS for r in rep.regions)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-4, atol=1e-5)
+    err = ((grads - want_grads).norm() / want_grads.norm()).item()
+    assert err < 1e-4, f"gradients' relative error {err:.2e}"
