@@ -274,14 +274,15 @@ def main() -> None:
     ap.add_argument("--modes", action="store_true", help="small models in the three modes at two sizes")
     ap.add_argument("--report", default="", help="only write the tables of this JSONL file to stdout")
     ap.add_argument("--forms", default="inductor,comfuse,forced,forced-op")
-    ap.add_argument("--log", action="store_true", help="comfuse's progress on stderr, with seconds since the start")
+    ap.add_argument("--log", nargs="?", const="info", default="", choices=("info", "debug"),
+                    help="comfuse's progress on stderr (debug: each candidate's times too), with ms since the start")
     args = ap.parse_args()
     if args.log:
         import logging
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(relativeCreated)9.0f ms %(name)s: %(message)s"))
         logging.getLogger("comfuse").addHandler(handler)
-        logging.getLogger("comfuse").setLevel(logging.INFO)
+        logging.getLogger("comfuse").setLevel(logging.DEBUG if args.log == "debug" else logging.INFO)
     if args.report:
         print(markdown([json.loads(line) for line in open(args.report) if line.strip()]), end="")
         return
