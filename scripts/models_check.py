@@ -43,7 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import comfuse  # noqa: E402,F401  (registers the backend)
 from comfuse import inductor_pass, settings  # noqa: E402
-from comfuse.runtime.timing import kernel_times  # noqa: E402
+from comfuse.runtime.timing import kernel_times, profiled  # noqa: E402
 
 MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 
@@ -153,13 +153,7 @@ def launch_kind(name: str) -> str:
 def host_us(call, calls: int = 5) -> dict:
     """kind -> [launches per call, median host us per launch]: the profiler's CPU records of
     kernel launches (Inductor records each Triton launch under the kernel's name)."""
-    from torch.profiler import ProfilerActivity, profile
-    call()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(calls):
-            call()
-        torch.cuda.synchronize()
+    prof = profiled(call, "CPU", calls)
     durations: dict = {}
     for e in prof.events():
         kind = launch_kind(e.name)

@@ -129,17 +129,24 @@ def measure_rounds(calls: dict, rounds: int = 3, device: str = "cuda", on_error=
             for n in names if medians[n]}
 
 
-def kernel_times(fn: Callable, calls: int = 5) -> tuple[float, list]:
-    """(GPU ms per call, [(ms per call, launches per call, kernel name)], slowest first): every
-    kernel ``calls`` calls of ``fn`` launch, from the profiler (CUDA)."""
+def profiled(fn: Callable, activity: str, calls: int = 5):
+    """The torch profiler's record of ``calls`` calls of ``fn`` (after one untimed call), for
+    ``activity`` "CPU" or "CUDA"."""
     import torch
     from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[getattr(ProfilerActivity, activity)]) as prof:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
+    return prof
+
+
+def kernel_times(fn: Callable, calls: int = 5) -> tuple[float, list]:
+    """(GPU ms per call, [(ms per call, launches per call, kernel name)], slowest first): every
+    kernel ``calls`` calls of ``fn`` launch, from the profiler (CUDA)."""
+    prof = profiled(fn, "CUDA", calls)
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.count]
     rows = sorted(((e.device_time_total / calls / 1e3, e.count // calls, e.key) for e in events), reverse=True)
     return sum(r[0] for r in rows), rows

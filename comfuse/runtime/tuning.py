@@ -246,6 +246,10 @@ def _inductor(unfused, ext, form: str):
     return compiled
 
 
+def _why(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
 _inside: list = []  # the Inductor forms of the compilations the backend is tuning inside
 
 
@@ -281,8 +285,7 @@ def separate(unfused, ext, on_cpu: bool = False, form: str | None = None, forms=
             built[name] = _inductor(unfused, ext, name)
         except Exception as e:  # the plain ops still run
             warnings.warn(f"comfuse: Inductor ({name}) could not compile a region's unfused ops "
-                          f"({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}); "
-                          "timing them as they are", FallbackWarning, stacklevel=2)
+                          f"({_why(e)}); timing them as they are", FallbackWarning, stacklevel=2)
     if not built:
         return unfused, "ops"
     if not gpu or form is not None:  # (on the CPU, for tests: compiled, not timed)
@@ -299,10 +302,6 @@ def separate(unfused, ext, on_cpu: bool = False, form: str | None = None, forms=
     log.info("autotuning: unfused forms %s; kept %s",
              ", ".join(f"{n} {t:.4f} ms" for n, t in times.items()), name)
     return (unfused if name == "ops" else built[name]), name
-
-
-def _why(e: Exception) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
 
 
 def in_threads(fn, count: int, workers: int) -> dict:
