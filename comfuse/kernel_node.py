@@ -10,10 +10,15 @@ Inductor copies the kernel's source into the module it generates and launches it
 launches its own kernels, so a fused region costs one kernel launch of host time, and CUDA
 graphs capture it.
 
+A cooperative strip's scratch becomes buffers of the graph, fresh each call: its workspace
+uninitialised, its arrival counters zero (the strip barrier counts generations, so zero is a
+start like any multiple of the members); its grid, capped at the strips that can be resident
+at once, is fixed when the region is tuned.
+
 Not launched this way (``why_not_launched`` says why; the region op runs them): the Gluon
-kernels (Inductor compiles user kernels as Triton), plans with scratch that lives across
-launches or several launches (cooperative strips, split reductions), TMA plans, chains,
-COMFUSE_CHECK (every launch compared in Python), and regions not yet checked on the GPU.
+kernels (Inductor compiles user kernels as Triton), plans of several launches (split
+reductions) or persistent grids, TMA plans, chains, COMFUSE_CHECK (every launch compared in
+Python), and regions not yet checked on the GPU.
 """
 from __future__ import annotations
 
@@ -29,8 +34,8 @@ from .runtime.kernel import Kernel
 from .runtime.operands import operand3, prepare
 from .runtime.region import FusedRegion
 
-ONE_LAUNCH = ("tile", "row_in_cta")  # the Triton schedules whose kernel is one launch with no scratch
-_SCRATCH_ROLES = {"a_desc", "b_desc", "workspace", "counters"}
+ONE_LAUNCH = ("tile", "row_in_cta", "cooperative")  # the Triton schedules whose kernel is one launch
+_SCRATCH_ROLES = {"a_desc", "b_desc"}  # (a cooperative strip's workspace and counters become graph buffers)
 
 
 def why_not_launched(module, device: torch.device) -> str:
@@ -50,7 +55,7 @@ def why_not_launched(module, device: torch.device) -> str:
     if not isinstance(kernel, Kernel):
         return "a Gluon kernel (Inductor compiles user kernels as Triton)"
     if kernel.plan.schedule not in ONE_LAUNCH or getattr(kernel.plan.form, "persistent", False):
-        return f"a {kernel.plan.schedule} plan keeps scratch across launches or launches more than once"
+        return f"a {kernel.plan.schedule} plan launches more than once or on a persistent grid"
     if any(p.role in _SCRATCH_ROLES for p in kernel.source.params):
         return "the plan's kernel takes TMA descriptors or scratch"
     if device not in module.tuned and device not in module.validated:
@@ -110,9 +115,19 @@ def launch_from_inductor(graph: fx.Graph, call: fx.Node, module, ext_nodes: list
                                        {"dtype": r.dtype, "device": device})
             node.meta["val"] = r
             empties.append(node)
+        roles = {p.name: p.role for p in kernel.source.params}
         for name, value in zip(names, args):
             if not isinstance(value, torch.Tensor):
                 constants[name] = value
+                continue
+            if roles.get(name) in ("workspace", "counters"):
+                # a cooperative strip's scratch, fresh each call: the workspace uninitialised, the
+                # arrival counters zero (its barrier counts generations, so any multiple of the
+                # members is a start, zero among them)
+                node = _scratch_node(graph, value, roles[name] == "counters", a.fake_mode)
+                empties.append(node)  # (erased with the outputs' buffers if the launch is not made)
+                tensors[name] = node
+                written.append((name, None))
                 continue
             out = next((j for j, r in enumerate(results) if _pointer(value, r)), None)
             if out is not None:
@@ -132,8 +147,9 @@ def launch_from_inductor(graph: fx.Graph, call: fx.Node, module, ext_nodes: list
             constant_args_idx=kernel_side_table.add_constant_args(constants),
             grid=[tuple((*grid, 1, 1)[:3])], tma_descriptor_metadata={}, kwargs=tensors,
             tensors_to_clone=[name for name, _ in written]))
-        launch.meta["val"] = {name: results[j] for name, j in written}
-        by_output = {j: name for name, j in written}
+        launch.meta["val"] = {name: (results[j] if j is not None else tensors[name].meta["val"])
+                              for name, j in written}
+        by_output = {j: name for name, j in written if j is not None}
         for user in list(call.users):
             if user.op != "call_function" or user.target is not operator.getitem:
                 raise RuntimeError("a region call's outputs are read other than by index")
@@ -143,3 +159,19 @@ def launch_from_inductor(graph: fx.Graph, call: fx.Node, module, ext_nodes: list
             graph.erase_node(user)
     graph.erase_node(call)
     return ""
+
+
+def _scratch_node(graph: fx.Graph, value: torch.Tensor, zero: bool, fake_mode) -> fx.Node:
+    """A graph buffer shaped like the scratch tensor ``value``: zeros (arrival counters) or
+    uninitialised (a workspace)."""
+    size, dtype, device = list(value.shape), value.dtype, value.device
+    if zero:
+        node = graph.call_function(torch.ops.aten.full.default, (size, 0),
+                                   {"dtype": dtype, "layout": torch.strided, "device": device, "pin_memory": False})
+    else:
+        node = graph.call_function(torch.ops.aten.empty_strided.default, (size, list(value.stride())),
+                                   {"dtype": dtype, "device": device})
+    with fake_mode:
+        node.meta["val"] = torch.zeros(size, dtype=dtype, device=device) if zero else \
+            torch.empty_strided(size, value.stride(), dtype=dtype, device=device)
+    return node
