@@ -769,6 +769,8 @@ def test_inductor_launches_one_launch_triton_kernels_itself(mode, schedule):
         out, codes = run_and_get_code(lambda: cm(x, r))
         g = torch.randn_like(out)
         (out * g).sum().backward()
+        with torch.no_grad():  # many calls: a strip's fresh counters each time, never a hang or a race
+            again = [cm(x, r).clone() for _ in range(30)]
     report = last_report()
     assert any(reg.fused and reg.launch.startswith("Inductor's wrapper") for reg in report.regions), str(report)
     assert any(f"comfuse_{schedule}" in code for code in codes) and not any("comfuse.region" in c for c in codes)
@@ -781,10 +783,26 @@ def test_inductor_launches_one_launch_triton_kernels_itself(mode, schedule):
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     got, want = torch.cat([gx.flatten(), gw.flatten()]), torch.cat([x.grad.flatten(), model.lin.weight.grad.flatten()])
     assert (got - want).norm() / want.norm() < 1e-4
-    with torch.no_grad():  # many calls: a strip's fresh counters each time, never a hang or a race
-        again = [cm(x, r).clone() for _ in range(30)]
     assert all(torch.equal(a, again[0]) for a in again)
     torch.testing.assert_close(again[0], ref.detach(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_checked_regions_replay_in_cuda_graphs():
+    """COMFUSE_CHECK compares each launch with the reference in Python, so the region runs
+    through the region operator; under CUDA-graph capture it launches without comparing (no
+    host copy or synchronisation may be captured), and the replays match eager."""
+    torch.manual_seed(0)
+    model = PostNorm(d=256, h=512).cuda()
+    x, r = torch.randn(4, 96, 256, device="cuda"), torch.randn(4, 96, 512, device="cuda")
+    with settings.override(check=True, schedule="row_in_cta"), torch.no_grad():
+        cm = compiled(model, mode="reduce-overhead")
+        outs = [cm(x, r).clone() for _ in range(5)]
+        ref = model(x, r)
+    report = last_report()
+    assert any(reg.fused for reg in report.regions), str(report)
+    for out in outs:
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
 def test_a_region_fed_by_another_is_tuned_at_compile_time(monkeypatch):

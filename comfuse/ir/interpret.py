@@ -129,7 +129,7 @@ def run_nodes(region: Region, a, b, inputs, compute_dtype, with_scale: bool = Fa
             if v.dim() != 3:
                 raise ValueError(f"input {node.arg} must be given in canonical 3-D layout")
         elif op is Op.CONST:
-            v = torch.tensor(node.arg).reshape(1, 1, 1)
+            v = torch.full((1, 1, 1), node.arg, device=device)  # (no host copy: capturable)
         elif op is Op.SHIFT:  # a per-row constant near the row: its mean (any value gives the same result)
             v = vals[shifts[node.arg]].mean(2, keepdim=True)
         elif op is Op.IOTA:

@@ -49,13 +49,16 @@ class Fused(torch.nn.Module):
         if device.type == "cpu":
             notice_once("interpreter", "comfuse: fused kernels on CPU tensors run through Triton's "
                         "interpreter (exact but slow); use CUDA tensors for speed")
+        # under CUDA-graph capture nothing may synchronise or copy from the host: no timing,
+        # no comparison (the warm-up call before capture has tuned and checked the region)
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         try:
-            if device not in self.tuned and tuning.enabled(device, settings):
+            if device not in self.tuned and not capturing and tuning.enabled(device, settings):
                 self.tune(ext, device)
             if self.prefer_unfused:
                 return self.run_separate(ext)
-            outs = self.run(ext, device, check=settings.check)
-            if device not in self.tuned and device not in self.validated:
+            outs = self.run(ext, device, check=settings.check and not capturing)
+            if device not in self.tuned and device not in self.validated and not capturing:
                 return self.validate(ext, device, outs)
             return outs
         except KernelMismatch:
