@@ -23,7 +23,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from . import settings as settings_mod
 from .errors import fallback
-from .kernel_node import launch_from_inductor
+from .kernel_node import keep_launchable, launch_from_inductor
 from .pipeline import compile_graph, fake_inputs
 from .region_op import register as register_region
 from .report import Report
@@ -59,6 +59,10 @@ def lower(gm: fx.GraphModule, example_inputs, disabled_kinds=frozenset(), tune=N
     if fused is None:
         return Lowered(None, report)
     graph = fused.graph
+    for node in graph.nodes:
+        if node.op == "call_module":
+            if LAUNCH_FROM_INDUCTOR:
+                keep_launchable(fused.get_submodule(node.target))
     if tune is not None:
         tune(fused)
     kept = []

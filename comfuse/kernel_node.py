@@ -30,12 +30,51 @@ import torch.fx as fx
 import triton
 
 from . import settings as settings_mod
+from .planner.gluon import GLUON_SCHEDULES
+from .runtime import tuning
 from .runtime.kernel import Kernel
 from .runtime.operands import operand3, prepare
 from .runtime.region import FusedRegion
 
 ONE_LAUNCH = ("tile", "row_in_cta", "cooperative")  # the Triton schedules whose kernel is one launch
 _SCRATCH_ROLES = {"a_desc", "b_desc"}  # (a cooperative strip's workspace and counters become graph buffers)
+
+
+def why_plan_not_launched(plan) -> str:
+    """'' where Inductor's wrapper could launch ``plan``'s kernel (known before it is built),
+    else the reason it could not."""
+    if plan.schedule in GLUON_SCHEDULES:
+        return "a Gluon kernel (Inductor compiles user kernels as Triton)"
+    if plan.schedule not in ONE_LAUNCH or getattr(plan.form, "persistent", False):
+        return f"a {plan.schedule} plan launches more than once or on a persistent grid"
+    if plan.mainloop == "tma":
+        return "the plan's kernel takes TMA descriptors"
+    return ""
+
+
+def launchable(plans: list, region) -> list:
+    """``plans`` (a fused region's candidates) narrowed to those Inductor's wrapper can launch,
+    for autotuning inside Inductor's compilation: a plan launched through the
+    ``comfuse::region`` operator costs Python and dispatcher time at each call, which a
+    region's saving (microseconds) does not pay for, and the Gluon plans take the longest to
+    compile. All of ``plans`` where none is launchable, and for a region that saves a
+    vocabulary-sized intermediate (kept fused for memory, where the fastest plan matters more
+    than its launch)."""
+    if tuning.saves_memory(region):
+        return list(plans)
+    kept = [p for p in plans if not why_plan_not_launched(p)]
+    return kept or list(plans)
+
+
+def keep_launchable(module) -> None:
+    """A fused region's candidates narrowed by ``launchable``, in place."""
+    if not isinstance(module, FusedRegion):
+        return
+    plans = launchable(module.alternatives, module.region)
+    if len(plans) < len(module.alternatives):
+        tuning.log.info("region at %s: %d of %d candidate plans are launched by Inductor; only those are timed",
+                        module.report.anchor, len(plans), len(module.alternatives))
+        module.alternatives = plans
 
 
 def why_not_launched(module, device: torch.device) -> str:
@@ -54,8 +93,9 @@ def why_not_launched(module, device: torch.device) -> str:
     kernel = module.kernel
     if not isinstance(kernel, Kernel):
         return "a Gluon kernel (Inductor compiles user kernels as Triton)"
-    if kernel.plan.schedule not in ONE_LAUNCH or getattr(kernel.plan.form, "persistent", False):
-        return f"a {kernel.plan.schedule} plan launches more than once or on a persistent grid"
+    why = why_plan_not_launched(kernel.plan)
+    if why:
+        return why
     if any(p.role in _SCRATCH_ROLES for p in kernel.source.params):
         return "the plan's kernel takes TMA descriptors or scratch"
     if device not in module.tuned and device not in module.validated:

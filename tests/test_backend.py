@@ -769,6 +769,7 @@ def test_inductor_launches_one_launch_triton_kernels_itself(mode, schedule):
         out, codes = run_and_get_code(lambda: cm(x, r))
         g = torch.randn_like(out)
         (out * g).sum().backward()
+        out = out.detach().clone()  # (a CUDA-graph output is overwritten by the next replay)
         with torch.no_grad():  # many calls: a strip's fresh counters each time, never a hang or a race
             again = [cm(x, r).clone() for _ in range(30)]
     report = last_report()
@@ -785,6 +786,33 @@ def test_inductor_launches_one_launch_triton_kernels_itself(mode, schedule):
     assert (got - want).norm() / want.norm() < 1e-4
     assert all(torch.equal(a, again[0]) for a in again)
     torch.testing.assert_close(again[0], ref.detach(), rtol=1e-4, atol=1e-4)
+
+
+def test_inside_inductor_only_plans_its_wrapper_launches_are_timed(monkeypatch):
+    """Of a region's candidates for the GPU, the backend times only the one-launch Triton
+    plans Inductor launches itself (no Gluon, TMA or persistent plan), unless none is, or the
+    region is kept fused for memory (a loss over a vocabulary)."""
+    from comfuse.frontend import capture, find_regions
+    from comfuse.kernel_node import launchable, why_plan_not_launched
+    from comfuse.planner import candidates
+    from comfuse.runtime import tuning
+    bf = torch.bfloat16
+    x, w, r = torch.randn(256, 128, dtype=bf), torch.randn(128, 512, dtype=bf), torch.randn(256, 512, dtype=bf)
+    (region,) = find_regions(capture(lambda x, w, r: F.layer_norm(x @ w + r, (512,)), (x, w, r)))
+    plans = candidates(region.region, target="cuda")
+    kept = launchable(plans, region.region)
+    assert kept and len(kept) < len(plans)
+    assert all(p.schedule in ("tile", "row_in_cta", "cooperative") and p.mainloop == "pointer" for p in kept)
+    dropped = [p for p in plans if p not in kept]
+    assert {p.schedule for p in dropped} & {"ws_stages", "ws_strip"} and any(p.mainloop == "tma" for p in dropped)
+    assert all(why_plan_not_launched(p) for p in dropped)
+    gluon_only = [p for p in plans if p.schedule.startswith("ws_")]
+    assert launchable(gluon_only, region.region) == gluon_only  # nothing launchable: all stay
+    monkeypatch.setattr(tuning, "MEMORY_FIRST_BYTES", 1)  # a per-row output over a "huge" row
+    t = torch.randint(0, 512, (256,))
+    (ce,) = find_regions(capture(lambda x, w, t: F.cross_entropy(x @ w, t), (x, w, t)))
+    ce_plans = candidates(ce.region, target="cuda")
+    assert launchable(ce_plans, ce.region) == ce_plans
 
 
 @pytest.mark.gpu
