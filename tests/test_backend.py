@@ -769,14 +769,14 @@ def test_inductor_launches_one_launch_triton_kernels_itself(mode, schedule):
         out, codes = run_and_get_code(lambda: cm(x, r))
         g = torch.randn_like(out)
         (out * g).sum().backward()
-        out = out.detach().clone()  # (a CUDA-graph output is overwritten by the next replay)
+        # (CUDA-graph outputs, the gradients among them, are overwritten by the next replay)
+        out, gx, gw = out.detach().clone(), x.grad.clone(), model.lin.weight.grad.clone()
         with torch.no_grad():  # many calls: a strip's fresh counters each time, never a hang or a race
             again = [cm(x, r).clone() for _ in range(30)]
     report = last_report()
     assert any(reg.fused and reg.launch.startswith("Inductor's wrapper") for reg in report.regions), str(report)
     assert any(f"comfuse_{schedule}" in code for code in codes) and not any("comfuse.region" in c for c in codes)
     assert not counters["inductor"].get("cudagraph_skips")
-    gx, gw = x.grad.clone(), model.lin.weight.grad.clone()
     x.grad = None
     model.zero_grad()
     ref = model(x, r)
