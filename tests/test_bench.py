@@ -235,7 +235,7 @@ def test_profile_without_ncu_says_so(monkeypatch):
 
 
 def test_bench_measures_the_paper_workloads_at_given_shapes(tmp_path):
-    """`comfuse bench --shapes` (issue 3's shapes outside the suite: M not a multiple of the
+    """`comfuse bench --shapes` (shapes outside the suite: M not a multiple of the
     tile, other N): each chosen workload at each shape, checked against float64."""
     from comfuse import cli
     out = tmp_path / "b"

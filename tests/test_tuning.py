@@ -61,8 +61,8 @@ def test_close_contenders_are_timed_again_in_interleaved_rounds(monkeypatch):
 
 def test_after_the_rounds_only_the_finalists_compete(monkeypatch):
     """The unfused ops' first time (0.90 ms, on a cool GPU) lost to plans a and b by more than
-    the margin; the rounds then time a and b at 0.95 / 0.97 (the GPU heated): a wins. (Before
-    the thirteenth session the unfused first time was compared with the rounds and won.)"""
+    the margin; the rounds then time a and b at 0.95 / 0.97 (the GPU heated): a wins (the
+    unfused first time is not compared with the rounds', taken on a hotter GPU)."""
     from comfuse.runtime.timing import Rounds, Timing
     fake_timer(monkeypatch, [0.90, 0.80, 0.82])  # unfused, a, b
 
