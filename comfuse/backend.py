@@ -83,6 +83,7 @@ def comfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = N
     first backward, the backward (comfuse.compile and explain read them; a graph with
     dynamic shapes adds none)."""
     opts = _options(options, mode)
+    quiet_library_logging()  # (for the graphs Dynamo traces from now on)
     if symbolic(example_inputs):
         return PerShape(gm, example_inputs, opts)
     compiled, regions = _compile_with_regions(gm, example_inputs, opts, passes=passes)
@@ -197,9 +198,32 @@ def _fix_scalars(gm: fx.GraphModule, args, scalars: frozenset) -> fx.GraphModule
     return fx.GraphModule(gm, graph)
 
 
+# the logging helpers transformers adds to logging.Logger, which its models call from inside
+# their forward (GPT-2's loss_function warns when the config names no loss type)
+LIBRARY_LOGGING = ("warning_once", "info_once", "warning_advice")
+
+
+def quiet_library_logging() -> None:
+    """Make transformers' ``Logger.warning_once`` and kin no-ops inside code Dynamo traces
+    (``torch._dynamo.config.ignore_logging_functions``). Dynamo splits the graph at any
+    logging call; GPT-2's loss warns from inside the model's forward, so its loss landed in
+    a graph of its own, apart from the LM head whose logits it reduces, and neither Inductor
+    nor comfuse could fuse them. The helpers exist once transformers is imported: this runs
+    when comfuse is imported, at each graph the backend compiles, and before
+    ``comfuse.compile`` and ``explain`` trace (import transformers first for the first graph
+    of ``torch.compile`` to see it)."""
+    import logging
+    ignored = torch._dynamo.config.ignore_logging_functions
+    for name in LIBRARY_LOGGING:
+        fn = getattr(logging.Logger, name, None)
+        if fn is not None:
+            ignored.add(fn)
+
+
 def register() -> None:
     """Make ``torch.compile(..., backend="comfuse")`` find this backend."""
     from torch._dynamo import list_backends, register_backend
+    quiet_library_logging()
     if "comfuse" not in list_backends(exclude_tags=()):
         register_backend(name="comfuse")(comfuse_backend)
 

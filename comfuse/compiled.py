@@ -43,7 +43,7 @@ import torch
 import torch.fx as fx
 
 from . import settings as settings_mod
-from .backend import comfuse_backend
+from .backend import comfuse_backend, quiet_library_logging
 from .errors import notice_once, summary
 from .pipeline import compile_graph, fake_inputs
 from .report import Report
@@ -88,6 +88,7 @@ class CompiledFunction:
         self._fn = fn
         self._name = getattr(fn, "__qualname__", None) or type(fn).__name__
         self._graphs: list = []  # a Built record for each graph Dynamo handed over, newest last
+        quiet_library_logging()
         self._compiled = torch.compile(_entry(fn, self._name), backend=self._backend, dynamic=False,
                                        **_cache_options(settings_mod.get().max_specializations))
         with torch.random.fork_rng(devices=_cuda_devices(fn, example_inputs)):
@@ -199,9 +200,11 @@ def _explain_graphs(fn, args: tuple, kwargs: dict) -> Report:
     name = getattr(fn, "__qualname__", None) or type(fn).__name__
     passes: list = []
     backend = functools.partial(comfuse_backend, passes=passes)
+    quiet_library_logging()
     try:
         with settings_mod.override(disable=True, autotune="0", graph_check="0"):
-            out = torch.compile(fn, backend=backend, dynamic=False, isolate_recompiles=True)(*args, **kwargs)
+            isolated = {k: v for k, v in _cache_options(1).items() if k == "isolate_recompiles"}
+            out = torch.compile(fn, backend=backend, dynamic=False, **isolated)(*args, **kwargs)
             _differentiate(out, fn, args, kwargs)
     except Exception as e:
         return Report(function=name, regions=[], error=f"torch.compile could not capture {name}: {summary(e)}")

@@ -51,6 +51,9 @@ MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 def build(name: str, layers: int, small: bool = False):
     """(model, batch, seq, vocab, inputs(batch, seq) -> kwargs) at the size users run, or small."""
     import transformers as tf
+    # (transformers' logging helpers as no-ops in traced code from the first compile on, for
+    # Inductor's form too: GPT-2's loss is then in its LM head's graph in every form)
+    comfuse.backend.quiet_library_logging()
     h, ff, vocab = (256, 512, 1024) if small else (None, None, None)
 
     def text(v):

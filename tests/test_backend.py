@@ -788,6 +788,38 @@ def test_inductor_launches_one_launch_triton_kernels_itself(mode, schedule):
     torch.testing.assert_close(again[0], ref.detach(), rtol=1e-4, atol=1e-4)
 
 
+def test_an_rmsnorm_written_with_mean_fuses_after_its_gemm():
+    """Inductor's graphs keep ``aten.mean.dim`` (Llama's RMSNorm: ``x.pow(2).mean(-1)``); the
+    pass captures each graph again with comfuse's decompositions, so the mean is a sum over N
+    divided by N and the norm joins the output projection's region, forward and training."""
+    class ProjNorm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(32, 48, bias=False)
+            self.weight = torch.nn.Parameter(torch.rand(48) + 0.5)
+
+        def forward(self, x, r):
+            h = (self.lin(x) + r).float()
+            return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
+    torch.manual_seed(0)
+    model = ProjNorm().to(DEVICE)
+    x, r = torch.randn(2, 5, 32, device=DEVICE, requires_grad=True), torch.randn(2, 5, 48, device=DEVICE)
+    with torch.no_grad():
+        backend_reports.REPORTS.clear()
+        out = compiled(model)(x, r)
+        (region,) = last_report().regions
+        assert region.fused and "rsqrt" in region.ir and "sum[N]" in region.ir, region.ir
+        torch.testing.assert_close(out, model(x, r), rtol=1e-4, atol=1e-5)
+    cm = compiled(model)
+    g = torch.randn(2, 5, 48, device=DEVICE)
+    (cm(x, r) * g).sum().backward()
+    got = torch.cat([x.grad.flatten(), model.lin.weight.grad.flatten(), model.weight.grad.flatten()])
+    x.grad, model.lin.weight.grad, model.weight.grad = None, None, None
+    (model(x, r) * g).sum().backward()
+    want = torch.cat([x.grad.flatten(), model.lin.weight.grad.flatten(), model.weight.grad.flatten()])
+    assert (got - want).norm() / want.norm() < 1e-4
+
+
 def test_inside_inductor_only_plans_its_wrapper_launches_are_timed(monkeypatch):
     """Of a region's candidates for the GPU, the backend times only the one-launch Triton
     plans Inductor launches itself (no Gluon, TMA or persistent plan), unless none is, or the

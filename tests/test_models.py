@@ -150,3 +150,24 @@ def test_dropout_draws_the_same_numbers_as_inductors():
     torch.testing.assert_close(loss, want_loss, rtol=1e-4, atol=1e-5)
     err = ((grads - want_grads).norm() / want_grads.norm()).item()
     assert err < 1e-4, f"gradients' relative error {err:.2e}"
+
+
+def test_gpt2s_loss_stays_in_the_graph_of_its_lm_head():
+    """GPT-2's loss_function warns (through transformers' ``Logger.warning_once``) when the
+    config names no loss type, from inside the model's forward; Dynamo would split the graph
+    there and the loss would run apart from the LM head. comfuse makes those helpers no-ops in
+    traced code: one forward graph, whose LM head region holds the loss's row maximum."""
+    import logging
+
+    from comfuse.backend import LIBRARY_LOGGING
+    torch.manual_seed(0)
+    model, inputs = _models()["gpt2_lm"]
+    model = model.to(DEVICE).eval()
+    assert getattr(model.config, "loss_type", None) is None  # (the case that warns)
+    report = comfuse.explain(model, (), inputs(2, 16))
+    assert all(getattr(logging.Logger, n) in torch._dynamo.config.ignore_logging_functions
+               for n in LIBRARY_LOGGING if hasattr(logging.Logger, n))
+    graphs = {r.anchor.split(":")[0] for r in report.regions}
+    assert graphs == {"forward graph 0", "backward graph 1"}, graphs
+    assert any(r.fused and "rmax" in r.ir for r in report.regions if r.anchor.startswith("forward")), report
+    assert torch._dynamo.explain(model)(**inputs(2, 16)).graph_count == 1
