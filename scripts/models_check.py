@@ -4,7 +4,8 @@ For each model (built from a config, random weights, bf16, labels given where th
 them so the loss is part of the graph): eager's loss and gradients as the reference; then each
 form compiled afresh: the first call's seconds (forward and backward), the loss and all
 gradients as one vector against eager's, the forward (with loss, grad off) and the training
-step in ms (median of rounds of back-to-back calls, host time included), and a profile of one
+step in ms (median of rounds of back-to-back calls, host time included; tokens a second
+and the step's peak GPU memory beside), and a profile of one
 forward and one step: every kernel's GPU time, and the host time of each launch (the
 profiler's CPU record of an Inductor kernel launch, of a comfuse kernel Inductor launches,
 and of a ``comfuse::region`` operator call). For comfuse, the regions of every graph Inductor
@@ -14,7 +15,10 @@ random inputs), summed per graph: what the region should save inside the model.
 Forms: ``inductor`` (default mode); ``comfuse`` (the backend's defaults: regions autotuned,
 the fused graph kept only where it beats Inductor's in the whole-graph check); ``forced``
 (regions that won their autotuning kept, no whole-graph check); ``forced-op`` (the same with
-every region through the ``comfuse::region`` operator, none launched by Inductor).
+every region through the ``comfuse::region`` operator, none launched by Inductor). Each may
+name torch.compile's mode after ``@``: ``inductor@max-autotune-no-cudagraphs``,
+``inductor@reduce-overhead``, ``comfuse@reduce-overhead``. Models: gpt2, llama, llama8b (a
+Llama-3-8B-shaped block: 4096 / 14336, 32 / 8 heads, vocabulary 128256), qwen2, bert, t5, vit.
 
 ``--modes`` instead runs every model at a small size through the backend in ``default``,
 ``reduce-overhead`` and ``max-autotune-no-cudagraphs`` with two batch and sequence sizes (the
@@ -70,6 +74,12 @@ def build(name: str, layers: int, small: bool = False):
         v = vocab or 32000
         cfg = tf.LlamaConfig(num_hidden_layers=layers, hidden_size=h or 2048, intermediate_size=ff or 5632,
                              num_attention_heads=8 if small else 32, num_key_value_heads=4, vocab_size=v)
+        return tf.LlamaForCausalLM(cfg), 4, 2048, text(v)
+    if name == "llama8b":  # a Llama-3-8B-shaped block: its widths, heads and vocabulary
+        v = vocab or 128256
+        cfg = tf.LlamaConfig(num_hidden_layers=layers, hidden_size=h or 4096, intermediate_size=ff or 14336,
+                             num_attention_heads=8 if small else 32, num_key_value_heads=4 if small else 8,
+                             vocab_size=v)
         return tf.LlamaForCausalLM(cfg), 4, 2048, text(v)
     if name == "qwen2":  # grouped-query attention (Qwen2-1.5B's widths)
         v = vocab or 151936
@@ -191,8 +201,24 @@ def profile(tag: str, call, out_dir: Path) -> dict:
 
 
 def configure(form: str):
-    inductor_pass.LAUNCH_FROM_INDUCTOR = form != "forced-op"
-    return settings.override(graph_check="0") if form.startswith("forced") else settings.override()
+    """(the settings a form runs under, its torch.compile arguments). A form is ``inductor``,
+    ``comfuse``, ``forced`` or ``forced-op``, optionally ``@mode`` (torch.compile's mode, e.g.
+    ``inductor@max-autotune-no-cudagraphs``, ``comfuse@reduce-overhead``)."""
+    base, _, mode = form.partition("@")
+    if base not in ("inductor", "comfuse", "forced", "forced-op") or (mode and mode not in MODES + ("max-autotune",)):
+        raise ValueError(f"unknown form {form!r}")
+    inductor_pass.LAUNCH_FROM_INDUCTOR = base != "forced-op"
+    over = settings.override(graph_check="0") if base.startswith("forced") else settings.override()
+    return over, {"backend": "inductor" if base == "inductor" else "comfuse", **({"mode": mode} if mode else {})}
+
+
+def peak_gib(call) -> float:
+    """The most GPU memory allocated during one ``call``, in GiB."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    call()
+    torch.cuda.synchronize()
+    return round(torch.cuda.max_memory_allocated() / 2**30, 3)
 
 
 def run(name: str, layers: int, rounds: int, out, forms, out_dir: Path) -> list:
@@ -208,8 +234,9 @@ def run(name: str, layers: int, rounds: int, out, forms, out_dir: Path) -> list:
         inductor_pass.REPORTS.clear()
         row = {"model": name, "layers": layers, "batch": batch, "seq": seq, "form": form}
         try:
-            with configure(form):
-                cm = torch.compile(model, backend="inductor" if form == "inductor" else "comfuse")
+            over, compile_args = configure(form)
+            with over:
+                cm = torch.compile(model, **compile_args)
                 t0 = time.perf_counter()
                 loss = step(cm, model, kwargs).float()
                 torch.cuda.synchronize()
@@ -221,8 +248,9 @@ def run(name: str, layers: int, rounds: int, out, forms, out_dir: Path) -> list:
                     row["forward_ms"] = time_ms(lambda: cm(**kwargs), rounds)
                     row["forward_profile"] = profile(f"{name}-{form}-forward", lambda: cm(**kwargs), out_dir)
                 row["step_ms"] = time_ms(lambda: step(cm, model, kwargs), rounds)
+                row["step_peak_gib"] = peak_gib(lambda: step(cm, model, kwargs))
                 row["step_profile"] = profile(f"{name}-{form}-step", lambda: step(cm, model, kwargs), out_dir)
-                if form != "inductor":
+                if compile_args["backend"] != "inductor":
                     row["regions"] = region_rows()
                     row["graph_checks"] = [{k: v for k, v in c.items() if isinstance(v, (int, float, str, bool))}
                                            for c in comfuse.backend.GRAPH_CHECKS]
@@ -303,16 +331,20 @@ def markdown(rows: list) -> str:
     timed = [r for r in rows if "form" in r]
     lines = []
     if timed:
-        lines += ["| model | form | first call s | forward ms [range] | step ms [range] | loss rel err | "
-                  "grads rel err | host us a launch (forward) | regions: fused/found, by Inductor, saved alone ms |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += ["| model | form | first call s | forward ms [range] | step ms [range] | step tokens/s | "
+                  "step peak GiB | loss rel err | grads rel err | host us a launch (forward) | "
+                  "regions: fused/found, by Inductor, saved alone ms |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in timed:
             host = r.get("forward_profile", {}).get("host_us", {})
             hosts = "; ".join(f"{k}: {n} x {us}" for k, (n, us) in host.items())
             regions = "; ".join(f"{g['graph']}: {g['fused']}/{g['found']}, {g['by_inductor']}, {g['saved_alone_ms']}"
                                 for g in r.get("regions", []))
+            tokens = f"{r['batch'] * r['seq'] / r['step_ms'][0] * 1e3:,.0f}" if r.get("step_ms") and "batch" in r \
+                else "-"
             lines.append(f"| {r['model']} | {r['form']} | {r.get('first_call_s', '-')} | {fmt(r.get('forward_ms'))} | "
-                         f"{fmt(r.get('step_ms'))} | {r.get('loss_rel_err', float('nan')):.2e} | "
+                         f"{fmt(r.get('step_ms'))} | {tokens} | {r.get('step_peak_gib', '-')} | "
+                         f"{r.get('loss_rel_err', float('nan')):.2e} | "
                          f"{r.get('grads_rel_err', float('nan')):.2e} | {hosts} | {r.get('error') or regions} |")
     moded = [r for r in rows if "mode" in r]
     if moded:

@@ -268,3 +268,26 @@ def test_ratio_rows_take_medians_of_rounds_against_the_base(capsys):
     assert rows == [("8x8x8", "gemm", 2.0, 1.0, 3.0, 1.0), ("8x8x8", "fused", 4.0, 2.0, 9.0, 2.0)]
     print_ratio_table(rows)
     assert "| 8x8x8 | fused | 4.0000 | 2.0000..9.0000 | 2.000 |" in capsys.readouterr().out
+
+
+def test_models_check_forms_and_table():
+    """scripts/models_check.py (the whole-model runs on a GPU): a form names the backend and,
+    after '@', torch.compile's mode; an unknown one is a clear error; the table gives tokens a
+    second and the step's peak memory beside the times."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "scripts" / "models_check.py"
+    spec = importlib.util.spec_from_file_location("models_check", path)
+    mc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mc)
+    assert mc.configure("inductor@max-autotune-no-cudagraphs")[1] == {"backend": "inductor",
+                                                                      "mode": "max-autotune-no-cudagraphs"}
+    assert mc.configure("forced")[1] == {"backend": "comfuse"}
+    assert mc.configure("comfuse@reduce-overhead")[1] == {"backend": "comfuse", "mode": "reduce-overhead"}
+    with pytest.raises(ValueError, match="unknown form 'comfuse@fast'"):
+        mc.configure("comfuse@fast")
+    row = {"model": "gpt2", "form": "inductor", "batch": 8, "seq": 1024, "first_call_s": 15.0,
+           "forward_ms": [2.5, 2.4, 2.6], "step_ms": [8.0, 7.9, 8.1], "step_peak_gib": 21.5,
+           "loss_rel_err": 1e-5, "grads_rel_err": 9e-3}
+    table = mc.markdown([row])
+    assert "| 1,024,000 | 21.5 |" in table and "8.000 [7.900..8.100]" in table
