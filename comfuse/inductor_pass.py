@@ -29,6 +29,7 @@ from .region_op import register as register_region
 from .report import Report
 from .rewrite import inline, views_as_reshapes
 from .runtime import tuning
+from .runtime.launch import can_run_on
 
 REPORTS: list = []  # the reports of the last graphs lowered, newest last (for inspection)
 LAUNCH_FROM_INDUCTOR = True  # one-launch Triton kernels as Inductor's own kernel nodes (kernel_node.py)
@@ -112,11 +113,12 @@ def random_like(value):
 
 
 def tune_on_random_inputs(fused: fx.GraphModule) -> None:
-    """Run each fused region of ``fused`` once now, on random inputs of its shapes (the graph's
-    own tensors are fake here), so that it is autotuned (where autotuning is on: by default,
-    on a GPU) or checked against its own ops (COMFUSE_VALIDATE) before Inductor lowers the
-    graph: a region whose ops win is inlined for Inductor to fuse with its neighbours, and a
-    checked kernel can be launched by Inductor itself (kernel_node.py). On a GPU this also
+    """Make each fused region of ``fused`` choose now, on random inputs of its shapes (the
+    graph's own tensors are fake here): autotuned where autotuning is on (by default, on a
+    GPU), else run once and checked against its own ops (COMFUSE_VALIDATE), before Inductor
+    lowers the graph. A region whose ops win is inlined for Inductor to fuse with its
+    neighbours (its ops are not compiled or run here), and a checked kernel can be launched
+    by Inductor itself (kernel_node.py). On a GPU this also
     makes each kernel's first launch, which builds it and allocates the scratch it keeps
     (a strip's workspace and arrival counters), happen here and not inside Inductor's
     CUDA-graph warm-up, whose private memory pool must hold only the tensors it tracks.
@@ -130,9 +132,14 @@ def tune_on_random_inputs(fused: fx.GraphModule) -> None:
         if not tensors or not (tensors[0].device.type == "cuda" or tuning.enabled(tensors[0].device)):
             continue
         module = fused.get_submodule(node.target)
+        device = tensors[0].device
         try:
             with torch.no_grad():
-                module(*[random_like(v) for v in vals])
+                args = [random_like(v) for v in vals]
+                if tuning.enabled(device) and not (module.failed or settings_mod.get().disable or can_run_on(device)):
+                    module.tune(args, device)  # (the choice only: ops it prefers go back into the graph)
+                else:
+                    module(*args)
         except Exception as e:
             fallback(f"backend: autotuning the region at {module.report.anchor} failed", e,
                      "it decides at its first call")

@@ -563,3 +563,30 @@ def test_no_compiling_ahead_off_the_gpu():
     calls = []
     tuning.compile_ahead(calls.append, 4, torch.device("cpu"))
     assert calls == []
+
+
+def test_a_stored_unfused_decision_compiles_nothing_inside_the_backend(monkeypatch, fresh_cache):
+    """Inside torch.compile a region whose stored decision is its unfused ops is put back
+    into Inductor's graph: its ops are not compiled again for a call that never comes (a
+    warm cache's first call pays no Inductor compile per such region). Outside the backend
+    they are compiled at their first run."""
+    wl = SUITE["softmax"]
+    args = wl.inputs(16, 16, 100, device=DEVICE)
+    fake_timer(monkeypatch, [0.01] + [1.0] * 40)
+    real_separate = tuning.separate
+    compiled_ops = []
+    monkeypatch.setattr(tuning, "separate", lambda *a, **k: compiled_ops.append(k.get("form")) or real_separate(*a, **k))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(wl.fn, backend="comfuse", dynamic=False)(*args)
+    assert compiled_ops == [None]  # (the first decision times the ops)
+    assert list((fresh_cache / "tuning").glob("*.json"))
+    compiled_ops.clear()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        again = torch.compile(wl.fn, backend="comfuse", dynamic=False)(*args)
+    assert compiled_ops == []
+    torch.testing.assert_close(again, out)
+    standalone = comfuse.compile(wl.fn, args)  # (its region runs the ops itself: compiled once, then)
+    standalone(*args)
+    assert compiled_ops == ["ops"]

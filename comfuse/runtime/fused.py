@@ -36,6 +36,7 @@ class Fused(torch.nn.Module):
         self.validated: set = set()  # devices where the first call was compared with the ops
         self.prefer_unfused = False
         self.separate = None  # the unfused ops as autotuning timed them (Inductor on a GPU)
+        self.separate_form = None  # the form autotuning chose for them, when read from a decision
 
     def forward(self, *ext):
         settings = settings_mod.get()  # (once a call: Python's time per call matters)
@@ -74,6 +75,8 @@ class Fused(torch.nn.Module):
             return self.unfused(*ext)
 
     def run_separate(self, ext):
+        if self.separate is None:  # (a decision read from disk: the ops are compiled at their first run)
+            self.separate, _ = tuning.separate(self.unfused, ext, form=self.separate_form)
         return self.separate(*ext)
 
     def validate(self, ext, device, outs):
@@ -113,8 +116,9 @@ class Fused(torch.nn.Module):
         """Autotuning chose the unfused ops over ``what``: they run from now on."""
         times = decision["times_ms"]
         self.prefer_unfused = True
-        if self.separate is None:
-            self.separate, _ = tuning.separate(self.unfused, ext, form=decision.get("separate"))
+        # (compiled when first run, not now: inside Inductor's compilation the ops are put back
+        # into the graph and never run here, and a decision read from disk then costs no compile)
+        self.separate_form = decision.get("separate")
         fused_ms = min((t for n, t in times.items() if n != tuning.UNFUSED), default=float("inf"))
         self.report.fused = False
         self.report.reason = (f"autotune: the unfused ops ({decision.get('separate', 'ops')}, "
