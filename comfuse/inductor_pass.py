@@ -29,7 +29,6 @@ from .region_op import register as register_region
 from .report import Report
 from .rewrite import inline, views_as_reshapes
 from .runtime import tuning
-from .runtime.launch import can_run_on
 
 REPORTS: list = []  # the reports of the last graphs lowered, newest last (for inspection)
 LAUNCH_FROM_INDUCTOR = True  # one-launch Triton kernels as Inductor's own kernel nodes (kernel_node.py)
@@ -60,9 +59,9 @@ def lower(gm: fx.GraphModule, example_inputs, disabled_kinds=frozenset(), tune=N
     if fused is None:
         return Lowered(None, report)
     graph = fused.graph
-    for node in graph.nodes:
-        if node.op == "call_module":
-            if LAUNCH_FROM_INDUCTOR:
+    if LAUNCH_FROM_INDUCTOR:
+        for node in graph.nodes:
+            if node.op == "call_module":
                 keep_launchable(fused.get_submodule(node.target))
     if tune is not None:
         tune(fused)
@@ -132,14 +131,10 @@ def tune_on_random_inputs(fused: fx.GraphModule) -> None:
         if not tensors or not (tensors[0].device.type == "cuda" or tuning.enabled(tensors[0].device)):
             continue
         module = fused.get_submodule(node.target)
-        device = tensors[0].device
         try:
             with torch.no_grad():
                 args = [random_like(v) for v in vals]
-                if tuning.enabled(device) and not (module.failed or settings_mod.get().disable or can_run_on(device)):
-                    module.tune(args, device)  # (the choice only: ops it prefers go back into the graph)
-                else:
-                    module(*args)
+                getattr(module, "choose", module)(*args)  # (the choice only: ops it prefers go back into the graph)
         except Exception as e:
             fallback(f"backend: autotuning the region at {module.report.anchor} failed", e,
                      "it decides at its first call")

@@ -32,12 +32,10 @@ import triton
 from . import settings as settings_mod
 from .planner.gluon import GLUON_SCHEDULES
 from .runtime import tuning
-from .runtime.kernel import Kernel
 from .runtime.operands import operand3, prepare
 from .runtime.region import FusedRegion
 
 ONE_LAUNCH = ("tile", "row_in_cta", "cooperative")  # the Triton schedules whose kernel is one launch
-_SCRATCH_ROLES = {"a_desc", "b_desc"}  # (a cooperative strip's workspace and counters become graph buffers)
 
 
 def why_plan_not_launched(plan) -> str:
@@ -90,14 +88,9 @@ def why_not_launched(module, device: torch.device) -> str:
         return "COMFUSE_CHECK compares every launch with the reference in Python"
     if module.failed or module.prefer_unfused:
         return "the region runs its ops"
-    kernel = module.kernel
-    if not isinstance(kernel, Kernel):
-        return "a Gluon kernel (Inductor compiles user kernels as Triton)"
-    why = why_plan_not_launched(kernel.plan)
+    why = why_plan_not_launched(module.plan)  # (module.kernel is the plan's)
     if why:
         return why
-    if any(p.role in _SCRATCH_ROLES for p in kernel.source.params):
-        return "the plan's kernel takes TMA descriptors or scratch"
     if device not in module.tuned and device not in module.validated:
         return "the region was not yet run on this GPU (its first call checks it)"
     return ""

@@ -39,14 +39,24 @@ class Fused(torch.nn.Module):
         self.separate_form = None  # the form autotuning chose for them, when read from a decision
 
     def forward(self, *ext):
+        return self._call(ext)
+
+    def choose(self, *ext) -> None:
+        """What the first call decides (autotuning, or the comparison with the ops), made now
+        on ``ext``, without running the unfused ops if they win: inside Inductor's compilation
+        they go back into the graph instead, and compiling them here would be wasted."""
+        self._call(ext, choose_only=True)
+
+    def _call(self, ext, choose_only: bool = False):
         settings = settings_mod.get()  # (once a call: Python's time per call matters)
+        unfused = (lambda: None) if choose_only else (lambda: self.unfused(*ext))
         if self.failed or settings.disable:
-            return self.unfused(*ext)
+            return unfused()
         device = self.device_of(ext)
         why = can_run_on(device)
         if why:
             notice_once(f"device:{why}", f"comfuse: running unfused: {why}")
-            return self.unfused(*ext)
+            return unfused()
         if device.type == "cpu":
             notice_once("interpreter", "comfuse: fused kernels on CPU tensors run through Triton's "
                         "interpreter (exact but slow); use CUDA tensors for speed")
@@ -57,7 +67,7 @@ class Fused(torch.nn.Module):
             if device not in self.tuned and not capturing and tuning.enabled(device, settings):
                 self.tune(ext, device)
             if self.prefer_unfused:
-                return self.run_separate(ext)
+                return None if choose_only else self.run_separate(ext)
             outs = self.run(ext, device, check=settings.check and not capturing)
             if device not in self.tuned and device not in self.validated and not capturing:
                 return self.validate(ext, device, outs)
@@ -67,12 +77,12 @@ class Fused(torch.nn.Module):
         except UnsupportedLayout as e:  # this call only: the next may fit again
             notice_once(f"layout:{id(self)}", f"comfuse: {self.kind} at {self.report.anchor}: {e}; "
                         "calls with such tensors run unfused")
-            return self.unfused(*ext)
+            return unfused()
         except Exception as e:
             if settings.strict:
                 raise
             self.fail(f"kernel failed: {summary(e)}")
-            return self.unfused(*ext)
+            return unfused()
 
     def run_separate(self, ext):
         if self.separate is None:  # (a decision read from disk: the ops are compiled at their first run)
