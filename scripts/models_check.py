@@ -21,15 +21,17 @@ name torch.compile's mode after ``@``: ``inductor@max-autotune-no-cudagraphs``,
 Llama-3-8B-shaped block: 4096 / 14336, 32 / 8 heads, vocabulary 128256), qwen2, bert, t5, vit.
 
 ``--modes`` instead runs every model at a small size through the backend in ``default``,
-``reduce-overhead`` and ``max-autotune-no-cudagraphs`` with two batch and sequence sizes (the
-second a recompile), each step's loss and gradients against eager's.
+``reduce-overhead`` and ``max-autotune-no-cudagraphs`` and through ``comfuse.compile``, with two
+batch and sequence sizes (the second a recompile), each step's loss and gradients against
+eager's; ``--forced`` turns autotuning and the whole-graph check off there, so every region
+the planner fuses runs fused.
 
 One JSON line per run goes to ``$OUT/models_check.jsonl`` (kernel tables to
 ``$OUT/profiles/``), the table to ``$OUT/results.md`` and, last, to stdout.
 
     python scripts/models_check.py [--models gpt2,llama,bert] [--layers 2] [--rounds 5]
         [--forms inductor,comfuse,forced,forced-op]
-    python scripts/models_check.py --modes [--models gpt2,llama,bert,qwen2,vit,t5]
+    python scripts/models_check.py --modes [default,comfuse.compile] [--forced] [--models gpt2,llama,bert,qwen2,vit,t5]
     python scripts/models_check.py --report models_check.jsonl   # the tables again
 """
 from __future__ import annotations
@@ -263,32 +265,44 @@ def run(name: str, layers: int, rounds: int, out, forms, out_dir: Path) -> list:
     return rows
 
 
-def modes(name: str, out) -> list:
-    """The small model through the backend in each mode at two sizes, against eager."""
-    rows = []
-    for mode in MODES:
-        torch.manual_seed(0)
-        model, batch, seq, inputs = build(name, 1, small=True)
-        model = model.to("cuda", torch.bfloat16)
-        torch._dynamo.reset()
-        inductor_pass.REPORTS.clear()
-        row = {"model": name, "mode": mode, "sizes": []}
-        try:
-            cm = torch.compile(model, backend="comfuse", mode=mode)
-            for b, s in ((2, 128), (3, 96)) if name != "vit" else ((2, 64), (3, 96)):
+def modes(name: str, mode: str, out, forced: bool = False) -> dict:
+    """The small model through the backend in ``mode`` (or through ``comfuse.compile``, mode
+    ``comfuse.compile``) at two sizes (the second a recompile), each training step's loss and
+    gradients against eager's. ``forced``: autotuning off and no whole-graph check, so every
+    region the planner fuses runs fused with the planner's plan (what the check is of)."""
+    torch.manual_seed(0)
+    model, batch, seq, inputs = build(name, 1, small=True)
+    model = model.to("cuda", torch.bfloat16)
+    torch._dynamo.reset()
+    inductor_pass.REPORTS.clear()
+    row = {"model": name, "mode": mode, "forced": forced, "sizes": []}
+    over = settings.override(autotune="0", graph_check="0") if forced else settings.override()
+    sizes = ((2, 128), (3, 96)) if name != "vit" else ((2, 64), (3, 96))
+    try:
+        with over:
+            if mode == "comfuse.compile":  # (positional inputs: the model's keyword arguments in order)
+                keys = sorted(inputs(*sizes[0]))
+                entry = lambda *values: model(**dict(zip(keys, values)))  # noqa: E731
+                compiled = comfuse.compile(entry, tuple(inputs(*sizes[0])[k] for k in keys))
+                cm = lambda **kw: compiled(*(kw[k] for k in keys))  # noqa: E731
+            else:
+                cm = torch.compile(model, backend="comfuse", mode=mode)
+            for b, s in sizes:
                 kwargs = inputs(b, s)
+                t0 = time.perf_counter()
                 loss = step(cm, model, kwargs).float()
+                seconds = round(time.perf_counter() - t0, 1)
                 got = grads(model)
                 want = step(model, model, kwargs).float()
-                row["sizes"].append({"batch": b, "seq": s, "loss_rel_err": float((loss - want).abs() / want.abs()),
+                row["sizes"].append({"batch": b, "seq": s, "first_call_s": seconds,
+                                     "loss_rel_err": float((loss - want).abs() / want.abs()),
                                      "grads_rel_err": rel(got, grads(model))})
             row["regions"] = region_rows()
-        except Exception as e:
-            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        print(json.dumps(row), file=out, flush=True)
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-    return rows
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    print(json.dumps(row), file=out, flush=True)
+    print(json.dumps(row), flush=True)
+    return row
 
 
 def main() -> None:
@@ -296,7 +310,10 @@ def main() -> None:
     ap.add_argument("--models", default="gpt2,llama")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--modes", action="store_true", help="small models in the three modes at two sizes")
+    ap.add_argument("--modes", nargs="?", const="default,reduce-overhead,comfuse.compile,max-autotune-no-cudagraphs", default="",
+                    help="small models in these modes (default: the three, and comfuse.compile; the slowest last) at two sizes")
+    ap.add_argument("--forced", action="store_true",
+                    help="with --modes: autotuning off and no whole-graph check (every region fused)")
     ap.add_argument("--report", default="", help="only write the tables of this JSONL file to stdout")
     ap.add_argument("--forms", default="inductor,comfuse,forced,forced-op")
     ap.add_argument("--log", nargs="?", const="info", default="", choices=("info", "debug"),
@@ -315,10 +332,11 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = []
     with open(out_dir / "models_check.jsonl", "a") as out:
-        for name in args.models.split(","):
-            if args.modes:
-                rows += modes(name, out)
-            else:
+        if args.modes:  # (each mode over every model before the next mode: the slowest last)
+            rows += [modes(name, mode, out, args.forced) for mode in args.modes.split(",")
+                     for name in args.models.split(",")]
+        else:
+            for name in args.models.split(","):
                 rows += run(name, args.layers, args.rounds, out, args.forms.split(","), out_dir)
     table = markdown(rows)
     (out_dir / "results.md").write_text(table)
@@ -348,13 +366,14 @@ def markdown(rows: list) -> str:
                          f"{r.get('grads_rel_err', float('nan')):.2e} | {hosts} | {r.get('error') or regions} |")
     moded = [r for r in rows if "mode" in r]
     if moded:
-        lines += ["", "| model | mode | batch x seq: loss rel err, grads rel err | regions fused/found |",
+        lines += ["", "| model | mode | batch x seq: first call s, loss rel err, grads rel err | regions fused/found |",
                   "|---|---|---|---|"]
         for r in moded:
-            sizes = "; ".join(f"{s['batch']}x{s['seq']}: {s['loss_rel_err']:.1e}, {s['grads_rel_err']:.1e}"
-                              for s in r["sizes"])
+            sizes = "; ".join(f"{s['batch']}x{s['seq']}: {s.get('first_call_s', '-')} s, {s['loss_rel_err']:.1e}, "
+                              f"{s['grads_rel_err']:.1e}" for s in r["sizes"])
             regions = "; ".join(f"{g['graph']}: {g['fused']}/{g['found']}" for g in r.get("regions", []))
-            lines.append(f"| {r['model']} | {r['mode']} | {r.get('error') or sizes} | {regions} |")
+            mode = r["mode"] + (", forced" if r.get("forced") else "")
+            lines.append(f"| {r['model']} | {mode} | {r.get('error') or sizes} | {regions} |")
     return "\n".join(lines) + "\n"
 
 
