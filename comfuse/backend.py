@@ -23,6 +23,7 @@ Options (``torch.compile(..., options={...})``): ``mode`` (above), ``disable`` (
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.fx as fx
@@ -111,6 +112,8 @@ def _compile_with_regions(gm: fx.GraphModule, example_inputs, opts: dict, shapes
             from torch._inductor.compile_fx import compile_fx
             inputs = list(example_inputs) if own else example_inputs
             return compile_fx(gm, inputs, config_patches=patches), regions
+    except torch._dynamo.exc.RestartAnalysis:
+        raise  # (Dynamo's signal to trace the frame again, not a failure)
     except Exception as e:
         fallback(f"backend: Inductor could not compile the graph with comfuse's regions{shapes}", e,
                  "Inductor's code runs without fused regions", stacklevel=3)
@@ -124,47 +127,76 @@ class PerShape:
     of 0-d tensors read by ``.item()``, grad mode) is lowered and compiled by itself on its
     first call, and kept. Inductor's dynamic compilation of the whole graph, built once
     now, runs the signatures beyond COMFUSE_MAX_SPECIALIZATIONS and any that fail to lower:
-    recompiles stay bounded and a new length never costs correctness."""
+    recompiles stay bounded and a new length never costs correctness. (Where Inductor cannot
+    compile the graph with symbolic sizes, every signature is compiled with concrete ones.)"""
 
     def __init__(self, gm: fx.GraphModule, example_inputs, opts: dict):
         self.gm, self.opts = gm, opts
         # inputs read by ``.item()``: their values join the signature
         self.scalars = frozenset(i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")
                                  if any(u.op == "call_method" and u.target == "item" for u in n.users))
-        self.dynamic = _inductor(gm, example_inputs, opts)
+        self.dynamic = self._dynamic(example_inputs)
         self.compiled: dict = {}
         self.reports: dict = {}  # signature -> comfuse's report of its graph (None: nothing fused)
         self.regionless = False  # the graph has no GEMM regions at all: every shape runs Inductor's code
 
+    def _dynamic(self, example_inputs):
+        """Inductor's dynamic compilation of the graph, or None where Inductor fails on its
+        symbolic sizes (torch 2.11 asserts in its tiling analysis on a ViT whose position
+        embeddings are interpolated to a new image size; Inductor alone crashes there):
+        each signature is then compiled with its concrete sizes, and beyond the limit run
+        eagerly."""
+        try:
+            return _inductor(self.gm, example_inputs, self.opts)
+        except torch._dynamo.exc.RestartAnalysis:
+            raise  # (Dynamo's signal to trace the frame again, not a failure)
+        except Exception as e:
+            fallback("backend: Inductor could not compile the graph with dynamic shapes", e,
+                     "each new shape is compiled by itself", stacklevel=4)
+            return None
+
     def __call__(self, *args):
-        if self.regionless:
+        if self.regionless and self.dynamic is not None:
             return self.dynamic(*args)
         key = _shape_key(args, self.scalars)
         fn = self.compiled.get(key)
         if fn is None:
             limit = settings_mod.get().max_specializations
             if len(self.compiled) >= limit:
+                instead = "Inductor's dynamic code" if self.dynamic is not None else "eagerly"
                 notice_once(f"per-shape:{id(self)}", f"comfuse backend: more than {limit} input shapes "
-                            "(COMFUSE_MAX_SPECIALIZATIONS); further shapes run Inductor's dynamic code")
-                return self.dynamic(*args)
+                            f"(COMFUSE_MAX_SPECIALIZATIONS); further shapes run {instead}")
+                return (self.dynamic or self.gm)(*args)
             fn = self.compiled[key] = self._build(key, args)
         return fn(*args)
 
     def _build(self, key, args):
-        compiled, regions = _compile_with_regions(_fix_scalars(self.gm, args, self.scalars), args, self.opts,
-                                                  " for its new shapes", own=True)
+        gm = _fix_scalars(self.gm, args, self.scalars)
+        compiled, regions = (None, None) if self.regionless else \
+            _compile_with_regions(gm, args, self.opts, " for its new shapes", own=True)
         if compiled is None:
             self.reports[key] = None
-            return self.dynamic
+            return self.dynamic or self._static(gm, args)
         self.reports[key] = regions.reports[0] if regions.reports else None
         if not regions.found:
             self.regionless = True  # (no GEMM region in the forward: no shape will fuse one)
-            return self.dynamic
+            return self.dynamic or compiled
         if not regions.fused:
             return compiled
         with settings_mod.override(**self.opts["settings"]):
-            return faster_graph(self.gm, args, compiled, regions.fused, regions.saves_memory, None,
-                                plain=self.dynamic)
+            return faster_graph(self.gm, args, compiled, regions.fused, regions.saves_memory,
+                                lambda: self._static(gm, args), plain=self.dynamic)
+
+    def _static(self, gm: fx.GraphModule, args):
+        """Inductor's compilation of ``gm`` at these sizes, without regions (or, where that
+        fails too, the graph run eagerly, with a warning)."""
+        try:
+            with torch._guards.tracing(None):  # (a compilation of its own, as the regions')
+                return _inductor(gm, list(args), self.opts)
+        except Exception as e:
+            fallback("backend: Inductor could not compile the graph for its new shapes", e,
+                     "the graph runs eagerly", stacklevel=4)
+            return gm
 
 
 def _shape_key(args, scalars: frozenset) -> tuple:
@@ -218,6 +250,31 @@ def quiet_library_logging() -> None:
         fn = getattr(logging.Logger, name, None)
         if fn is not None:
             ignored.add(fn)
+    _keep_metrics_logging_working()
+
+
+def _keep_metrics_logging_working() -> None:
+    """Dynamo records its configuration with every compilation's metrics, sorting and
+    serialising each set; torch 2.11 does not leave ``ignore_logging_functions`` out, and a set
+    of functions cannot be sorted, so every compilation logged a 13-line "Unexpected exception
+    logging compilation metrics" error once the set was not empty. Where that happens the
+    recorder sees the set as empty (only the recorder: the tracing reads the real one)."""
+    import torch._dynamo.utils as dynamo_utils
+    record = dynamo_utils._get_dynamo_config_for_logging
+    if getattr(record, "_comfuse_wrapped", False):
+        return
+    try:
+        record()
+        return  # (this torch leaves the set out of its record)
+    except TypeError:
+        pass
+
+    @functools.wraps(record)
+    def without_ignored_functions():
+        with torch._dynamo.config.patch(ignore_logging_functions=set()):
+            return record()
+    without_ignored_functions._comfuse_wrapped = True
+    dynamo_utils._get_dynamo_config_for_logging = without_ignored_functions
 
 
 def register() -> None:

@@ -100,6 +100,37 @@ def test_dynamic_shapes_are_fused_per_shape_and_capped():
         assert last_report() is None  # (the third shape was not lowered)
 
 
+def test_a_graph_inductor_cannot_compile_with_symbolic_sizes_is_compiled_per_shape(monkeypatch):
+    """torch 2.11's Inductor asserts on some graphs with symbolic sizes (a ViT interpolating
+    its position embeddings to a new image size; Inductor alone crashes there). The backend
+    warns and compiles each new shape with concrete sizes, regions fused; beyond
+    COMFUSE_MAX_SPECIALIZATIONS further shapes run eagerly, still right."""
+    import comfuse.backend as backend_mod
+    real = backend_mod._inductor
+
+    def no_symbolic(gm, example_inputs, opts):
+        if backend_mod.symbolic(example_inputs):
+            raise AssertionError("synthetic failure on symbolic sizes")
+        return real(gm, example_inputs, opts)
+    monkeypatch.setattr(backend_mod, "_inductor", no_symbolic)
+    torch._dynamo.reset()
+    model = PostNorm().to(DEVICE)
+    cm = torch.compile(model, backend="comfuse", dynamic=True)
+    with comfuse.settings.override(max_specializations=2), torch.no_grad():
+        with pytest.warns(comfuse.ComfuseWarning, match="dynamic shapes .*synthetic failure"):
+            x, r = torch.randn(2, 5, 32, device=DEVICE), torch.randn(2, 5, 48, device=DEVICE)
+            torch.testing.assert_close(cm(x, r), model(x, r), rtol=1e-4, atol=1e-5)
+        assert last_report().regions[0].fused
+        x, r = torch.randn(3, 7, 32, device=DEVICE), torch.randn(3, 7, 48, device=DEVICE)
+        torch.testing.assert_close(cm(x, r), model(x, r), rtol=1e-4, atol=1e-5)
+        with pytest.warns(comfuse.ComfuseWarning, match="further shapes run eagerly"):
+            x, r = torch.randn(4, 6, 32, device=DEVICE), torch.randn(4, 6, 48, device=DEVICE)
+            torch.testing.assert_close(cm(x, r), model(x, r), rtol=1e-4, atol=1e-5)
+    with comfuse.settings.override(strict=True), pytest.raises(Exception, match="synthetic failure"):
+        torch._dynamo.reset()
+        torch.compile(model, backend="comfuse", dynamic=True)(x, r)
+
+
 def test_dynamic_graphs_without_gemms_are_lowered_once(monkeypatch):
     """A graph with no GEMM region has none at any shape: after the first look, new shapes
     go straight to Inductor's dynamic code."""

@@ -171,3 +171,30 @@ def test_gpt2s_loss_stays_in_the_graph_of_its_lm_head():
     assert graphs == {"forward graph 0", "backward graph 1"}, graphs
     assert any(r.fused and "rmax" in r.ir for r in report.regions if r.anchor.startswith("forward")), report
     assert torch._dynamo.explain(model)(**inputs(2, 16)).graph_count == 1
+
+
+def test_ignored_logging_functions_do_not_break_dynamos_metrics_record(monkeypatch):
+    """Dynamo records its configuration with each compilation's metrics; torch 2.11 sorts and
+    serialises ``ignore_logging_functions`` there, which fails on a set of functions (an error
+    logged at every compilation). Where the record fails so, it sees the set as empty; the
+    tracing still reads the real set."""
+    import json
+
+    import torch._dynamo.utils as dynamo_utils
+
+    from comfuse import backend
+
+    def record_as_in_torch_2_11():  # (the 2.11 recorder: every set sorted, then JSON)
+        config = torch._dynamo.config.get_config_copy()
+        return json.dumps({k: sorted(v) if isinstance(v, set) else v for k, v in config.items()
+                           if k == "ignore_logging_functions"})
+    monkeypatch.setattr(dynamo_utils, "_get_dynamo_config_for_logging", record_as_in_torch_2_11)
+    monkeypatch.setattr(torch._dynamo.config, "ignore_logging_functions", set())
+    backend.quiet_library_logging()
+    ignored = set(torch._dynamo.config.ignore_logging_functions)
+    if len(ignored) < 2:
+        pytest.skip("transformers' logging helpers are not loaded")
+    assert json.loads(dynamo_utils._get_dynamo_config_for_logging()) == {"ignore_logging_functions": []}
+    assert torch._dynamo.config.ignore_logging_functions == ignored
+    backend.quiet_library_logging()  # (wrapped once)
+    assert dynamo_utils._get_dynamo_config_for_logging.__wrapped__ is record_as_in_torch_2_11
