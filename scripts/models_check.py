@@ -373,7 +373,8 @@ def markdown(rows: list) -> str:
                               f"{s['grads_rel_err']:.1e}" for s in r["sizes"])
             regions = "; ".join(f"{g['graph']}: {g['fused']}/{g['found']}" for g in r.get("regions", []))
             mode = r["mode"] + (", forced" if r.get("forced") else "")
-            lines.append(f"| {r['model']} | {mode} | {r.get('error') or sizes} | {regions} |")
+            error = " ".join(r["error"].split()) if r.get("error") else ""
+            lines.append(f"| {r['model']} | {mode} | {error or sizes} | {regions} |")
     return "\n".join(lines) + "\n"
 
 
