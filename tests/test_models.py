@@ -189,12 +189,12 @@ def test_ignored_logging_functions_do_not_break_dynamos_metrics_record(monkeypat
         return json.dumps({k: sorted(v) if isinstance(v, set) else v for k, v in config.items()
                            if k == "ignore_logging_functions"})
     monkeypatch.setattr(dynamo_utils, "_get_dynamo_config_for_logging", record_as_in_torch_2_11)
-    monkeypatch.setattr(torch._dynamo.config, "ignore_logging_functions", set())
-    backend.quiet_library_logging()
-    ignored = set(torch._dynamo.config.ignore_logging_functions)
-    if len(ignored) < 2:
-        pytest.skip("transformers' logging helpers are not loaded")
-    assert json.loads(dynamo_utils._get_dynamo_config_for_logging()) == {"ignore_logging_functions": []}
-    assert torch._dynamo.config.ignore_logging_functions == ignored
-    backend.quiet_library_logging()  # (wrapped once)
-    assert dynamo_utils._get_dynamo_config_for_logging.__wrapped__ is record_as_in_torch_2_11
+    with torch._dynamo.config.patch(ignore_logging_functions=set()):  # (a config entry: not monkeypatch's)
+        backend.quiet_library_logging()
+        ignored = set(torch._dynamo.config.ignore_logging_functions)
+        if len(ignored) < 2:
+            pytest.skip("transformers' logging helpers are not loaded")
+        assert json.loads(dynamo_utils._get_dynamo_config_for_logging()) == {"ignore_logging_functions": []}
+        assert torch._dynamo.config.ignore_logging_functions == ignored
+        backend.quiet_library_logging()  # (wrapped once)
+        assert dynamo_utils._get_dynamo_config_for_logging.__wrapped__ is record_as_in_torch_2_11
