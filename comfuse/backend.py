@@ -253,18 +253,24 @@ def quiet_library_logging() -> None:
     _keep_metrics_logging_working()
 
 
+_METRICS_PROBED = False  # Dynamo's metrics record was seen to serialise the set of functions
+
+
 def _keep_metrics_logging_working() -> None:
     """Dynamo records its configuration with every compilation's metrics, sorting and
     serialising each set; torch 2.11 does not leave ``ignore_logging_functions`` out, and a set
     of functions cannot be sorted, so every compilation logged a 13-line "Unexpected exception
     logging compilation metrics" error once the set was not empty. Where that happens the
     recorder sees the set as empty (only the recorder: the tracing reads the real one)."""
+    global _METRICS_PROBED
     import torch._dynamo.utils as dynamo_utils
     record = dynamo_utils._get_dynamo_config_for_logging
-    if getattr(record, "_comfuse_wrapped", False):
-        return
+    if _METRICS_PROBED or getattr(record, "_comfuse_wrapped", False) \
+            or not torch._dynamo.config.ignore_logging_functions:
+        return  # (probed once the set holds functions: serialising the config costs time)
     try:
         record()
+        _METRICS_PROBED = True
         return  # (this torch leaves the set out of its record)
     except TypeError:
         pass

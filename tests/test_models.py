@@ -189,6 +189,7 @@ def test_ignored_logging_functions_do_not_break_dynamos_metrics_record(monkeypat
         return json.dumps({k: sorted(v) if isinstance(v, set) else v for k, v in config.items()
                            if k == "ignore_logging_functions"})
     monkeypatch.setattr(dynamo_utils, "_get_dynamo_config_for_logging", record_as_in_torch_2_11)
+    monkeypatch.setattr(backend, "_METRICS_PROBED", False)  # (this process's torch was probed at import)
     with torch._dynamo.config.patch(ignore_logging_functions=set()):  # (a config entry: not monkeypatch's)
         backend.quiet_library_logging()
         ignored = set(torch._dynamo.config.ignore_logging_functions)
