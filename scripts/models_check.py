@@ -265,11 +265,12 @@ def run(name: str, layers: int, rounds: int, out, forms, out_dir: Path) -> list:
     return rows
 
 
-def modes(name: str, mode: str, out, forced: bool = False) -> dict:
+def modes(name: str, mode: str, out, forced: bool = False, sizes: int = 2) -> dict:
     """The small model through the backend in ``mode`` (or through ``comfuse.compile``, mode
     ``comfuse.compile``) at two sizes (the second a recompile), each training step's loss and
     gradients against eager's. ``forced``: autotuning off and no whole-graph check, so every
-    region the planner fuses runs fused with the planner's plan (what the check is of)."""
+    region the planner fuses runs fused with the planner's plan (what the check is of).
+    ``sizes``: how many of the two sizes to run (1: the first only)."""
     torch.manual_seed(0)
     model, batch, seq, inputs = build(name, 1, small=True)
     model = model.to("cuda", torch.bfloat16)
@@ -277,17 +278,17 @@ def modes(name: str, mode: str, out, forced: bool = False) -> dict:
     inductor_pass.REPORTS.clear()
     row = {"model": name, "mode": mode, "forced": forced, "sizes": []}
     over = settings.override(autotune="0", graph_check="0") if forced else settings.override()
-    sizes = ((2, 128), (3, 96)) if name != "vit" else ((2, 64), (3, 96))
+    shapes = (((2, 128), (3, 96)) if name != "vit" else ((2, 64), (3, 96)))[:sizes]
     try:
         with over:
             if mode == "comfuse.compile":  # (positional inputs: the model's keyword arguments in order)
-                keys = sorted(inputs(*sizes[0]))
+                keys = sorted(inputs(*shapes[0]))
                 entry = lambda *values: model(**dict(zip(keys, values)))  # noqa: E731
-                compiled = comfuse.compile(entry, tuple(inputs(*sizes[0])[k] for k in keys))
+                compiled = comfuse.compile(entry, tuple(inputs(*shapes[0])[k] for k in keys))
                 cm = lambda **kw: compiled(*(kw[k] for k in keys))  # noqa: E731
             else:
                 cm = torch.compile(model, backend="comfuse", mode=mode)
-            for b, s in sizes:
+            for b, s in shapes:
                 kwargs = inputs(b, s)
                 t0 = time.perf_counter()
                 loss = step(cm, model, kwargs).float()
@@ -314,6 +315,8 @@ def main() -> None:
                     help="small models in these modes (default: the three, and comfuse.compile; the slowest last) at two sizes")
     ap.add_argument("--forced", action="store_true",
                     help="with --modes: autotuning off and no whole-graph check (every region fused)")
+    ap.add_argument("--sizes", type=int, default=2, choices=(1, 2),
+                    help="with --modes: run the first size only (1) or both (2)")
     ap.add_argument("--report", default="", help="only write the tables of this JSONL file to stdout")
     ap.add_argument("--forms", default="inductor,comfuse,forced,forced-op")
     ap.add_argument("--log", nargs="?", const="info", default="", choices=("info", "debug"),
@@ -333,7 +336,7 @@ def main() -> None:
     rows = []
     with open(out_dir / "models_check.jsonl", "a") as out:
         if args.modes:  # (each mode over every model before the next mode: the slowest last)
-            rows += [modes(name, mode, out, args.forced) for mode in args.modes.split(",")
+            rows += [modes(name, mode, out, args.forced, args.sizes) for mode in args.modes.split(",")
                      for name in args.models.split(",")]
         else:
             for name in args.models.split(","):
