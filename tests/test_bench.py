@@ -291,3 +291,23 @@ def test_models_check_forms_and_table():
            "loss_rel_err": 1e-5, "grads_rel_err": 9e-3}
     table = mc.markdown([row])
     assert "| 1,024,000 | 21.5 |" in table and "8.000 [7.900..8.100]" in table
+
+
+def test_memory_peak_lists_what_is_alive_at_the_peak():
+    """scripts/memory_peak.py replays the allocator's history: the tensors alive when the
+    most was allocated, largest first, each named by the comfuse or wrapper line that made it."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "scripts" / "memory_peak.py"
+    spec = importlib.util.spec_from_file_location("memory_peak", path)
+    mp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mp)
+    ours = [{"filename": "/x/site-packages/torch/nn/functional.py", "line": 1, "name": "linear"},
+            {"filename": "/repo/comfuse/runtime/kernel.py", "line": 170, "name": "scratch"}]
+    events = [{"action": "alloc", "addr": 1, "size": 100, "frames": ours},
+              {"action": "alloc", "addr": 2, "size": 50, "frames": []},
+              {"action": "free_requested", "addr": 1, "size": 100},
+              {"action": "alloc", "addr": 3, "size": 20, "frames": ours}]
+    alive = mp.live_at_peak({"device_traces": [events]})
+    assert [size for size, _ in alive] == [100, 50]
+    assert alive[0][1].startswith("kernel.py:170 scratch") and "no Python frame" in alive[1][1]
