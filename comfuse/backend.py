@@ -127,7 +127,9 @@ class PerShape:
     of 0-d tensors read by ``.item()``, grad mode) is lowered and compiled by itself on its
     first call, and kept. Inductor's dynamic compilation of the whole graph, built once
     now, runs the signatures beyond COMFUSE_MAX_SPECIALIZATIONS and any that fail to lower:
-    recompiles stay bounded and a new length never costs correctness. (Where Inductor cannot
+    recompiles stay bounded and a new length never costs correctness. Where a signature
+    fuses nothing (autotuning left every region to Inductor), later ones run that dynamic
+    code too, as under Inductor alone, without a compilation each. (Where Inductor cannot
     compile the graph with symbolic sizes, every signature is compiled with concrete ones.)"""
 
     def __init__(self, gm: fx.GraphModule, example_inputs, opts: dict):
@@ -139,6 +141,7 @@ class PerShape:
         self.compiled: dict = {}
         self.reports: dict = {}  # signature -> comfuse's report of its graph (None: nothing fused)
         self.regionless = False  # the graph has no GEMM regions at all: every shape runs Inductor's code
+        self.settled = False  # a shape fused nothing: new shapes run Inductor's dynamic code
 
     def _dynamic(self, example_inputs):
         """Inductor's dynamic compilation of the graph, or None where Inductor fails on its
@@ -156,10 +159,10 @@ class PerShape:
             return None
 
     def __call__(self, *args):
-        if self.regionless and self.dynamic is not None:
-            return self.dynamic(*args)
         key = _shape_key(args, self.scalars)
         fn = self.compiled.get(key)
+        if fn is None and (self.regionless or self.settled) and self.dynamic is not None:
+            return self.dynamic(*args)
         if fn is None:
             limit = settings_mod.get().max_specializations
             if len(self.compiled) >= limit:
@@ -182,6 +185,7 @@ class PerShape:
             self.regionless = True  # (no GEMM region in the forward: no shape will fuse one)
             return self.dynamic or compiled
         if not regions.fused:
+            self.settled = True  # (found, none fused at this shape: the next shapes are not lowered)
             return compiled
         with settings_mod.override(**self.opts["settings"]):
             return faster_graph(self.gm, args, compiled, regions.fused, regions.saves_memory,

@@ -148,6 +148,24 @@ def test_dynamic_graphs_without_gemms_are_lowered_once(monkeypatch):
     assert len(looked) == 1
 
 
+def test_dynamic_graphs_that_fuse_nothing_are_not_lowered_again(monkeypatch):
+    """Regions found but none fused at a shape (here gemm_epilogue fusion is off; on a GPU,
+    autotuning leaving every region to Inductor): the next shapes run Inductor's dynamic code,
+    compiled once, without a compilation each; the results stay right."""
+    import comfuse.inductor_pass as pass_mod
+    torch._dynamo.reset()
+    looked = []
+    real = pass_mod.lower
+    monkeypatch.setattr(pass_mod, "lower", lambda *a, **k: looked.append(1) or real(*a, **k))
+    model = PostNorm().to(DEVICE)
+    cm = torch.compile(model, backend="comfuse", dynamic=True, options={"disable": "gemm_epilogue"})
+    with torch.no_grad():
+        for batch, seq in ((2, 5), (3, 7), (4, 6)):
+            x, r = torch.randn(batch, seq, 32, device=DEVICE), torch.randn(batch, seq, 48, device=DEVICE)
+            torch.testing.assert_close(cm(x, r), model(x, r), rtol=1e-4, atol=1e-5)
+    assert len(looked) == 1
+
+
 def test_a_graph_that_fails_to_lower_runs_inductors_code_with_a_warning(monkeypatch):
     import comfuse.inductor_pass as pass_mod
 
