@@ -130,3 +130,17 @@ def test_explain_plain_gemm_is_not_fused():
     report = comfuse.explain(lambda x, w: x @ w, (torch.randn(4, 8), torch.randn(8, 16)))
     (r,) = report.regions
     assert not r.fused and "no epilogue" in r.reason
+
+
+def test_a_widening_cast_read_only_outside_is_left_to_its_readers():
+    """A region's last cast to a wider dtype, read only after the region, would write a wider
+    copy of its value; the region writes the narrower value and its readers cast it (a saved
+    bf16 LM head's logits and their fp32 copy for the loss held twice the memory of the logits
+    alone). A cast the region itself reads stays inside."""
+    x, w = torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(16, 32, dtype=torch.bfloat16)
+    gm, (cand,) = regions_of(lambda x, w: ((x @ w) * 2, ((x @ w) * 2).float()), x, w)
+    assert [m.target for m in cand.members] == [aten.mm.default, aten.mul.Tensor]
+    assert [o.node.target for o in cand.outputs] == [aten.mul.Tensor]
+    assert any("widening cast" in note for note in cand.notes)
+    gm, (cand,) = regions_of(lambda x, w: torch.relu((x @ w).float()), x, w)
+    assert len(cand.members) == 3 and cand.outputs[0].node.target is aten.relu.default

@@ -23,6 +23,8 @@ from .rules import RULES
 
 aten = torch.ops.aten
 ANCHORS = {aten.mm.default: False, aten.bmm.default: True}
+_CONVERTS = ((torch.ops.prims.convert_element_type.default,)
+             if hasattr(torch.ops, "prims") and hasattr(torch.ops.prims, "convert_element_type") else ())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +78,28 @@ def _major(node: fx.Node, last: str, second: str) -> str:
     return ""
 
 
+def _widening(node: fx.Node) -> bool:
+    """Whether ``node`` only casts its input to a wider floating dtype."""
+    if node.target not in (aten._to_copy.default, *_CONVERTS) or not node.all_input_nodes:
+        return False
+    src, dst = dtype_of(node.all_input_nodes[0]), dtype_of(node)
+    return src.is_floating_point and dst.is_floating_point and dst.itemsize > src.itemsize
+
+
+def _widening_tail(members: list, member_set: set) -> list:
+    """Drop from ``members`` (in place) the widening casts at the region's end that only
+    nodes outside it read, last first; return them. Written out, such a cast is a wider copy
+    of a value its readers could cast as they load it (Inductor fuses the cast into them), so
+    the region writes the narrower value instead."""
+    dropped = []
+    for node in reversed(members[1:]):
+        if _widening(node) and not any(u in member_set for u in node.users):
+            members.remove(node)
+            member_set.discard(node)
+            dropped.append(node)
+    return dropped
+
+
 def grow(anchor: fx.Node, order: dict, claimed: frozenset = frozenset()) -> Candidate:
     cand = Candidate(anchor=anchor)
     cand.reason = _unfusible_anchor(anchor)
@@ -108,6 +132,9 @@ def grow(anchor: fx.Node, order: dict, claimed: frozenset = frozenset()) -> Cand
         b.values[node] = value
         members.append(node)
         member_set.add(node)
+    for node in _widening_tail(members, member_set):
+        cand.notes.append(f"{node.name}: a widening cast read only outside the region is left to "
+                          "its readers (a wider copy in memory costs bytes and bandwidth)")
     cand.members = members
     cand.externals = b.externals
     cand.operands = b.operands
