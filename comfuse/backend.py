@@ -30,7 +30,7 @@ import torch.fx as fx
 
 from . import settings as settings_mod
 from .errors import fallback, notice_once
-from .graph_check import GRAPH_CHECKS, faster_graph  # noqa: F401  (GRAPH_CHECKS: for inspection)
+from .graph_check import GRAPH_CHECKS, backward_checked, faster_graph  # noqa: F401  (GRAPH_CHECKS: for inspection)
 from .inductor_pass import REPORTS, RegionPass, symbolic  # noqa: F401  (REPORTS: for inspection)
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -85,16 +85,49 @@ def comfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = N
     dynamic shapes adds none)."""
     opts = _options(options, mode)
     quiet_library_logging()  # (for the graphs Dynamo traces from now on)
+    key = _graph_key(gm, opts)
     if symbolic(example_inputs):
-        return PerShape(gm, example_inputs, opts)
+        return PerShape(gm, example_inputs, opts, settled=VERDICTS.get(key) is False)
     compiled, regions = _compile_with_regions(gm, example_inputs, opts, passes=passes)
     if compiled is None:
         return _inductor(gm, example_inputs, opts)
-    if not regions.fused:
-        return compiled  # (nothing fused in the forward: the graph is Inductor's, the backward's regions aside)
+    if not regions.fused:  # (nothing fused in the forward: the graph is Inductor's, its backward aside)
+        with settings_mod.override(**opts["settings"]):
+            return backward_checked(gm, example_inputs, compiled, regions,
+                                    lambda: _inductor(gm, list(example_inputs), opts),
+                                    on_choice=functools.partial(_remember, key))
     with settings_mod.override(**opts["settings"]):
         return faster_graph(gm, example_inputs, compiled, regions.fused, regions.saves_memory,
-                            lambda: _inductor(gm, list(example_inputs), opts))
+                            lambda: _inductor(gm, list(example_inputs), opts),
+                            on_choice=functools.partial(_remember, key))
+
+
+# What the backend kept for a graph at its first, static sizes, by the graph's frame and
+# tensor ops: True, comfuse's fused code; False, Inductor's. When a size changes, Dynamo
+# compiles the frame again with dynamic sizes; where Inductor's code was kept, the new graph
+# runs Inductor's dynamic code (as under Inductor alone) rather than a compilation with
+# regions, and then Inductor's, at each new size.
+VERDICTS: dict = {}
+
+
+def _remember(key, kept_fused: bool) -> None:
+    if key is not None:
+        VERDICTS[key] = kept_fused
+
+
+def _graph_key(gm: fx.GraphModule, opts: dict):
+    """(Dynamo's frame, the graph's tensor ops, the settings): equal for a frame's graph at
+    static and at dynamic sizes, which differ only in the size arithmetic between the ops;
+    None outside a Dynamo compilation."""
+    frame = getattr(torch._guards.CompileContext.current_compile_id(), "frame_id", None)
+    if frame is None:
+        return None
+    ops = tuple((n.op, getattr(n.target, "__qualname__", str(n.target))) for n in gm.graph.nodes
+                if n.op in ("call_function", "call_method", "call_module")
+                and isinstance(n.meta.get("example_value"), torch.Tensor))
+    with settings_mod.override(**opts["settings"]):
+        chosen = repr(settings_mod.get())
+    return frame, ops, chosen, repr(sorted(opts["kinds"])), repr(sorted(opts["inductor"].items()))
 
 
 def _compile_with_regions(gm: fx.GraphModule, example_inputs, opts: dict, shapes: str = "", own: bool = False,
@@ -132,7 +165,7 @@ class PerShape:
     code too, as under Inductor alone, without a compilation each. (Where Inductor cannot
     compile the graph with symbolic sizes, every signature is compiled with concrete ones.)"""
 
-    def __init__(self, gm: fx.GraphModule, example_inputs, opts: dict):
+    def __init__(self, gm: fx.GraphModule, example_inputs, opts: dict, settled: bool = False):
         self.gm, self.opts = gm, opts
         # inputs read by ``.item()``: their values join the signature
         self.scalars = frozenset(i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")
@@ -141,7 +174,9 @@ class PerShape:
         self.compiled: dict = {}
         self.reports: dict = {}  # signature -> comfuse's report of its graph (None: nothing fused)
         self.regionless = False  # the graph has no GEMM regions at all: every shape runs Inductor's code
-        self.settled = False  # a shape fused nothing: new shapes run Inductor's dynamic code
+        # a shape fused nothing, or its graph kept Inductor's code (here or, at the frame's
+        # static sizes, in VERDICTS): new shapes run Inductor's dynamic code
+        self.settled = settled
 
     def _dynamic(self, example_inputs):
         """Inductor's dynamic compilation of the graph, or None where Inductor fails on its
@@ -186,10 +221,15 @@ class PerShape:
             return self.dynamic or compiled
         if not regions.fused:
             self.settled = True  # (found, none fused at this shape: the next shapes are not lowered)
-            return compiled
+            with settings_mod.override(**self.opts["settings"]):
+                return backward_checked(self.gm, args, compiled, regions, lambda: self.dynamic or self._static(gm, args))
         with settings_mod.override(**self.opts["settings"]):
             return faster_graph(self.gm, args, compiled, regions.fused, regions.saves_memory,
-                                lambda: self._static(gm, args), plain=self.dynamic)
+                                lambda: self._static(gm, args), plain=self.dynamic, on_choice=self._chose)
+
+    def _chose(self, kept_fused: bool) -> None:
+        if not kept_fused:
+            self.settled = True  # (Inductor's code won at this shape: the next are not lowered)
 
     def _static(self, gm: fx.GraphModule, args):
         """Inductor's compilation of ``gm`` at these sizes, without regions (or, where that

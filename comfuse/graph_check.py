@@ -1,7 +1,9 @@
 """The backend's whole-graph check: a graph that keeps fused regions is timed at its first
 call against Inductor's compilation of the same graph without them, and the faster is kept
 for good (``GraphChoice``). A region that wins its own timing can still cost the model: its
-calls add host time, and Inductor can no longer fuse across it. Each decision is logged
+calls add host time, and Inductor can no longer fuse across it. A training graph whose
+forward fused nothing is checked the same way once its backward, lowered at the first
+backward, turns out to fuse a region (``BackwardChoice``). Each decision is logged
 (``COMFUSE_LOG=info``) and the last ones are in ``GRAPH_CHECKS``.
 """
 from __future__ import annotations
@@ -100,17 +102,20 @@ def _time_graphs(calls: dict, device) -> dict:
 
 
 def faster_graph(gm: fx.GraphModule, example_inputs, fused, regions: int, saves_memory: bool, compile_plain,
-                 plain=None):
+                 plain=None, on_choice=None):
     """``fused`` (Inductor's compilation of the graph with comfuse's regions in it) or, when
     the graph is checked (COMFUSE_GRAPH_CHECK), a ``GraphChoice`` between it and Inductor's
     compilation of ``gm`` as Dynamo gave it (``plain``, or ``compile_plain()`` when not given).
     ``regions``: how many regions the fused graph keeps; ``saves_memory``: one of them avoids a
-    huge intermediate."""
+    huge intermediate. ``on_choice(kept_fused)``: told what was kept, when it is known."""
+    on_choice = on_choice or (lambda kept_fused: None)
     if not _checks_graph(gm, example_inputs):
+        on_choice(True)
         return fused
     if saves_memory:  # Inductor's graph would hold (and, timed, allocate) that tensor
         log.info("backend: a fused region saves a large intermediate (a loss over a vocabulary): "
                  "the graph keeps it without timing Inductor's")
+        on_choice(True)
         return fused
     try:
         if plain is None:
@@ -118,8 +123,9 @@ def faster_graph(gm: fx.GraphModule, example_inputs, fused, regions: int, saves_
                 plain = compile_plain()
     except Exception as e:  # keep the fused graph: each of its regions won its own timing
         fallback("compiling the graph without fused regions, to time it, failed", e, "the fused graph runs")
+        on_choice(True)
         return fused
-    return GraphChoice(fused, plain, regions)
+    return GraphChoice(fused, plain, regions, on_choice)
 
 
 class GraphChoice:
@@ -131,15 +137,22 @@ class GraphChoice:
     and Inductor can no longer fuse across it. (Timed at the first call, not at compile
     time: a backward compiled inside Dynamo's compilation fails.)"""
 
-    def __init__(self, fused, plain, regions: int):
+    def __init__(self, fused, plain, regions: int, on_choice=None):
         self.fused, self.plain, self.regions = fused, plain, regions
+        self.on_choice = on_choice or (lambda kept_fused: None)
         self.chosen = None
 
     def __call__(self, *args):
         if self.chosen is None:
-            self.chosen = self._choose(list(args))
+            self.chosen = self.decide(list(args))
             self.fused = self.plain = None  # (the other form's code and buffers go)
         return self.chosen(*args)
+
+    def decide(self, args: list):
+        """The form to keep, timed on ``args`` (``on_choice`` is told)."""
+        chosen = self._choose(args)
+        self.on_choice(chosen is self.fused)
+        return chosen
 
     def _choose(self, args):
         device = next(t for t in args if isinstance(t, torch.Tensor)).device
@@ -172,3 +185,58 @@ class GraphChoice:
 def _times_text(times: dict, form: str) -> str:
     text = f"{times[form]:.4f} ms a call"
     return text + (f", {times[form + ' step']:.4f} ms a training step" if form + " step" in times else "")
+
+
+def backward_checked(gm: fx.GraphModule, example_inputs, compiled, regions, compile_plain, on_choice=None):
+    """``compiled`` (Inductor's compilation of a graph whose forward kept no fused region;
+    ``regions``: its RegionPass) or, for a training graph that is checked
+    (COMFUSE_GRAPH_CHECK) and has regions, a ``BackwardChoice``. ``on_choice`` as in
+    ``faster_graph``."""
+    on_choice = on_choice or (lambda kept_fused: None)
+    if not regions.found:  # (nothing lowered: no verdict on fusion)
+        return compiled
+    if not (_training(example_inputs) and _checks_graph(gm, example_inputs)):
+        on_choice(False)
+        return compiled
+    return BackwardChoice(compiled, regions, compile_plain, on_choice)
+
+
+class BackwardChoice:
+    """A training graph whose forward kept no fused region, while its backward, which
+    Inductor lowers at the first backward, may keep some that no whole-graph timing would
+    cover (a region that won its own timing can lose in the model). At the first call, one
+    training step of the graph (gradients returned, not accumulated; the random state put
+    back) lowers the backward. Where it kept a fused region, Inductor's compilation without
+    regions is built and the two are timed as in ``GraphChoice``; otherwise the graph runs
+    as compiled, with no compilation more."""
+
+    def __init__(self, compiled, regions, compile_plain, on_choice):
+        self.compiled, self.regions, self.compile_plain, self.on_choice = compiled, regions, compile_plain, on_choice
+        self.chosen = None
+
+    def __call__(self, *args):
+        if self.chosen is None:
+            self.chosen = self._choose(list(args))
+            self.compiled = self.compile_plain = None
+        return self.chosen(*args)
+
+    def _choose(self, args):
+        if not _training(args):  # (a graph Dynamo compiled with grad on is called with grad on)
+            self.on_choice(False)
+            return self.compiled
+        device = next(t for t in args if isinstance(t, torch.Tensor)).device
+        try:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                _step(self.compiled, args)()
+            fused = self.regions.fused
+            if not fused:
+                self.on_choice(False)
+                return self.compiled
+            log.info("backend: the backward kept %d fused region(s) where the forward kept none: "
+                     "timing the graph against Inductor's", fused)
+            with torch._guards.tracing(None):  # a compilation of its own, as GraphChoice's
+                plain = self.compile_plain()
+        except Exception as e:
+            fallback("checking the graph whose backward fused regions failed", e, "the graph runs as compiled")
+            return self.compiled
+        return GraphChoice(self.compiled, plain, fused, self.on_choice).decide(args)

@@ -166,6 +166,25 @@ def test_dynamic_graphs_that_fuse_nothing_are_not_lowered_again(monkeypatch):
     assert len(looked) == 1
 
 
+def test_a_frame_whose_static_graph_kept_inductors_code_runs_inductors_dynamic_code(monkeypatch):
+    """A graph first compiled at static sizes where nothing fused (here gemm_epilogue fusion
+    is off; on a GPU, autotuning or the whole-graph timing keeping Inductor's code): when a
+    size changes and Dynamo compiles the frame again with dynamic sizes, the new sizes run
+    Inductor's dynamic code without being lowered again, and the results stay right."""
+    import comfuse.inductor_pass as pass_mod
+    torch._dynamo.reset()
+    looked = []
+    real = pass_mod.lower
+    monkeypatch.setattr(pass_mod, "lower", lambda *a, **k: looked.append(1) or real(*a, **k))
+    model = PostNorm().to(DEVICE)
+    cm = torch.compile(model, backend="comfuse", options={"disable": "gemm_epilogue"})
+    with torch.no_grad():
+        for batch, seq in ((2, 5), (3, 7), (4, 6)):
+            x, r = torch.randn(batch, seq, 32, device=DEVICE), torch.randn(batch, seq, 48, device=DEVICE)
+            torch.testing.assert_close(cm(x, r), model(x, r), rtol=1e-4, atol=1e-5)
+    assert len(looked) == 1
+
+
 def test_a_graph_that_fails_to_lower_runs_inductors_code_with_a_warning(monkeypatch):
     import comfuse.inductor_pass as pass_mod
 
@@ -727,6 +746,70 @@ def test_a_training_graph_keeps_the_fused_form_only_if_its_forward_and_step_both
     monkeypatch.setattr(graph_check, "_time_graphs", lambda calls, device: pytest.fail("timed"))
     with torch.no_grad():
         compiled(model, options={"autotune": "0", "graph_check": "0"})(x, r)
+
+
+class NormThenCumsum(torch.nn.Module):
+    """A forward whose GEMM has no epilogue comfuse fuses (cumsum), and a backward whose GEMM
+    into the LayerNorm's input gradient has one (LayerNorm's backward row reductions)."""
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(32, 48) / 6)
+
+    def forward(self, x):
+        return torch.cumsum(F.layer_norm(x, (32,)) @ self.w, -1)
+
+
+@pytest.mark.parametrize("winner", ["fused", "inductor"])
+def test_a_backward_that_fuses_where_the_forward_did_not_is_timed_against_inductors(monkeypatch, fused_regions_win,
+                                                                                   winner):
+    """The forward kept no fused region, its backward (lowered at the first backward) keeps
+    one: the first call runs a step to lower the backward, then times the graph's steps
+    against Inductor's compilation without regions and keeps the faster; the gradients are
+    one step's, as eager's."""
+    from comfuse import backend, graph_check
+    timed = []
+
+    def time_graphs(calls, device):
+        outs = {n: fn() for n, fn in calls.items()}
+        step = isinstance(outs["fused"], tuple)
+        timed.append(step)
+        if step:
+            for a, b in zip(outs["fused"], outs["inductor"]):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        return {"fused": 1.0 if winner == "fused" else 3.0, "inductor": 2.0}
+    monkeypatch.setattr(graph_check, "_time_graphs", time_graphs)
+    torch.manual_seed(0)
+    model = NormThenCumsum().to(DEVICE)
+    x = torch.randn(2, 5, 32, device=DEVICE, requires_grad=True)
+    passes = []
+    torch._dynamo.reset()
+    cm = torch.compile(model, dynamic=False, backend=lambda gm, ex: backend.comfuse_backend(
+        gm, ex, {"autotune": "1", "graph_check": "1"}, passes=passes))
+    cm(x).square().sum().backward()
+    assert [r.regions[0].fused for r in passes[0].reports] == [False, False] and passes[0].fused == 1
+    assert timed == [False, True]
+    assert backend.GRAPH_CHECKS[-1]["kept"] == winner and backend.GRAPH_CHECKS[-1]["training"]
+    got = (x.grad.clone(), model.w.grad.clone())
+    x.grad = model.w.grad = None
+    model(x).square().sum().backward()
+    torch.testing.assert_close(got, (x.grad, model.w.grad), rtol=1e-4, atol=1e-5)
+
+
+def test_a_backward_that_fuses_nothing_costs_no_compilation_more(monkeypatch):
+    """The forward and the backward keep no fused region (gemm_epilogue fusion off): after
+    the first step, the graph runs as compiled; Inductor's compilation without regions is
+    never built and nothing is timed."""
+    from comfuse import graph_check
+    monkeypatch.setattr(graph_check, "_time_graphs", lambda calls, device: pytest.fail("timed"))
+    monkeypatch.setattr(graph_check.GraphChoice, "__init__", lambda *a: pytest.fail("a second compilation"))
+    model = NormThenCumsum().to(DEVICE)
+    x = torch.randn(2, 5, 32, device=DEVICE, requires_grad=True)
+    cm = compiled(model, options={"graph_check": "1", "disable": "gemm_epilogue"})
+    cm(x).sum().backward()
+    want = x.grad.clone()
+    x.grad = None
+    model(x).sum().backward()
+    torch.testing.assert_close(want, x.grad, rtol=1e-4, atol=1e-5)
 
 
 def test_graph_timing_rounds_are_bounded_and_interleaved():
