@@ -265,18 +265,19 @@ def run(name: str, layers: int, rounds: int, out, forms, out_dir: Path) -> list:
     return rows
 
 
-def modes(name: str, mode: str, out, forced: bool = False, sizes: int = 2) -> dict:
+def modes(name: str, mode: str, out, forced: bool = False, sizes: int = 2, backend: str = "comfuse") -> dict:
     """The small model through the backend in ``mode`` (or through ``comfuse.compile``, mode
     ``comfuse.compile``) at two sizes (the second a recompile), each training step's loss and
     gradients against eager's. ``forced``: autotuning off and no whole-graph check, so every
     region the planner fuses runs fused with the planner's plan (what the check is of).
-    ``sizes``: how many of the two sizes to run (1: the first only)."""
+    ``sizes``: how many of the two sizes to run (1: the first only). ``backend``: "inductor"
+    runs Inductor alone in ``mode`` instead (its first calls beside comfuse's)."""
     torch.manual_seed(0)
     model, batch, seq, inputs = build(name, 1, small=True)
     model = model.to("cuda", torch.bfloat16)
     torch._dynamo.reset()
     inductor_pass.REPORTS.clear()
-    row = {"model": name, "mode": mode, "forced": forced, "sizes": []}
+    row = {"model": name, "mode": mode, "forced": forced, "backend": backend, "sizes": []}
     over = settings.override(autotune="0", graph_check="0") if forced else settings.override()
     shapes = (((2, 128), (3, 96)) if name != "vit" else ((2, 64), (3, 96)))[:sizes]
     try:
@@ -286,6 +287,8 @@ def modes(name: str, mode: str, out, forced: bool = False, sizes: int = 2) -> di
                 entry = lambda *values: model(**dict(zip(keys, values)))  # noqa: E731
                 compiled = comfuse.compile(entry, tuple(inputs(*shapes[0])[k] for k in keys))
                 cm = lambda **kw: compiled(*(kw[k] for k in keys))  # noqa: E731
+            elif backend == "inductor":
+                cm = torch.compile(model, mode=mode)
             else:
                 cm = torch.compile(model, backend="comfuse", mode=mode)
             for b, s in shapes:
@@ -298,7 +301,8 @@ def modes(name: str, mode: str, out, forced: bool = False, sizes: int = 2) -> di
                 row["sizes"].append({"batch": b, "seq": s, "first_call_s": seconds,
                                      "loss_rel_err": float((loss - want).abs() / want.abs()),
                                      "grads_rel_err": rel(got, grads(model))})
-            row["regions"] = region_rows()
+            if backend != "inductor":
+                row["regions"] = region_rows()
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     print(json.dumps(row), file=out, flush=True)
@@ -317,6 +321,9 @@ def main() -> None:
                     help="with --modes: autotuning off and no whole-graph check (every region fused)")
     ap.add_argument("--sizes", type=int, default=2, choices=(1, 2),
                     help="with --modes: run the first size only (1) or both (2)")
+    ap.add_argument("--backend", default="comfuse", choices=("comfuse", "inductor"),
+                    help="with --modes: Inductor alone instead of the backend (run it in a process of its own, "
+                         "with a TORCHINDUCTOR_CACHE_DIR of its own, for first calls that share no cache)")
     ap.add_argument("--report", default="", help="only write the tables of this JSONL file to stdout")
     ap.add_argument("--forms", default="inductor,comfuse,forced,forced-op")
     ap.add_argument("--log", nargs="?", const="info", default="", choices=("info", "debug"),
@@ -336,7 +343,7 @@ def main() -> None:
     rows = []
     with open(out_dir / "models_check.jsonl", "a") as out:
         if args.modes:  # (each mode over every model before the next mode: the slowest last)
-            rows += [modes(name, mode, out, args.forced, args.sizes) for mode in args.modes.split(",")
+            rows += [modes(name, mode, out, args.forced, args.sizes, args.backend) for mode in args.modes.split(",")
                      for name in args.models.split(",")]
         else:
             for name in args.models.split(","):
@@ -375,7 +382,8 @@ def markdown(rows: list) -> str:
             sizes = "; ".join(f"{s['batch']}x{s['seq']}: {s.get('first_call_s', '-')} s, {s['loss_rel_err']:.1e}, "
                               f"{s['grads_rel_err']:.1e}" for s in r["sizes"])
             regions = "; ".join(f"{g['graph']}: {g['fused']}/{g['found']}" for g in r.get("regions", []))
-            mode = r["mode"] + (", forced" if r.get("forced") else "")
+            mode = r["mode"] + (", forced" if r.get("forced") else "") + \
+                (", Inductor alone" if r.get("backend") == "inductor" else "")
             error = " ".join(r["error"].split()) if r.get("error") else ""
             lines.append(f"| {r['model']} | {mode} | {error or sizes} | {regions} |")
     return "\n".join(lines) + "\n"

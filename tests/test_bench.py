@@ -291,6 +291,10 @@ def test_models_check_forms_and_table():
            "loss_rel_err": 1e-5, "grads_rel_err": 9e-3}
     table = mc.markdown([row])
     assert "| 1,024,000 | 21.5 |" in table and "8.000 [7.900..8.100]" in table
+    moded = {"model": "llama", "mode": "max-autotune-no-cudagraphs", "forced": False, "backend": "inductor",
+             "sizes": [{"batch": 2, "seq": 128, "first_call_s": 20.5, "loss_rel_err": 1e-5, "grads_rel_err": 7e-3}]}
+    assert "| llama | max-autotune-no-cudagraphs, Inductor alone | 2x128: 20.5 s, 1.0e-05, 7.0e-03 |" in \
+        mc.markdown([moded])
 
 
 def test_memory_peak_lists_what_is_alive_at_the_peak():
