@@ -182,6 +182,11 @@ def launch_from_inductor(graph: fx.Graph, call: fx.Node, module, ext_nodes: list
             tensors_to_clone=[name for name, _ in written]))
         launch.meta["val"] = {name: (results[j] if j is not None else tensors[name].meta["val"])
                               for name, j in written}
+        # the kernel takes its tensors' strides as constants: Inductor must hand it buffers
+        # with exactly these strides (copying one it laid out otherwise, rows padded for
+        # alignment, say), not only in this order, as it does for a traced user kernel
+        launch.meta["eager_input_vals"] = ((), {**launch.kwargs, "kwargs": {
+            name: node.meta["val"] for name, node in tensors.items()}})
         by_output = {j: name for name, j in written if j is not None}
         for user in list(call.users):
             if user.op != "call_function" or user.target is not operator.getitem:

@@ -1018,3 +1018,40 @@ def test_a_region_fed_by_another_is_tuned_at_compile_time(monkeypatch):
         out = compiled(fn, options={"autotune": "1", "graph_check": "0", "disable": "b2b"})(x)
     assert len(ran) == 2, str(last_report())  # (both decided now; on the interpreter the ops win)
     torch.testing.assert_close(out, fn(x), rtol=1e-4, atol=1e-5)
+
+
+def test_a_kernel_inductor_launches_asks_for_the_exact_strides_it_was_built_for(monkeypatch):
+    """A fused region's kernel launched from Inductor's wrapper takes its tensors' strides as
+    constants; its node carries the values it was built for (``eager_input_vals``), so that
+    Inductor hands it buffers with exactly those strides rather than any buffer of the same
+    stride order (rows of 2000 bf16 elements, which Inductor may pad for alignment). Built
+    for CUDA tensors on the CPU: fake tensors, the kernel generated, not run."""
+    import functools
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    import comfuse.pipeline as pipeline_mod
+    from comfuse.inductor_pass import lower
+    from comfuse.runtime import launch
+    monkeypatch.setattr(launch, "_cuda_available", lambda: True)
+    monkeypatch.setattr(pipeline_mod, "sm_count", functools.cache(lambda device=None: 132))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.empty(64, 2000, device="cuda", dtype=torch.bfloat16)
+        w = torch.empty(2000, 128, device="cuda", dtype=torch.bfloat16)
+        r = torch.empty(64, 128, device="cuda", dtype=torch.bfloat16)
+        gm = make_fx(lambda x, w, r: torch.relu(x @ w + r))(x, w, r)
+
+    def tuned(fused):  # (as if its first call on the GPU had checked it)
+        for n in fused.graph.nodes:
+            if n.op == "call_module":
+                fused.get_submodule(n.target).tuned.add(torch.device("cuda", 0))
+    with comfuse.settings.override(check=False, autotune="0", schedule="tile"):
+        lowered = lower(gm, [x, w, r], tune=tuned)
+    assert lowered.report.regions[0].launch == "Inductor's wrapper launches the kernel"
+    (node,) = [n for n in lowered.gm.graph.nodes if "triton_kernel_wrapper" in str(n.target)]
+    args, kwargs = node.meta["eager_input_vals"]
+    assert args == () and set(kwargs) == set(node.kwargs)
+    built = {name: (v.shape, v.stride()) for name, v in kwargs["kwargs"].items()}
+    graph = {name: (n.meta["val"].shape, n.meta["val"].stride()) for name, n in node.kwargs["kwargs"].items()}
+    assert built == graph and (torch.Size([64, 2000]), (2000, 1)) in built.values()

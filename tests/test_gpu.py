@@ -605,3 +605,28 @@ def test_generated_kernel_with_per_row_outputs_matches_the_reference(name, shape
     # accumulator, where the program rounds x @ w + b to bf16 first (the first GPU run: 1.3e-3
     # off the float64 reference, against float32's 1e-4; a kernel rounds only when it stores)
     forced_fn_matches(fn, args, "ws_stages", 20, fresh, tol=tolerance(torch.bfloat16), plan=f"tail={tail}")
+
+
+def test_a_kernel_inductor_launches_reads_an_operand_inductor_may_pad(tmp_path):
+    """A fused region launched from Inductor's wrapper whose A operand (rows of 2000 bf16
+    elements, 4000 bytes: not a multiple of 128) is an Inductor buffer that a cuBLAS GEMM also
+    reads. Inductor pads such rows for alignment; the kernel takes its strides as constants,
+    so it must be handed the strides it was built for: the result matches eager's."""
+    from comfuse import backend
+    torch.manual_seed(0)
+    x = torch.randn(512, 2000, device="cuda", dtype=torch.bfloat16)
+    w, w2 = (torch.randn(2000, n, device="cuda", dtype=torch.bfloat16) / 45 for n in (256, 384))
+    r = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+
+    def f(x, w, w2, r):
+        h = x * 2 + 1
+        return h @ w2, torch.relu(h @ w + r)
+    torch._dynamo.reset()
+    with comfuse.settings.override(cache_dir=tmp_path, check=False, autotune="0", graph_check="0",
+                                   schedule="tile"), torch.no_grad():
+        got = torch.compile(f, backend="comfuse", dynamic=False)(x, w, w2, r)
+    launched = [r.launch for rep in backend.REPORTS[-1:] for r in rep.regions if r.fused]
+    assert launched == ["Inductor's wrapper launches the kernel"], str(backend.REPORTS[-1])
+    want = f(x.double(), w.double(), w2.double(), r.double())
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g.double(), e, rtol=2e-2, atol=2e-2)
