@@ -116,9 +116,10 @@ def _remember(key, kept_fused: bool) -> None:
 
 
 def _graph_key(gm: fx.GraphModule, opts: dict):
-    """(Dynamo's frame, the graph's tensor ops, the settings): equal for a frame's graph at
-    static and at dynamic sizes, which differ only in the size arithmetic between the ops;
-    None outside a Dynamo compilation."""
+    """(Dynamo's frame, grad mode, the graph's tensor ops, the settings): equal for a frame's
+    graph at static and at dynamic sizes, which differ only in the size arithmetic between
+    the ops; None outside a Dynamo compilation. (Grad mode: a frame's training and inference
+    graphs have the same ops and fuse differently.)"""
     frame = getattr(torch._guards.CompileContext.current_compile_id(), "frame_id", None)
     if frame is None:
         return None
@@ -127,7 +128,8 @@ def _graph_key(gm: fx.GraphModule, opts: dict):
                 and isinstance(n.meta.get("example_value"), torch.Tensor))
     with settings_mod.override(**opts["settings"]):
         chosen = repr(settings_mod.get())
-    return frame, ops, chosen, repr(sorted(opts["kinds"])), repr(sorted(opts["inductor"].items()))
+    return (frame, torch.is_grad_enabled(), ops, chosen, repr(sorted(opts["kinds"])),
+            repr(sorted(opts["inductor"].items())))
 
 
 def _compile_with_regions(gm: fx.GraphModule, example_inputs, opts: dict, shapes: str = "", own: bool = False,

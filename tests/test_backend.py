@@ -185,6 +185,23 @@ def test_a_frame_whose_static_graph_kept_inductors_code_runs_inductors_dynamic_c
     assert len(looked) == 1
 
 
+def test_what_the_backend_kept_is_remembered_per_frame_and_grad_mode():
+    """The key of ``VERDICTS``: a frame's graph with grad on (training) and off (inference)
+    have the same ops but fuse differently, so each has its own; outside a Dynamo
+    compilation there is none."""
+    from torch._guards import CompileContext, CompileId, compile_context
+
+    from comfuse import backend
+    gm = torch.fx.symbolic_trace(PostNorm())
+    opts = backend._options(None)
+    assert backend._graph_key(gm, opts) is None
+    with compile_context(CompileContext(CompileId(frame_id=3, frame_compile_id=0))):
+        training = backend._graph_key(gm, opts)
+        with torch.no_grad():
+            inference = backend._graph_key(gm, opts)
+    assert training is not None and training != inference and training[0] == inference[0] == 3
+
+
 def test_a_graph_that_fails_to_lower_runs_inductors_code_with_a_warning(monkeypatch):
     import comfuse.inductor_pass as pass_mod
 
