@@ -26,6 +26,10 @@ GRAPH_MARGIN = 0.99  # the graph with fused regions must run at least 1 % faster
 GRAPH_CHECKS: list = []  # the last few whole-graph comparisons (dicts), newest last, for inspection
 
 
+def _told_no_one(kept_fused: bool) -> None:
+    """The default ``on_choice``: nobody is told what was kept."""
+
+
 def _checks_graph(gm: fx.GraphModule, example_inputs) -> bool:
     """Whether to time the fused graph against Inductor's (COMFUSE_GRAPH_CHECK): graphs on
     real tensors that write to none of their inputs (running them again repeats no write)."""
@@ -108,7 +112,7 @@ def faster_graph(gm: fx.GraphModule, example_inputs, fused, regions: int, saves_
     compilation of ``gm`` as Dynamo gave it (``plain``, or ``compile_plain()`` when not given).
     ``regions``: how many regions the fused graph keeps; ``saves_memory``: one of them avoids a
     huge intermediate. ``on_choice(kept_fused)``: told what was kept, when it is known."""
-    on_choice = on_choice or (lambda kept_fused: None)
+    on_choice = on_choice or _told_no_one
     if not _checks_graph(gm, example_inputs):
         on_choice(True)
         return fused
@@ -139,7 +143,7 @@ class GraphChoice:
 
     def __init__(self, fused, plain, regions: int, on_choice=None):
         self.fused, self.plain, self.regions = fused, plain, regions
-        self.on_choice = on_choice or (lambda kept_fused: None)
+        self.on_choice = on_choice or _told_no_one
         self.chosen = None
 
     def __call__(self, *args):
@@ -192,7 +196,7 @@ def backward_checked(gm: fx.GraphModule, example_inputs, compiled, regions, comp
     ``regions``: its RegionPass) or, for a training graph that is checked
     (COMFUSE_GRAPH_CHECK) and has regions, a ``BackwardChoice``. ``on_choice`` as in
     ``faster_graph``."""
-    on_choice = on_choice or (lambda kept_fused: None)
+    on_choice = on_choice or _told_no_one
     if not regions.found:  # (nothing lowered: no verdict on fusion)
         return compiled
     if not (_training(example_inputs) and _checks_graph(gm, example_inputs)):

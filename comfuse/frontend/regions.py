@@ -23,8 +23,7 @@ from .rules import RULES
 
 aten = torch.ops.aten
 ANCHORS = {aten.mm.default: False, aten.bmm.default: True}
-_CONVERTS = ((torch.ops.prims.convert_element_type.default,)
-             if hasattr(torch.ops, "prims") and hasattr(torch.ops.prims, "convert_element_type") else ())
+_CASTS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +79,7 @@ def _major(node: fx.Node, last: str, second: str) -> str:
 
 def _widening(node: fx.Node) -> bool:
     """Whether ``node`` only casts its input to a wider floating dtype."""
-    if node.target not in (aten._to_copy.default, *_CONVERTS) or not node.all_input_nodes:
+    if node.target not in _CASTS or not node.all_input_nodes:
         return False
     src, dst = dtype_of(node.all_input_nodes[0]), dtype_of(node)
     return src.is_floating_point and dst.is_floating_point and dst.itemsize > src.itemsize
