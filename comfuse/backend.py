@@ -29,9 +29,10 @@ import torch
 import torch.fx as fx
 
 from . import settings as settings_mod
+from . import verdicts
 from .errors import fallback, notice_once
 from .graph_check import GRAPH_CHECKS, backward_checked, faster_graph  # noqa: F401  (GRAPH_CHECKS: for inspection)
-from .inductor_pass import REPORTS, RegionPass, symbolic  # noqa: F401  (REPORTS: for inspection)
+from .inductor_pass import REPORTS, RegionPass, settings_text, symbolic  # noqa: F401  (REPORTS: for inspection)
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 SETTINGS = ("schedule", "fuel", "autotune", "graph_check")  # the settings a backend option may set
@@ -88,18 +89,34 @@ def comfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = N
     key = _graph_key(gm, opts)
     if symbolic(example_inputs):
         return PerShape(gm, example_inputs, opts, settled=VERDICTS.get(key) is False)
-    compiled, regions = _compile_with_regions(gm, example_inputs, opts, passes=passes)
+    # (a caller that reads the regions' reports gets every graph lowered: no stored verdict)
+    stored = _stored_key(gm, example_inputs, opts) if passes is None else None
+    record = verdicts.load(stored)
+    if record is not None and record["kept"] == verdicts.INDUCTOR:
+        _remember(key, verdicts.INDUCTOR)
+        return _inductor(gm, example_inputs, opts)
+    compiled, regions = _compile_with_regions(gm, example_inputs, opts, passes=passes, cacheable=passes is None)
     if compiled is None:
         return _inductor(gm, example_inputs, opts)
+    if record is not None and (not regions.calls or regions.fused == record.get("forward_fused")):
+        # as decided before, in this process or an earlier one (Inductor's caches may have
+        # answered for the graph: the pass then lowered nothing)
+        _remember(key, record["kept"])
+        return compiled
+    on_choice = functools.partial(_decided, key, stored, regions.fused)
+    if not regions.calls and passes is None:
+        # Inductor's caches answered for a graph whose verdict is not stored (lost, or
+        # written by no process): what it fuses is not known here, so it is checked whole
+        with settings_mod.override(**opts["settings"]):
+            return faster_graph(gm, example_inputs, compiled, 1, False,
+                                lambda: _inductor(gm, list(example_inputs), opts), on_choice=on_choice)
     if not regions.fused:  # (nothing fused in the forward: the graph is Inductor's, its backward aside)
         with settings_mod.override(**opts["settings"]):
             return backward_checked(gm, example_inputs, compiled, regions,
-                                    lambda: _inductor(gm, list(example_inputs), opts),
-                                    on_choice=functools.partial(_remember, key))
+                                    lambda: _inductor(gm, list(example_inputs), opts), on_choice=on_choice)
     with settings_mod.override(**opts["settings"]):
         return faster_graph(gm, example_inputs, compiled, regions.fused, regions.saves_memory,
-                            lambda: _inductor(gm, list(example_inputs), opts),
-                            on_choice=functools.partial(_remember, key))
+                            lambda: _inductor(gm, list(example_inputs), opts), on_choice=on_choice)
 
 
 # What the backend kept for a graph at its first, static sizes, by the graph's frame and
@@ -110,9 +127,23 @@ def comfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = N
 VERDICTS: dict = {}
 
 
-def _remember(key, kept_fused: bool) -> None:
+def _remember(key, kept: str) -> None:
     if key is not None:
-        VERDICTS[key] = kept_fused
+        VERDICTS[key] = kept == verdicts.FUSED
+
+
+def _decided(key, stored, forward_fused: int, kept: str) -> None:
+    """A graph's first call chose ``kept`` (verdicts.KINDS): remembered for this process's
+    later sizes and, under ``stored``, for later processes."""
+    _remember(key, kept)
+    verdicts.store(stored, kept, forward_fused=forward_fused)
+
+
+def _stored_key(gm: fx.GraphModule, example_inputs, opts: dict):
+    """The key of the graph's verdict on disk (verdicts.py)."""
+    with settings_mod.override(**opts["settings"]):
+        chosen = settings_text()
+    return verdicts.key(gm, example_inputs, chosen, repr((sorted(opts["kinds"]), sorted(opts["inductor"].items()))))
 
 
 def _graph_key(gm: fx.GraphModule, opts: dict):
@@ -133,12 +164,14 @@ def _graph_key(gm: fx.GraphModule, opts: dict):
 
 
 def _compile_with_regions(gm: fx.GraphModule, example_inputs, opts: dict, shapes: str = "", own: bool = False,
-                          passes: list | None = None):
+                          passes: list | None = None, cacheable: bool = False):
     """(Inductor's compilation of ``gm`` with comfuse's pass fusing regions in each graph it
     lowers, the pass), or (None, None) when Inductor fails with the pass in (with a warning;
     COMFUSE_STRICT=1 raises): the caller then compiles the graph without it. ``own``: a
-    compilation of its own, not inside Dynamo's (PerShape, at a call); ``passes``: gets the pass."""
-    regions = RegionPass(opts["kinds"], opts["settings"])
+    compilation of its own, not inside Dynamo's (PerShape, at a call); ``passes``: gets the
+    pass; ``cacheable``: Inductor's disk caches may answer for the graph (the pass then
+    lowers nothing: the caller must know what the graph keeps)."""
+    regions = RegionPass(opts["kinds"], opts["settings"], cacheable=cacheable)
     if passes is not None:
         passes.append(regions)
     patches = dict(opts.get("inductor") or {}, post_grad_custom_post_pass=regions)
@@ -229,8 +262,8 @@ class PerShape:
             return faster_graph(self.gm, args, compiled, regions.fused, regions.saves_memory,
                                 lambda: self._static(gm, args), plain=self.dynamic, on_choice=self._chose)
 
-    def _chose(self, kept_fused: bool) -> None:
-        if not kept_fused:
+    def _chose(self, kept: str) -> None:
+        if kept != verdicts.FUSED:
             self.settled = True  # (Inductor's code won at this shape: the next are not lowered)
 
     def _static(self, gm: fx.GraphModule, args):

@@ -184,7 +184,8 @@ def main(argv=None) -> int:
     if args.command == "cache":
         from .runtime import cache
         if args.action == "clear":
-            print(f"removed {cache.clear()} kernel sources from {cache.kernel_dir()}")
+            print(f"removed {cache.clear()} files (kernel sources, autotuning decisions, graph verdicts) "
+                  f"from {cache.kernel_dir().parent}")
         else:
             files = sorted(cache.kernel_dir().glob("*.py")) if cache.kernel_dir().exists() else []
             print(f"{cache.kernel_dir()}: {len(files)} kernel sources")

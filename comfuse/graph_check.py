@@ -18,6 +18,7 @@ import torch.fx as fx
 from . import settings as settings_mod
 from .errors import fallback
 from .runtime import tuning
+from .verdicts import FUSED, INDUCTOR, UNFUSED
 
 log = logging.getLogger("comfuse.backend")
 
@@ -26,7 +27,7 @@ GRAPH_MARGIN = 0.99  # the graph with fused regions must run at least 1 % faster
 GRAPH_CHECKS: list = []  # the last few whole-graph comparisons (dicts), newest last, for inspection
 
 
-def _told_no_one(kept_fused: bool) -> None:
+def _told_no_one(kept: str) -> None:
     """The default ``on_choice``: nobody is told what was kept."""
 
 
@@ -111,15 +112,16 @@ def faster_graph(gm: fx.GraphModule, example_inputs, fused, regions: int, saves_
     the graph is checked (COMFUSE_GRAPH_CHECK), a ``GraphChoice`` between it and Inductor's
     compilation of ``gm`` as Dynamo gave it (``plain``, or ``compile_plain()`` when not given).
     ``regions``: how many regions the fused graph keeps; ``saves_memory``: one of them avoids a
-    huge intermediate. ``on_choice(kept_fused)``: told what was kept, when it is known."""
+    huge intermediate. ``on_choice(kept)``: told what was kept, when it is known (verdicts.py:
+    FUSED, UNFUSED or INDUCTOR)."""
     on_choice = on_choice or _told_no_one
     if not _checks_graph(gm, example_inputs):
-        on_choice(True)
+        on_choice(FUSED)
         return fused
     if saves_memory:  # Inductor's graph would hold (and, timed, allocate) that tensor
         log.info("backend: a fused region saves a large intermediate (a loss over a vocabulary): "
                  "the graph keeps it without timing Inductor's")
-        on_choice(True)
+        on_choice(FUSED)
         return fused
     try:
         if plain is None:
@@ -127,7 +129,7 @@ def faster_graph(gm: fx.GraphModule, example_inputs, fused, regions: int, saves_
                 plain = compile_plain()
     except Exception as e:  # keep the fused graph: each of its regions won its own timing
         fallback("compiling the graph without fused regions, to time it, failed", e, "the fused graph runs")
-        on_choice(True)
+        on_choice(FUSED)
         return fused
     return GraphChoice(fused, plain, regions, on_choice)
 
@@ -155,7 +157,7 @@ class GraphChoice:
     def decide(self, args: list):
         """The form to keep, timed on ``args`` (``on_choice`` is told)."""
         chosen = self._choose(args)
-        self.on_choice(chosen is self.fused)
+        self.on_choice(FUSED if chosen is self.fused else INDUCTOR)
         return chosen
 
     def _choose(self, args):
@@ -195,12 +197,11 @@ def backward_checked(gm: fx.GraphModule, example_inputs, compiled, regions, comp
     """``compiled`` (Inductor's compilation of a graph whose forward kept no fused region;
     ``regions``: its RegionPass) or, for a training graph that is checked
     (COMFUSE_GRAPH_CHECK) and has regions, a ``BackwardChoice``. ``on_choice`` as in
-    ``faster_graph``."""
+    ``faster_graph`` (a graph the pass failed to lower gets no verdict)."""
     on_choice = on_choice or _told_no_one
-    if not regions.found:  # (nothing lowered: no verdict on fusion)
-        return compiled
-    if not (_training(example_inputs) and _checks_graph(gm, example_inputs)):
-        on_choice(False)
+    if not regions.found or not (_training(example_inputs) and _checks_graph(gm, example_inputs)):
+        if not regions.failed:  # (no region, no GEMM: its backward has none either)
+            on_choice(UNFUSED)
         return compiled
     return BackwardChoice(compiled, regions, compile_plain, on_choice)
 
@@ -226,7 +227,7 @@ class BackwardChoice:
 
     def _choose(self, args):
         if not _training(args):  # (a graph Dynamo compiled with grad on is called with grad on)
-            self.on_choice(False)
+            self.on_choice(UNFUSED)
             return self.compiled
         device = next(t for t in args if isinstance(t, torch.Tensor)).device
         try:
@@ -234,7 +235,7 @@ class BackwardChoice:
                 _step(self.compiled, args)()
             fused = self.regions.fused
             if not fused:
-                self.on_choice(False)
+                self.on_choice(UNFUSED)
                 return self.compiled
             log.info("backend: the backward kept %d fused region(s) where the forward kept none: "
                      "timing the graph against Inductor's", fused)

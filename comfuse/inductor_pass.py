@@ -19,6 +19,7 @@ import dataclasses
 
 import torch
 import torch.fx as fx
+import triton
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from . import settings as settings_mod
@@ -28,7 +29,7 @@ from .pipeline import compile_graph, fake_inputs
 from .region_op import register as register_region
 from .report import Report
 from .rewrite import inline, views_as_reshapes
-from .runtime import tuning
+from .runtime import cache, tuning
 
 REPORTS: list = []  # the reports of the last graphs lowered, newest last (for inspection)
 LAUNCH_FROM_INDUCTOR = True  # one-launch Triton kernels as Inductor's own kernel nodes (kernel_node.py)
@@ -204,10 +205,13 @@ class RegionPass(CustomGraphPass):
     it runs. ``lowered`` collects each graph's Lowered record, in the order Inductor lowered
     them (the forward first; the backward at the first backward call)."""
 
-    def __init__(self, kinds=frozenset(), settings: dict | None = None):
+    def __init__(self, kinds=frozenset(), settings: dict | None = None, cacheable: bool = True):
         self.kinds = frozenset(kinds)
         self.settings = dict(settings or {})
+        self.cacheable = cacheable  # (False: every graph is lowered here, for its report)
         self.lowered: list = []
+        self.calls = 0  # graphs Inductor handed the pass (none where its caches answered)
+        self.failed = 0  # graphs it could not lower (Inductor's code runs for them)
 
     @property
     def reports(self) -> list:
@@ -229,11 +233,21 @@ class RegionPass(CustomGraphPass):
         return any(lowered.saves_memory for lowered in self.lowered)
 
     def uuid(self):
-        # None: Inductor does not cache what this pass touched (its kernels and decisions
-        # live in this process)
-        return None
+        """What Inductor's FX graph and AOTAutograd caches key a graph compiled with this pass
+        by: the code generator's and the libraries' versions, the pass's settings and kinds,
+        and the generation of comfuse's disk cache, whose decisions it applies. None (no
+        caching) where a graph holding a ``comfuse::region`` call could be stored anyway
+        (``keep_region_calls_out_of_inductors_cache``)."""
+        if not (self.cacheable and keep_region_calls_out_of_inductors_cache()):
+            return None
+        with settings_mod.override(**self.settings):
+            chosen = settings_text()
+            generation = cache.generation()
+        return cache.digest("comfuse-region-pass", cache.CODEGEN_VERSION, torch.__version__, triton.__version__,
+                            chosen, repr(sorted(self.kinds)), str(LAUNCH_FROM_INDUCTOR), generation)
 
     def __call__(self, graph: fx.Graph) -> None:
+        self.calls += 1
         owner = graph.owning_module
         values = [n.meta.get("val") for n in graph.nodes if n.op == "placeholder"]
         if owner is None or symbolic(values) or not any(isinstance(v, torch.Tensor) for v in values):
@@ -253,4 +267,47 @@ class RegionPass(CustomGraphPass):
                 _transplant(graph, lowered.gm, owner)
                 graph.lint()
             except Exception as e:
+                self.failed += 1
                 fallback(f"backend: comfuse could not lower {name}", e, instead, stacklevel=3)
+
+
+REGION_CALL = "torch.ops.comfuse.region"  # how Inductor's generated code calls a region
+
+
+def settings_text() -> str:
+    """The settings in force that change what the pass makes of a graph (all but the log level)."""
+    current = settings_mod.get()
+    return repr(dataclasses.replace(current, log=""))
+
+
+_GUARDED: list = []  # [whether the guard is in place], once tried
+
+
+def keep_region_calls_out_of_inductors_cache() -> bool:
+    """Make Inductor's FX graph cache skip storing a compiled graph whose code calls
+    ``comfuse::region``: the call names a region by an id of this process, which another
+    process's registry lacks. (A fused kernel Inductor launches itself is copied into the
+    graph's code, which then stands alone and is stored.) Skipping the store also leaves the
+    graph without a cache key, so AOTAutograd does not store an entry that points to it.
+    False where this torch does not offer the hook, or bundles compiled graphs into its
+    AOTAutograd cache: the pass then asks for no caching at all."""
+    try:
+        from torch._functorch._aot_autograd.autograd_cache import should_bundle_autograd_cache
+        from torch._inductor.codecache import FxGraphCache
+        if should_bundle_autograd_cache():
+            return False
+    except (ImportError, AttributeError):
+        return False
+    if not _GUARDED:
+        save = getattr(FxGraphCache, "_save_graph", None)
+        if save is None or not isinstance(FxGraphCache.__dict__.get("_save_graph"), staticmethod):
+            _GUARDED.append(False)
+        else:
+            def _save_graph(key, compiled_graph, *args, **kwargs):
+                if REGION_CALL in (getattr(compiled_graph, "source_code", None) or REGION_CALL):
+                    compiled_graph._fx_graph_cache_key = None  # (AOTAutograd: nothing to point to)
+                    return None
+                return save(key, compiled_graph, *args, **kwargs)
+            FxGraphCache._save_graph = staticmethod(_save_graph)
+            _GUARDED.append(True)
+    return _GUARDED[0]

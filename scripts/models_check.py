@@ -26,12 +26,19 @@ batch and sequence sizes (the second a recompile), each step's loss and gradient
 eager's; ``--forced`` turns autotuning and the whole-graph check off there, so every region
 the planner fuses runs fused.
 
+``--first-calls`` times the first training step and the first inference call of each model in a
+new process with empty caches (comfuse's, Inductor's and Triton's, per backend), then again in
+another new process with the caches the first left: the cold and the warm first calls users
+meet, through Inductor alone and through the backend (default mode). On a CPU (``--small``)
+the models run in float32 and a fused region runs through the interpreter.
+
 One JSON line per run goes to ``$OUT/models_check.jsonl`` (kernel tables to
 ``$OUT/profiles/``), the table to ``$OUT/results.md`` and, last, to stdout.
 
     python scripts/models_check.py [--models gpt2,llama,bert] [--layers 2] [--rounds 5]
         [--forms inductor,comfuse,forced,forced-op]
     python scripts/models_check.py --modes [default,comfuse.compile] [--forced] [--models gpt2,llama,bert,qwen2,vit,t5]
+    python scripts/models_check.py --first-calls [inductor,comfuse] [--small] [--models ...]
     python scripts/models_check.py --report models_check.jsonl   # the tables again
 """
 from __future__ import annotations
@@ -52,6 +59,7 @@ from comfuse import inductor_pass, settings  # noqa: E402
 from comfuse.runtime.timing import kernel_times, profiled  # noqa: E402
 
 MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # (the CPU: --first-calls at small sizes only)
 
 
 def build(name: str, layers: int, small: bool = False):
@@ -64,7 +72,7 @@ def build(name: str, layers: int, small: bool = False):
 
     def text(v):
         def inputs(batch, seq):
-            ids = torch.randint(0, v, (batch, seq), device="cuda")
+            ids = torch.randint(0, v, (batch, seq), device=DEVICE)
             return {"input_ids": ids, "labels": ids}
         return inputs
     if name == "gpt2":
@@ -106,7 +114,7 @@ def build(name: str, layers: int, small: bool = False):
                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
         def pixels(batch, seq):  # (seq: the image side, a multiple of the patch)
-            x = torch.randn(batch, 3, seq, seq, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(batch, 3, seq, seq, device=DEVICE, dtype=torch.bfloat16 if DEVICE == "cuda" else None)
             return {"pixel_values": x, "interpolate_pos_encoding": seq != cfg.image_size}
         return tf.ViTModel(cfg), 64, 224, pixels
     raise ValueError(name)
@@ -310,6 +318,61 @@ def modes(name: str, mode: str, out, forced: bool = False, sizes: int = 2, backe
     return row
 
 
+def first_call_child(name: str, layers: int, backend: str, small: bool) -> None:
+    """In a process of its own: the model's first training step (from ``torch.compile``) and
+    first inference call through ``backend`` ("inductor" or "comfuse", default mode), in
+    seconds, as one JSON line."""
+    torch.manual_seed(0)
+    model, batch, seq, inputs = build(name, layers, small=small)
+    model = model.to(DEVICE, torch.bfloat16 if DEVICE == "cuda" else torch.float32)
+    if small:
+        batch, seq = 2, (64 if name == "vit" else 128)
+    kwargs = inputs(batch, seq)
+    sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
+    t0 = time.perf_counter()  # (torch.compile's own imports included: Inductor's differ from the backend's)
+    cm = torch.compile(model, backend=backend)
+    loss = step(cm, model, kwargs).float()
+    sync()
+    t1 = time.perf_counter()
+    with torch.no_grad():
+        cm(**kwargs)
+    sync()
+    t2 = time.perf_counter()
+    want = step(model, model, kwargs).float()
+    print(json.dumps({"step_s": round(t1 - t0, 1), "forward_s": round(t2 - t1, 1),
+                      "loss_rel_err": float((loss - want).abs() / want.abs())}), flush=True)
+
+
+def first_calls(name: str, layers: int, backends: list, out, out_dir: Path, small: bool) -> list:
+    """For each of ``backends``, the model's first calls (``first_call_child``) in a new process
+    with empty caches (cold: comfuse's, Inductor's and Triton's, of that backend's own), then in
+    another new process with the caches the first left (warm)."""
+    import shutil
+    import subprocess
+    rows = []
+    for backend in backends:
+        caches = out_dir / "caches" / f"{name}-{backend}"
+        shutil.rmtree(caches, ignore_errors=True)
+        env = dict(os.environ, COMFUSE_CACHE_DIR=str(caches / "comfuse"),
+                   TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"), TRITON_CACHE_DIR=str(caches / "triton"))
+        row = {"model": name, "layers": layers, "backend": backend, "small": small}
+        for run in ("cold", "warm"):
+            args = [sys.executable, __file__, "--first-call-child", name, "--layers", str(layers),
+                    "--backend", backend] + (["--small"] if small else [])
+            t0 = time.perf_counter()
+            done = subprocess.run(args, env=env, capture_output=True, text=True)
+            lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+            if done.returncode or not lines:
+                row[run] = {"error": (done.stderr.strip().splitlines() or ["no output"])[-1][:300]}
+            else:
+                row[run] = {**json.loads(lines[-1]), "process_s": round(time.perf_counter() - t0, 1)}
+        shutil.rmtree(caches, ignore_errors=True)
+        print(json.dumps(row), file=out, flush=True)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="gpt2,llama")
@@ -324,6 +387,10 @@ def main() -> None:
     ap.add_argument("--backend", default="comfuse", choices=("comfuse", "inductor"),
                     help="with --modes: Inductor alone instead of the backend (run it in a process of its own, "
                          "with a TORCHINDUCTOR_CACHE_DIR of its own, for first calls that share no cache)")
+    ap.add_argument("--first-calls", nargs="?", const="inductor,comfuse", default="",
+                    help="first calls cold and warm, each in a new process, through these backends (default both)")
+    ap.add_argument("--small", action="store_true", help="with --first-calls: the models' small sizes")
+    ap.add_argument("--first-call-child", default="", help=argparse.SUPPRESS)
     ap.add_argument("--report", default="", help="only write the tables of this JSONL file to stdout")
     ap.add_argument("--forms", default="inductor,comfuse,forced,forced-op")
     ap.add_argument("--log", nargs="?", const="info", default="", choices=("info", "debug"),
@@ -338,11 +405,17 @@ def main() -> None:
     if args.report:
         print(markdown([json.loads(line) for line in open(args.report) if line.strip()]), end="")
         return
+    if args.first_call_child:
+        first_call_child(args.first_call_child, args.layers, args.backend, args.small)
+        return
     out_dir = Path(os.environ.get("OUT", "/tmp/comfuse-out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = []
     with open(out_dir / "models_check.jsonl", "a") as out:
-        if args.modes:  # (each mode over every model before the next mode: the slowest last)
+        if args.first_calls:
+            rows += [r for name in args.models.split(",")
+                     for r in first_calls(name, args.layers, args.first_calls.split(","), out, out_dir, args.small)]
+        elif args.modes:  # (each mode over every model before the next mode: the slowest last)
             rows += [modes(name, mode, out, args.forced, args.sizes, args.backend) for mode in args.modes.split(",")
                      for name in args.models.split(",")]
         else:
@@ -374,6 +447,13 @@ def markdown(rows: list) -> str:
                          f"{fmt(r.get('step_ms'))} | {tokens} | {r.get('step_peak_gib', '-')} | "
                          f"{r.get('loss_rel_err', float('nan')):.2e} | "
                          f"{r.get('grads_rel_err', float('nan')):.2e} | {hosts} | {r.get('error') or regions} |")
+    started = [r for r in rows if "cold" in r]
+    if started:
+        lines += ["", "| model | backend | cold: first step s, first inference call s | warm (a new process): "
+                  "first step s, first inference call s |", "|---|---|---|---|"]
+        for r in started:
+            cells = [c.get("error") or f"{c['step_s']}, {c['forward_s']}" for c in (r["cold"], r["warm"])]
+            lines.append(f"| {r['model']} | {r['backend']} | {cells[0]} | {cells[1]} |")
     moded = [r for r in rows if "mode" in r]
     if moded:
         lines += ["", "| model | mode | batch x seq: first call s, loss rel err, grads rel err | regions fused/found |",

@@ -4,7 +4,8 @@
   CPU interpreter, which must happen before anything imports triton.
 - COMFUSE_CHECK=1: every kernel launch is compared with the IR's float64 reference
   interpreter and raises KernelMismatch beyond tolerance.
-- Kernel sources go to a fresh temporary cache directory.
+- Kernel sources go to a fresh temporary cache directory; each test starts a new
+  generation of it (no graph verdict or Inductor-cached graph of an earlier test is reused).
 - COMFUSE_AUTOTUNE=0: the planner's choice is tested (autotuning has its own tests).
 - Tests marked ``gpu`` are skipped (with the reason) where CUDA is unavailable.
 - A fallback (``FallbackWarning``: something comfuse built runs unfused) fails the test
@@ -46,6 +47,28 @@ def fallbacks_fail():
     forget_notices()
     warnings.filterwarnings("error", category=FallbackWarning)
     yield
+
+
+@pytest.fixture(autouse=True)
+def graphs_decided_afresh():
+    """Each test's graphs are lowered and decided anew: no verdict stored by an earlier test,
+    and no graph Inductor cached with comfuse's pass for one, answers for them (the tests of
+    that reuse arrange their own)."""
+    from comfuse.runtime import cache
+    cache.new_generation()
+    yield
+
+
+@pytest.fixture
+def fused_regions_win(monkeypatch):
+    """Every region's autotuning picks its first fused plan (no timing, nothing stored)."""
+    from comfuse.runtime import tuning
+
+    def decide(names, run_fused, run_unfused, device, tol=None, exact=None):
+        return {"choice": names[0], "times_ms": {tuning.UNFUSED: 1.0, **{n: 0.5 for n in names}}, "rejected": {}}
+    monkeypatch.setattr(tuning, "decide", decide)
+    monkeypatch.setattr(tuning, "load", lambda k: None)
+    monkeypatch.setattr(tuning, "store", lambda k, d: None)
 
 
 @pytest.fixture

@@ -693,17 +693,6 @@ def test_region_ids_follow_what_the_region_computes(monkeypatch):
 
 
 
-@pytest.fixture
-def fused_regions_win(monkeypatch):
-    """Every region's autotuning picks its first fused plan (no timing, nothing stored)."""
-    from comfuse.runtime import tuning
-
-    def decide(names, run_fused, run_unfused, device, tol=None, exact=None):
-        return {"choice": names[0], "times_ms": {tuning.UNFUSED: 1.0, **{n: 0.5 for n in names}}, "rejected": {}}
-    monkeypatch.setattr(tuning, "decide", decide)
-    monkeypatch.setattr(tuning, "load", lambda k: None)
-    monkeypatch.setattr(tuning, "store", lambda k, d: None)
-
 @pytest.mark.parametrize("winner", ["fused", "inductor"])
 def test_the_whole_graph_is_timed_against_inductors_and_the_faster_kept(monkeypatch, fused_regions_win, winner):
     """A region that wins its own timing can still cost the model (host time, fusions cut

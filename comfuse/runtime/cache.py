@@ -63,13 +63,45 @@ def load_source(name: str, text: str):
         return module
 
 
+GENERATION_FILE = "generation"  # a token naming this cache's contents (``generation``)
+
+
+def generation() -> str:
+    """A random token written once into the cache directory and read back after: it names
+    what this cache holds. Inductor's own on-disk caches key the graphs compiled with comfuse's
+    pass by it (inductor_pass.RegionPass.uuid), so a graph built from decisions that are gone
+    (the cache cleared or another COMFUSE_CACHE_DIR) is not reused."""
+    path = settings.get().cache_dir / GENERATION_FILE
+    try:
+        token = path.read_text().strip()
+        if token:
+            return token
+    except OSError:
+        pass
+    atomic_write(path, os.urandom(8).hex())
+    return path.read_text().strip()  # (another process may have written its token first)
+
+
+def _remove(sub: str, pattern: str) -> int:
+    d = settings.get().cache_dir / sub
+    files = list(d.glob(pattern)) if d.exists() else []
+    for f in files:
+        f.unlink(missing_ok=True)
+    return len(files)
+
+
+def new_generation() -> int:
+    """Forget the graphs' verdicts and start a new generation: Inductor's cached graphs built
+    with comfuse's pass are not reused, and every graph is lowered and decided afresh (the
+    kernels and the regions' decisions stay). Returns how many verdicts went."""
+    count = _remove("verdicts", "*.json")
+    (settings.get().cache_dir / GENERATION_FILE).unlink(missing_ok=True)
+    return count
+
+
 def clear() -> int:
-    """Delete cached sources; return how many files went."""
-    count = 0
-    d = kernel_dir()
-    if d.exists():
-        for f in d.glob("*.py"):
-            f.unlink()
-            count += 1
+    """Delete cached kernel sources, autotuning decisions and the graphs' verdicts, and
+    start a new generation (``new_generation``); return how many files went."""
+    count = _remove("kernels", "*.py") + _remove("tuning", "*.json") + new_generation()
     _loaded.clear()
     return count

@@ -1,0 +1,168 @@
+"""A later process: what the backend kept for a graph is stored (verdicts.py), and Inductor's
+own disk caches answer for the graphs compiled with comfuse's pass, except those that call the
+``comfuse::region`` operator, whose ids belong to the process that made them."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from comfuse import settings
+
+from helpers import DEVICE
+
+pytestmark = pytest.mark.filterwarnings("ignore::comfuse.ComfuseWarning", "ignore::UserWarning")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# a training step of a small block through the backend in a process of its own; prints one JSON
+# line: the loss and the gradients against eager's, how many graphs the pass was handed, and
+# Inductor's cache counters
+STEP = textwrap.dedent("""
+    import json, sys
+    import torch
+    import comfuse
+    from comfuse import backend
+    from torch._dynamo.utils import counters
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+            self.ln = torch.nn.LayerNorm(32)
+
+        def forward(self, x):
+            return self.ln(self.down(torch.relu(self.up(x))) + x)
+
+    passes = []
+    real = backend.RegionPass.__call__
+    def handed(self, graph):
+        passes.append(1)
+        return real(self, graph)
+    backend.RegionPass.__call__ = handed
+
+    torch.manual_seed(0)
+    model = Block()
+    x = torch.randn(4, 8, 32)
+    options = json.loads(sys.argv[1])
+    out = torch.compile(model, backend="comfuse", options=options)(x)
+    out.square().sum().backward()
+    got = torch.cat([out.detach().flatten()] + [p.grad.flatten() for p in model.parameters()])
+    for p in model.parameters():
+        p.grad = None
+    ref = model(x)
+    ref.square().sum().backward()
+    want = torch.cat([ref.detach().flatten()] + [p.grad.flatten() for p in model.parameters()])
+    print(json.dumps({"err": ((got - want).norm() / want.norm()).item(), "handed": len(passes),
+                      "fx": {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}}))
+""")
+
+
+def run_step(tmp_path, options: dict) -> dict:
+    env = dict(os.environ, COMFUSE_CACHE_DIR=str(tmp_path / "comfuse"),
+               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), PYTHONPATH=str(ROOT))
+    script = tmp_path / "step.py"
+    script.write_text(STEP)
+    done = subprocess.run([sys.executable, str(script), json.dumps(options)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the processes' graphs are built on the CPU")
+def test_a_later_process_takes_the_graphs_from_inductors_cache_where_they_call_no_region(tmp_path):
+    """Regions found and none fused (fuel 0): the graphs are Inductor's code, stored by
+    Inductor's FX graph cache under the pass's key; a second process is handed no graph to
+    lower and trains the same."""
+    first = run_step(tmp_path, {"fuel": 0})
+    assert first["handed"] == 2 and first["fx"].get("fxgraph_cache_miss") == 2 and first["err"] < 1e-5
+    second = run_step(tmp_path, {"fuel": 0})
+    assert second["handed"] == 0 and second["err"] < 1e-5
+    verdicts = list((tmp_path / "comfuse" / "verdicts").glob("*.json"))
+    assert [json.loads(v.read_text())["kept"] for v in verdicts] == ["unfused"]
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the processes' graphs are built on the CPU")
+def test_a_graph_that_calls_a_region_is_lowered_again_in_a_later_process(tmp_path):
+    """On the CPU a fused region runs through the ``comfuse::region`` operator, whose id only
+    the process that registered it knows: Inductor must not store such a graph, and a second
+    process lowers it again rather than calling an id it does not have."""
+    first = run_step(tmp_path, {})
+    assert first["handed"] == 2 and first["err"] < 1e-5
+    second = run_step(tmp_path, {})
+    assert second["handed"] == 2 and second["err"] < 1e-5
+    assert not second["fx"].get("fxgraph_cache_hit")
+
+
+class PostNorm(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.ln = torch.nn.Linear(32, 48), torch.nn.LayerNorm(48)
+
+    def forward(self, x, r):
+        return self.ln(self.lin(x) + r)
+
+
+def test_a_graph_whose_fused_form_lost_runs_inductors_compilation_at_once_later(monkeypatch, fused_regions_win):
+    """The whole-graph check kept Inductor's compilation: the verdict is stored, and the same
+    graph compiled again (a later process, here after Dynamo's reset) builds Inductor's
+    compilation alone: nothing lowered, nothing timed."""
+    import comfuse.inductor_pass as pass_mod
+    from comfuse import graph_check
+    monkeypatch.setattr(graph_check, "_time_graphs", lambda calls, device: {"fused": 2.0, "inductor": 1.0})
+    lowered = []
+    real = pass_mod.lower
+    monkeypatch.setattr(pass_mod, "lower", lambda *a, **k: lowered.append(1) or real(*a, **k))
+    model = PostNorm().to(DEVICE)
+    x, r = torch.randn(2, 5, 32, device=DEVICE), torch.randn(2, 5, 48, device=DEVICE)
+    options = {"autotune": "1", "graph_check": "1"}
+    with torch.no_grad():
+        torch._dynamo.reset()
+        torch.compile(model, backend="comfuse", dynamic=False, options=options)(x, r)
+        assert lowered == [1]
+        (stored,) = (settings.get().cache_dir / "verdicts").glob("*.json")
+        assert json.loads(stored.read_text())["kept"] == "inductor"
+        monkeypatch.setattr(graph_check, "_time_graphs", lambda calls, device: pytest.fail("timed"))
+        torch._dynamo.reset()
+        out = torch.compile(model, backend="comfuse", dynamic=False, options=options)(x, r)
+    assert lowered == [1]
+    torch.testing.assert_close(out, model(x, r), rtol=1e-4, atol=1e-5)
+
+
+def test_a_damaged_verdict_is_decided_again(monkeypatch):
+    """A verdict that does not parse is not trusted: the graph is lowered as if none were
+    stored, and the verdict is written anew."""
+    import comfuse.inductor_pass as pass_mod
+    lowered = []
+    real = pass_mod.lower
+    monkeypatch.setattr(pass_mod, "lower", lambda *a, **k: lowered.append(1) or real(*a, **k))
+    model = PostNorm().to(DEVICE)
+    x, r = torch.randn(2, 5, 32, device=DEVICE), torch.randn(2, 5, 48, device=DEVICE)
+    with torch.no_grad():
+        torch._dynamo.reset()
+        torch.compile(model, backend="comfuse", dynamic=False)(x, r)
+        (stored,) = (settings.get().cache_dir / "verdicts").glob("*.json")
+        stored.write_bytes(b"\xff{not json")
+        torch._dynamo.reset()
+        out = torch.compile(model, backend="comfuse", dynamic=False)(x, r)
+    assert len(lowered) == 2 and json.loads(stored.read_text())["kept"] in ("fused", "unfused")
+    torch.testing.assert_close(out, model(x, r), rtol=1e-4, atol=1e-5)
+
+
+def test_the_pass_names_what_inductor_caches_by():
+    """The pass's key for Inductor's caches changes with the settings, the kinds and the
+    cache's generation (a cleared cache builds its graphs anew); a pass whose reports are read
+    asks for no caching."""
+    from comfuse.inductor_pass import RegionPass
+    from comfuse.runtime import cache
+    base = RegionPass().uuid()
+    assert base and base == RegionPass().uuid()
+    assert RegionPass(kinds={"b2b"}).uuid() != base
+    assert RegionPass(settings={"fuel": 1}).uuid() != base
+    assert RegionPass(cacheable=False).uuid() is None
+    cache.new_generation()
+    assert RegionPass().uuid() != base
