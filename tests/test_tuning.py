@@ -10,7 +10,7 @@ import comfuse
 from comfuse import settings
 from comfuse.runtime.timing import Timing
 from comfuse.bench.workloads import SUITE
-from comfuse.runtime import tuning
+from comfuse.runtime import cache, tuning
 
 from helpers import DEVICE, assert_matches_reference
 
@@ -98,6 +98,10 @@ def test_unfused_wins_when_it_is_faster(monkeypatch, fresh_cache):
     assert len(calls) >= 2 and list((fresh_cache / "tuning").glob("*.json"))
     decision = tuning.load(tuning.key(fused_module(compiled).region, args[0].device))
     assert decision["separate"] == "ops"  # which unfused form won is remembered with the choice
+    # with what was tuned: the sizes and each candidate's plan (the data a cost model needs)
+    assert decision["sizes"] == {"B": 1, "M": 16, "N": 100, "K": 16} and decision["kind"] == "gemm_epilogue"
+    assert set(decision["plans"]) == set(decision["times_ms"]) - {tuning.UNFUSED}
+    assert all(isinstance(p["schedule"], str) and p["block_n"] > 0 for p in decision["plans"].values())
     # the decision is remembered: a new compilation measures nothing
     monkeypatch.setattr(tuning, "measure", lambda *a, **k: pytest.fail("measured again"))
     again = comfuse.compile(wl.fn, args)
@@ -582,6 +586,7 @@ def test_a_stored_unfused_decision_compiles_nothing_inside_the_backend(monkeypat
     assert compiled_ops == [None]  # (the first decision times the ops)
     assert list((fresh_cache / "tuning").glob("*.json"))
     compiled_ops.clear()
+    cache.new_generation()  # (the graph is lowered again, not taken from Inductor's cache)
     torch._dynamo.reset()
     with torch.no_grad():
         again = torch.compile(wl.fn, backend="comfuse", dynamic=False)(*args)

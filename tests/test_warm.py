@@ -46,8 +46,9 @@ STEP = textwrap.dedent("""
     backend.RegionPass.__call__ = handed
 
     torch.manual_seed(0)
-    model = Block()
-    x = torch.randn(4, 8, 32)
+    device = sys.argv[2]
+    model = Block().to(device)
+    x = torch.randn(4, 8, 32, device=device)
     options = json.loads(sys.argv[1])
     out = torch.compile(model, backend="comfuse", options=options)(x)
     out.square().sum().backward()
@@ -57,18 +58,19 @@ STEP = textwrap.dedent("""
     ref = model(x)
     ref.square().sum().backward()
     want = torch.cat([ref.detach().flatten()] + [p.grad.flatten() for p in model.parameters()])
-    print(json.dumps({"err": ((got - want).norm() / want.norm()).item(), "handed": len(passes),
+    launches = [r.launch for report in backend.REPORTS for r in report.regions if r.fused]
+    print(json.dumps({"err": ((got - want).norm() / want.norm()).item(), "handed": len(passes), "launches": launches,
                       "fx": {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}}))
 """)
 
 
-def run_step(tmp_path, options: dict) -> dict:
+def run_step(tmp_path, options: dict, device: str = "cpu", **env_vars) -> dict:
     env = dict(os.environ, COMFUSE_CACHE_DIR=str(tmp_path / "comfuse"),
-               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), PYTHONPATH=str(ROOT))
+               TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), PYTHONPATH=str(ROOT), **env_vars)
     script = tmp_path / "step.py"
     script.write_text(STEP)
-    done = subprocess.run([sys.executable, str(script), json.dumps(options)], env=env, capture_output=True,
-                          text=True, timeout=600)
+    done = subprocess.run([sys.executable, str(script), json.dumps(options), device], env=env,
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -96,6 +98,20 @@ def test_a_graph_that_calls_a_region_is_lowered_again_in_a_later_process(tmp_pat
     second = run_step(tmp_path, {})
     assert second["handed"] == 2 and second["err"] < 1e-5
     assert not second["fx"].get("fxgraph_cache_hit")
+
+
+@pytest.mark.gpu
+def test_a_later_process_takes_graphs_whose_kernels_inductor_launches_from_its_cache(tmp_path):
+    """On a GPU a region's one-launch Triton kernel becomes Inductor's own kernel node, whose
+    source Inductor copies into the graph's code: such graphs are stored, and a second process
+    is handed no graph to lower and trains the same (autotuning off: the planner's plans run
+    fused, each checked at its first launch; no COMFUSE_CHECK, which keeps regions in Python)."""
+    options = {"autotune": "0", "graph_check": "0"}
+    first = run_step(tmp_path, options, "cuda", COMFUSE_CHECK="0")
+    assert first["handed"] == 2 and first["err"] < 1e-4
+    assert first["launches"] and all(how.startswith("Inductor's wrapper") for how in first["launches"])
+    second = run_step(tmp_path, options, "cuda", COMFUSE_CHECK="0")
+    assert second["handed"] == 0 and second["err"] < 1e-4
 
 
 class PostNorm(torch.nn.Module):

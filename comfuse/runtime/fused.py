@@ -104,10 +104,11 @@ class Fused(torch.nn.Module):
         warnings.warn(f"comfuse: {self.kind} at {self.report.anchor} runs unfused: {reason}", FallbackWarning,
                       stacklevel=4)
 
-    def autotune(self, ext, device, key: str, names: list, run_fused) -> dict:
+    def autotune(self, ext, device, key: str, names: list, run_fused, about: dict | None = None) -> dict:
         """The decision among ``names`` (``run_fused(i)`` runs the i-th) and the unfused ops:
-        stored on disk under ``key``, or made now (``tuning.decide``). Where the ops win they run
-        from then on (``prefer_unfused``), and the report says why."""
+        stored on disk under ``key``, or made now (``tuning.decide``), with ``about`` (what was
+        tuned: sizes, each candidate's plan, the data a cost model is fitted to). Where the ops
+        win they run from then on (``prefer_unfused``), and the report says why."""
         decision = tuning.load(key)
         if not tuning.reusable(decision, names):
             tuning.log.info("autotuning the %s at %s", self.kind, self.report.anchor)
@@ -115,6 +116,7 @@ class Fused(torch.nn.Module):
             decision = tuning.decide(names, run_fused, lambda: tuple(self.separate(*ext)), device, self.tolerance,
                                      exact=lambda: self.exact(ext))
             decision["separate"] = form  # (a later process runs the same form without timing it)
+            decision.update(about or {})
             # (a misaligned operand that ruled plans out holds for this process only: the next
             # one measures again rather than inherit the choice)
             if not any(why.startswith("UnsupportedLayout") for why in decision["rejected"].values()):

@@ -48,7 +48,10 @@ class FusedRegion(Fused):
             if i not in kernels:
                 kernels[i] = build(self.alternatives[i])
             return self.run(ext, device, kernels[i])
-        decision = self.autotune(ext, device, tuning.key(self.region, device), names, run_fused)
+        s = self.region.sizes
+        about = {"sizes": {"B": s.B, "M": s.M, "N": s.N, "K": s.K}, "kind": self.report.kind,
+                 "plans": {n: tuning.plan_fields(p) for n, p in zip(names, self.alternatives)}}
+        decision = self.autotune(ext, device, tuning.key(self.region, device), names, run_fused, about)
         kept = tuning.memory_first(self.region, decision) if decision["choice"] == tuning.UNFUSED else ""
         if kept:  # slower fused, but the unfused ops would hold a huge intermediate
             decision = dict(decision, choice=kept)

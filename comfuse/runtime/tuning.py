@@ -160,6 +160,18 @@ def key(region, device: torch.device) -> str:
                         triton.__version__, cache.CODEGEN_VERSION, chosen)
 
 
+def plan_fields(plan) -> dict:
+    """A plan's choices as plain values (its schedule, tiles, warps, stages, its schedule
+    record's fields), as a stored decision lists them beside each candidate's time."""
+    out = {}
+    for name, value in plan.key_fields():
+        if isinstance(value, (bool, int, float, str)):
+            out[name] = value
+        elif isinstance(value, tuple) and isinstance(name, str) and value and isinstance(value[0], tuple):
+            out.update({f"{name}.{k}": v for k, v in value if isinstance(v, (bool, int, float, str))})
+    return out
+
+
 def _path(k: str):
     return settings_mod.get().cache_dir / "tuning" / f"{k}.json"
 
