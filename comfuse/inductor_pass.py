@@ -244,7 +244,7 @@ class RegionPass(CustomGraphPass):
             chosen = settings_text()
             generation = cache.generation()
         return cache.digest("comfuse-region-pass", cache.CODEGEN_VERSION, torch.__version__, triton.__version__,
-                            chosen, repr(sorted(self.kinds)), str(LAUNCH_FROM_INDUCTOR), generation)
+                            chosen, repr(sorted(self.kinds)), str(LAUNCH_FROM_INDUCTOR), generation, _gpu_text())
 
     def __call__(self, graph: fx.Graph) -> None:
         self.calls += 1
@@ -272,6 +272,15 @@ class RegionPass(CustomGraphPass):
 
 
 REGION_CALL = "torch.ops.comfuse.region"  # how Inductor's generated code calls a region
+
+
+def _gpu_text() -> str:
+    """The current GPU and its multiprocessor count (Inductor keys its caches by the GPU's name
+    only; a cooperative strip's grid is sized to the programs the GPU holds at once)."""
+    if not torch.cuda.is_available():
+        return "no GPU"
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return f"{props.name}, {props.multi_processor_count} SMs"
 
 
 def settings_text() -> str:
