@@ -31,7 +31,7 @@ import torch.fx as fx
 from . import settings as settings_mod
 from . import verdicts
 from .errors import fallback, notice_once
-from .graph_check import GRAPH_CHECKS, backward_checked, faster_graph  # noqa: F401  (GRAPH_CHECKS: for inspection)
+from .graph_check import GRAPH_CHECKS, backward_checked, faster_graph, own_compilation  # noqa: F401  (GRAPH_CHECKS: for inspection)
 from .inductor_pass import REPORTS, RegionPass, settings_text, symbolic  # noqa: F401  (REPORTS: for inspection)
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -94,7 +94,8 @@ def comfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = N
     record = verdicts.load(stored)
     if record is not None and record["kept"] == verdicts.INDUCTOR:
         _remember(key, verdicts.INDUCTOR)
-        return _inductor(gm, example_inputs, opts)
+        with own_compilation():  # (as the first call's check compiled it: Inductor's caches answer)
+            return _inductor(gm, list(example_inputs), opts)
     compiled, regions = _compile_with_regions(gm, example_inputs, opts, passes=passes, cacheable=passes is None)
     if compiled is None:
         return _inductor(gm, example_inputs, opts)

@@ -27,6 +27,16 @@ GRAPH_MARGIN = 0.99  # the graph with fused regions must run at least 1 % faster
 GRAPH_CHECKS: list = []  # the last few whole-graph comparisons (dicts), newest last, for inspection
 
 
+def own_compilation():
+    """The context of a compilation of its own, outside Dynamo's (Inductor's compilation of a
+    graph without regions, to time it): a tracing context with a fake mode and a shape
+    environment of its own, in which Inductor's caches store and find the compiled graph as
+    they do inside Dynamo's compilation (without one they are bypassed)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    return torch._guards.tracing(torch._guards.TracingContext(FakeTensorMode(shape_env=ShapeEnv())))
+
+
 def _told_no_one(kept: str) -> None:
     """The default ``on_choice``: nobody is told what was kept."""
 
@@ -125,7 +135,7 @@ def faster_graph(gm: fx.GraphModule, example_inputs, fused, regions: int, saves_
         return fused
     try:
         if plain is None:
-            with torch._guards.tracing(None):  # a compilation of its own, as PerShape's
+            with own_compilation():
                 plain = compile_plain()
     except Exception as e:  # keep the fused graph: each of its regions won its own timing
         fallback("compiling the graph without fused regions, to time it, failed", e, "the fused graph runs")
@@ -239,7 +249,7 @@ class BackwardChoice:
                 return self.compiled
             log.info("backend: the backward kept %d fused region(s) where the forward kept none: "
                      "timing the graph against Inductor's", fused)
-            with torch._guards.tracing(None):  # a compilation of its own, as GraphChoice's
+            with own_compilation():
                 plain = self.compile_plain()
         except Exception as e:
             fallback("checking the graph whose backward fused regions failed", e, "the graph runs as compiled")
