@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     p_prof.add_argument("--shape", default="8192,1024,1024", help="M,K,N for GEMM + epilogue workloads")
     p_prof.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p_prof.add_argument("--out", default=None, help="folder for profile-<workload>.json/.md")
-    p_cache = sub.add_parser("cache", help="show or clear the kernel source cache")
+    p_cache = sub.add_parser("cache", help="show or clear the disk cache (kernel sources, autotuning decisions, graph verdicts)")
     p_cache.add_argument("action", choices=["info", "clear"])
     args = parser.parse_args(argv)
 
@@ -187,8 +187,11 @@ def main(argv=None) -> int:
             print(f"removed {cache.clear()} files (kernel sources, autotuning decisions, graph verdicts) "
                   f"from {cache.kernel_dir().parent}")
         else:
-            files = sorted(cache.kernel_dir().glob("*.py")) if cache.kernel_dir().exists() else []
-            print(f"{cache.kernel_dir()}: {len(files)} kernel sources")
+            root = cache.kernel_dir().parent
+            counts = {sub: len(list((root / sub).glob(pattern))) if (root / sub).exists() else 0
+                      for sub, pattern in (("kernels", "*.py"), ("tuning", "*.json"), ("verdicts", "*.json"))}
+            print(f"{root}: {counts['kernels']} kernel sources, {counts['tuning']} autotuning decisions, "
+                  f"{counts['verdicts']} graph verdicts")
         return 0
     return 2
 
