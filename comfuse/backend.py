@@ -141,7 +141,11 @@ def _decided(key, stored, forward_fused: int, kept: str) -> None:
 
 
 def _stored_key(gm: fx.GraphModule, example_inputs, opts: dict):
-    """The key of the graph's verdict on disk (verdicts.py)."""
+    """The key of the graph's verdict on disk (verdicts.py); None for a graph traced on fake
+    tensors (no first call decides it, and its compilations belong to the tracer's fake mode)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    if any(isinstance(t, FakeTensor) for t in example_inputs):
+        return None
     with settings_mod.override(**opts["settings"]):
         chosen = settings_text()
     return verdicts.key(gm, example_inputs, chosen, repr((sorted(opts["kinds"]), sorted(opts["inductor"].items()))))
