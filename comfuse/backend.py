@@ -163,7 +163,7 @@ def _graph_key(gm: fx.GraphModule, opts: dict):
                 if n.op in ("call_function", "call_method", "call_module")
                 and isinstance(n.meta.get("example_value"), torch.Tensor))
     with settings_mod.override(**opts["settings"]):
-        chosen = repr(settings_mod.get())
+        chosen = settings_text()
     return (frame, torch.is_grad_enabled(), ops, chosen, repr(sorted(opts["kinds"])),
             repr(sorted(opts["inductor"].items())))
 

@@ -187,11 +187,8 @@ def main(argv=None) -> int:
             print(f"removed {cache.clear()} files (kernel sources, autotuning decisions, graph verdicts) "
                   f"from {cache.kernel_dir().parent}")
         else:
-            root = cache.kernel_dir().parent
-            counts = {sub: len(list((root / sub).glob(pattern))) if (root / sub).exists() else 0
-                      for sub, pattern in (("kernels", "*.py"), ("tuning", "*.json"), ("verdicts", "*.json"))}
-            print(f"{root}: {counts['kernels']} kernel sources, {counts['tuning']} autotuning decisions, "
-                  f"{counts['verdicts']} graph verdicts")
+            held = ", ".join(f"{n} {what}" for what, n in cache.counts().items())
+            print(f"{cache.kernel_dir().parent}: {held}")
         return 0
     return 2
 

@@ -83,7 +83,6 @@ def run_step(tmp_path, options: dict, device: str = "cpu", *flags, **env_vars) -
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(DEVICE != "cpu", reason="the processes' graphs are built on the CPU")
 def test_a_later_process_takes_the_graphs_from_inductors_cache_where_they_call_no_region(tmp_path):
     """Regions found and none fused (fuel 0): the graphs are Inductor's code, stored by
     Inductor's FX graph cache under the pass's key; a second process is handed no graph to
@@ -96,7 +95,8 @@ def test_a_later_process_takes_the_graphs_from_inductors_cache_where_they_call_n
     assert [json.loads(v.read_text())["kept"] for v in verdicts] == ["unfused"]
 
 
-@pytest.mark.skipif(DEVICE != "cpu", reason="the processes' graphs are built on the CPU")
+@pytest.mark.skipif(DEVICE != "cpu", reason="regions of CPU tensors fuse only where Triton's interpreter is on, "
+                    "which it is not on a GPU machine; the GPU's own case is the gpu test below")
 def test_a_graph_that_calls_a_region_is_lowered_again_in_a_later_process(tmp_path):
     """On the CPU a fused region runs through the ``comfuse::region`` operator, whose id only
     the process that registered it knows: Inductor must not store such a graph, and a second
@@ -108,7 +108,8 @@ def test_a_graph_that_calls_a_region_is_lowered_again_in_a_later_process(tmp_pat
     assert not second["fx"].get("fxgraph_cache_hit")
 
 
-@pytest.mark.skipif(DEVICE != "cpu", reason="the processes' graphs are built on the CPU")
+@pytest.mark.skipif(DEVICE != "cpu", reason="regions of CPU tensors fuse only where Triton's interpreter is on, "
+                    "which it is not on a GPU machine; the GPU's own case is the gpu test below")
 def test_a_graph_whose_check_kept_inductors_code_is_inductors_cached_graph_later(tmp_path):
     """The whole-graph check kept Inductor's compilation without regions: a second process
     builds that compilation alone, and Inductor's cache answers for it (the check compiled it

@@ -82,9 +82,24 @@ def generation() -> str:
     return path.read_text().strip()  # (another process may have written its token first)
 
 
-def _remove(sub: str, pattern: str) -> int:
+# what the cache directory holds: (folder, its files, what they are)
+CONTENTS = (("kernels", "*.py", "kernel sources"), ("tuning", "*.json", "autotuning decisions"),
+            ("verdicts", "*.json", "graph verdicts"))
+
+
+def _files(sub: str) -> list:
+    pattern = next(pattern for name, pattern, _ in CONTENTS if name == sub)
     d = settings.get().cache_dir / sub
-    files = list(d.glob(pattern)) if d.exists() else []
+    return list(d.glob(pattern)) if d.exists() else []
+
+
+def counts() -> dict:
+    """What the cache holds: description -> how many files."""
+    return {what: len(_files(sub)) for sub, _, what in CONTENTS}
+
+
+def _remove(sub: str) -> int:
+    files = _files(sub)
     for f in files:
         f.unlink(missing_ok=True)
     return len(files)
@@ -94,14 +109,14 @@ def new_generation() -> int:
     """Forget the graphs' verdicts and start a new generation: Inductor's cached graphs built
     with comfuse's pass are not reused, and every graph is lowered and decided afresh (the
     kernels and the regions' decisions stay). Returns how many verdicts went."""
-    count = _remove("verdicts", "*.json")
+    count = _remove("verdicts")
     (settings.get().cache_dir / GENERATION_FILE).unlink(missing_ok=True)
     return count
 
 
 def clear() -> int:
-    """Delete cached kernel sources, autotuning decisions and the graphs' verdicts, and
-    start a new generation (``new_generation``); return how many files went."""
-    count = _remove("kernels", "*.py") + _remove("tuning", "*.json") + new_generation()
+    """Delete every file of ``CONTENTS`` (kernel sources, autotuning decisions, the graphs'
+    verdicts) and start a new generation (``new_generation``); return how many files went."""
+    count = _remove("kernels") + _remove("tuning") + new_generation()
     _loaded.clear()
     return count
