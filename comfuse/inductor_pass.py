@@ -24,7 +24,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from . import settings as settings_mod
 from .errors import fallback
-from .kernel_node import keep_launchable, launch_from_inductor
+from .kernel_node import keep_launchable, launch_from_inductor, launched_by_inductor
 from .pipeline import compile_graph, fake_inputs
 from .region_op import register as register_region
 from .report import Report
@@ -123,7 +123,9 @@ def tune_on_random_inputs(fused: fx.GraphModule) -> None:
     (a strip's workspace and arrival counters), happen here and not inside Inductor's
     CUDA-graph warm-up, whose private memory pool must hold only the tensors it tracks.
     On a CPU only where autotuning is on (``COMFUSE_AUTOTUNE=1``); otherwise the regions
-    decide at their first call."""
+    decide at their first call. A region whose candidates Inductor's wrapper launches is
+    timed by CUDA-graph replays (``launched_by_inductor``), unless COMFUSE_TUNE_TIMING says
+    otherwise."""
     for node in fused.graph.nodes:
         if node.op != "call_module":
             continue
@@ -131,9 +133,13 @@ def tune_on_random_inputs(fused: fx.GraphModule) -> None:
         tensors = [v for v in vals if isinstance(v, torch.Tensor)]
         if not tensors or not (tensors[0].device.type == "cuda" or tuning.enabled(tensors[0].device)):
             continue
+        if tensors[0].device.type == "cuda" and tuning.enabled(tensors[0].device):
+            tuning.start_workers(tensors[0].device)  # (their start-up overlaps the unfused ops' compile)
         module = fused.get_submodule(node.target)
+        timing = {"tune_timing": "graph"} if launched_by_inductor(module) and not settings_mod.chosen(
+            "tune_timing") else {}
         try:
-            with torch.no_grad():
+            with torch.no_grad(), settings_mod.override(**timing):
                 args = [random_like(v) for v in vals]
                 getattr(module, "choose", module)(*args)  # (the choice only: ops it prefers go back into the graph)
         except Exception as e:

@@ -64,6 +64,15 @@ def launchable(plans: list, region) -> list:
     return kept or list(plans)
 
 
+def launched_by_inductor(module) -> bool:
+    """Whether every candidate plan of ``module`` is one Inductor's wrapper would launch: its
+    call then costs one launch of host time whichever plan wins, so autotuning compares the
+    plans' and the unfused ops' GPU time (CUDA-graph replays), not comfuse's Python launch
+    path, which the graph never takes."""
+    return isinstance(module, FusedRegion) and bool(module.alternatives) and not any(
+        why_plan_not_launched(p) for p in module.alternatives)
+
+
 def keep_launchable(module) -> None:
     """A fused region's candidates narrowed by ``launchable``, in place."""
     if not isinstance(module, FusedRegion):

@@ -630,3 +630,26 @@ def test_a_kernel_inductor_launches_reads_an_operand_inductor_may_pad(tmp_path):
     want = f(x.double(), w.double(), w2.double(), r.double())
     for g, e in zip(got, want):
         torch.testing.assert_close(g.double(), e, rtol=2e-2, atol=2e-2)
+
+
+def test_inside_the_backend_candidates_compile_in_workers_and_are_timed_by_graph_replays(tmp_path, caplog):
+    """Inside the backend's pass a region whose candidates Inductor launches is timed by
+    CUDA-graph replays, its candidates compiled by the compile workers (Triton's cache then
+    answers every first launch); the stored decision says how it was timed, and the result
+    matches eager's."""
+    import logging
+
+    from comfuse.runtime import tuning, workers
+    wl = SUITE["ln_postnorm"]
+    args = wl.inputs(4096, 768, 768, dtype=torch.bfloat16, device="cuda")
+    torch._dynamo.reset()
+    with comfuse.settings.override(cache_dir=tmp_path, autotune="1"), torch.no_grad(), \
+            caplog.at_level(logging.INFO, logger="comfuse.tuning"):
+        got = torch.compile(wl.fn, backend="comfuse", dynamic=False)(*args)
+    decisions = [tuning.load(p.stem) for p in (tmp_path / "tuning").glob("*.json")]
+    assert decisions and all(d["timing"] == "graph" for d in decisions), decisions
+    assert "and compile workers" in caplog.text, caplog.text
+    assert workers._pool and not workers._pool[0].broken
+    want = wl.fn(*(a.double() if a.is_floating_point() else a for a in args))
+    for g, e in zip(as_tuple(got), as_tuple(want)):
+        torch.testing.assert_close(g.double(), e, rtol=3e-2, atol=3e-2)

@@ -36,6 +36,22 @@ def test_mixed_axes_are_not_fused_with_the_reason():
     assert isinstance(result, NotFused) and "no strip of tiles holds both" in result.reason
 
 
+def test_a_bias_alone_is_left_to_cublas():
+    """A linear layer's bias is added by cuBLAS inside the GEMM (Inductor's addmm): nothing
+    is left to fuse. A bias followed by anything, a residual, or a bias in a wider dtype
+    still fuses, as does a per-row vector."""
+    x, w = x_w()
+    b, r = torch.randn(9), torch.randn(6, 9)
+    alone = plan(region_of(lambda x, w, b: (x @ w + b).view(2, 3, 9), x, w, b))
+    assert isinstance(alone, NotFused) and "beyond a bias" in alone.reason
+    for fn in (lambda x, w, b: torch.relu(x @ w + b), lambda x, w, b: x @ w + b + r,
+               lambda x, w, b: x @ w + x[:, :1], lambda x, w, b: (x @ w + b) * 2):
+        assert isinstance(plan(region_of(fn, x, w, b)), Plan)
+    x16, w16 = x.half(), w.half()
+    assert isinstance(plan(region_of(lambda x, w, b: (x @ w).float() + b, x16, w16, b)), Plan)
+    assert isinstance(plan(region_of(lambda x, w, b: x @ w + b, x16, w16, b.half())), NotFused)
+
+
 def test_stage_counts_follow_the_reduction_chain():
     ln = region_of(lambda x, w: torch.nn.functional.layer_norm(x @ w, (9,)), *x_w())
     sm = region_of(lambda x, w: torch.softmax(x @ w, -1), *x_w())

@@ -232,6 +232,25 @@ def with_override(plan: Plan, text: str) -> Plan | NotFused:
     return NotFused(f"COMFUSE_PLAN ({text}): {why}", plan.ir_forms) if why else changed
 
 
+def only_a_bias(region: Region) -> bool:
+    """Whether the region computes one output, its GEMM plus one vector along N (a linear
+    layer's bias) in the GEMM's own dtype. A linear layer reaches Inductor as ``addmm``, whose
+    bias cuBLAS adds in its own epilogue: fusing it saves no memory traffic, and tuning it
+    cost seconds of compiling candidates (GPT-2's attention projection: 4-12 plans, none
+    faster). A cast before the add (a wider sum) is not an addmm and still fuses."""
+    if len(region.outputs) != 1 or region.outputs[0].dtype != region.gemm.out_dtype:
+        return False
+    counts = {Op.ADD: 0, Op.INPUT: 0}
+    for node in region.nodes:
+        if node.op is Op.INPUT and node.axes != frozenset("N"):
+            return False
+        if node.op in counts:
+            counts[node.op] += 1
+        elif node.op is not Op.ACC:
+            return False
+    return counts[Op.ADD] == counts[Op.INPUT] == 1
+
+
 def plan(region: Region, target: str = "cuda", settings=None, sm_count: int = 132) -> Plan | NotFused:
     """Run the passes in order; choose a schedule for ``target`` ("cuda" or "interpreter");
     ``sm_count`` bounds how many programs a cooperative strip may need at once."""
@@ -243,6 +262,9 @@ def plan(region: Region, target: str = "cuda", settings=None, sm_count: int = 13
     ir_forms.append(("simplified", region))
     if len(region.nodes) == 1 and all(region.nodes[o.node].op is Op.ACC for o in region.outputs):
         return NotFused("no epilogue to fuse: a plain GEMM runs on cuBLAS", tuple(ir_forms))
+    if only_a_bias(region):
+        return NotFused("no epilogue to fuse beyond a bias, which cuBLAS adds inside the GEMM (addmm)",
+                        tuple(ir_forms))
     axis, why = reduction_axis(region)              # which strip of tiles each reduction needs
     if why:
         return NotFused(why, tuple(ir_forms))

@@ -98,6 +98,30 @@ def compile_for_gpu(plan: Plan, arch: int = 90, tf32: bool = False) -> dict:
             "registers": getattr(compiled, "n_regs", None)}
 
 
+def warmup_arguments(plan: Plan) -> tuple:
+    """(JIT function, arguments, options) of ``plan``'s kernel as its first launch on
+    contiguous tensors passes them, dtypes standing for tensors (as ``JITFunction.warmup``
+    takes them) and the strip count for a cooperative grid's slots: compiling with them
+    compiles what that launch would."""
+    kernel = build(plan)
+    r = plan.region
+    values = _launch_values(kernel, plan)
+    fixed = {"workspace": torch.float32, "counters": torch.int64, "tiles_n": plan.tiles_n,
+             "groups": -(-r.sizes.M // plan.block_m) * r.sizes.B}
+    args = []
+    for p in kernel.source.params:
+        if p.role in ("a", "b"):
+            args.append((r.gemm.a if p.role == "a" else r.gemm.b).dtype)
+        elif p.role in ("in", "out"):
+            args.append((r.inputs if p.role == "in" else r.outputs)[p.index].dtype)
+        else:
+            args.append(fixed[p.role] if p.role in fixed else values[p.name])
+    options = dict(kernel.source.constexprs, UPCAST_OPERANDS=False, DOT_PRECISION="ieee", WIDE_INDEX=False,
+                   EVEN_N=even_n(plan, r.sizes.N), num_warps=kernel.source.num_warps,
+                   num_stages=kernel.source.num_stages)
+    return kernel.fn, args, options
+
+
 def _launch_values(kernel, plan: Plan) -> dict:
     """The sizes and strides a launch on contiguous tensors passes (see ``_compile``)."""
     r = plan.region

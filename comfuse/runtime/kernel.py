@@ -126,7 +126,7 @@ class Kernel:
             ws, counters = self.scratch(a3.device, self.workspace_size(strips), strips)
             args = self.arguments(a3, b3, ins, outs, ws, counters, strips)
             return [(fn, (strips * plan.tiles_n,), args, options) for fn in self.phases]
-        groups = min(strips, self.resident_slots(a3.device, a3, b3, ins, outs, options))
+        groups = min(strips, self.resident_slots(a3.device, a3, b3, ins, outs, options, strips))
         ws, counters = self.scratch(a3.device, self.workspace_size(groups), groups)
         return [(self.fn, (groups * plan.tiles_n,),
                  self.arguments(a3, b3, ins, outs, ws, counters, groups), options)]
@@ -140,14 +140,19 @@ class Kernel:
                     EVEN_N=even_n(self.plan, b3.shape[2]),
                     num_warps=self.source.num_warps, num_stages=self.source.num_stages)
 
-    def resident_slots(self, device, a3, b3, ins, outs, options) -> int:
+    def resident_slots(self, device, a3, b3, ins, outs, options, strips: int) -> int:
         """How many strips may be in flight: every program of every slot must be resident at
         once (members spin until their strip has arrived), so the persistent grid is at most
         the SM count times the programs one SM holds, from the compiled kernel's registers
-        and shared memory."""
+        and shared memory.
+
+        The kernel is compiled for that with the strip count as its slot count: the launch
+        passes min(strips, slots), nearly always the same kind of integer for Triton's
+        specialisation (1 becomes a constant, multiples of 16 are marked divisible), so the
+        launch finds this compilation rather than compiling again."""
         key = str(device)
         if key not in self._resident:
-            args = self.arguments(a3, b3, ins, outs, *self.scratch(device, self.workspace_size(1), 1), 1)
+            args = self.arguments(a3, b3, ins, outs, *self.scratch(device, self.workspace_size(1), 1), strips)
             compiled = self.fn.warmup(*args, grid=(1,), **options)
             props = torch.cuda.get_device_properties(device)
             warps = self.source.num_warps

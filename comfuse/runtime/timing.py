@@ -66,6 +66,22 @@ def _times(fn: Callable, device: str = "cuda", warmup_ms: float = 25, rep_ms: fl
     return times
 
 
+def heat(fn: Callable, ms: float) -> None:
+    """Run ``fn`` back to back for about ``ms`` milliseconds of GPU time (its one-call time
+    measured first), so that what is timed next finds the GPU at its working clock."""
+    import torch
+    if not torch.cuda.is_available():
+        return
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    per_call = max((time.perf_counter() - began) * 1e3, 1e-3)
+    for _ in range(min(int(ms / per_call), 10_000)):
+        fn()
+    torch.cuda.synchronize()
+
+
 def graphed(fn: Callable, warmup_calls: int = 3) -> Callable:
     """A callable that replays one call of ``fn`` captured in a CUDA graph (after
     ``warmup_calls`` calls on a side stream, so compilation and autotuning stay out of it),

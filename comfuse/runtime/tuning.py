@@ -27,9 +27,9 @@ import triton
 from .. import settings as settings_mod
 from ..errors import FallbackWarning, KernelMismatch
 from ..ir import structural_text
-from . import cache
+from . import cache, workers
 from .check import compare, tolerance
-from .timing import graphed, measure, measure_rounds
+from .timing import graphed, heat, measure, measure_rounds
 
 log = logging.getLogger("comfuse.tuning")
 
@@ -44,6 +44,13 @@ MEMORY_FIRST_BYTES = 1 << 30
 # kernel's first time and its round median were seen to differ by 13 %.
 FINALIST_MARGIN = 1.10
 FINAL_ROUNDS = 3
+# the unfused ops run back to back for this long before the first timing: the H200 idles at
+# 345 MHz while candidates compile (the same plan of the same region was timed 0.1659 and
+# 0.3255 ms in two runs that timed Python launches right after compiling)
+HEAT_MS = 100
+# compile the candidates' kernels in worker processes (``workers.py``) rather than only in
+# this process's threads
+COMPILE_IN_WORKERS = True
 # the Inductor forms of a region's unfused ops autotuning compiles and times, each by the name
 # a decision stores and the torch.compile mode it is compiled in: neither wins everywhere
 # (GEMM + LayerNorm: the default's 0.0420 ms against max-autotune's 0.0524; the multi-stage
@@ -282,10 +289,13 @@ def separate(unfused, ext, on_cpu: bool = False, form: str | None = None, forms=
     """The region's own ops as the best separate execution comfuse can offer, and which form
     it is: on a GPU, the fastest of the ops run one by one ("ops") and their Inductor
     compilations in ``forms`` (by default INDUCTOR_FORMS: Inductor's default mode and
-    max-autotune-no-cudagraphs; inside the backend's pass, the surrounding compilation's
-    form). ``form``, a stored decision's, is taken without measuring again. Falls back to
-    the ops themselves when Inductor cannot compile them."""
+    max-autotune-no-cudagraphs). Inside the backend's pass it is the surrounding
+    compilation's form alone, untimed: ops left unfused there go back into Inductor's graph,
+    so that code is what they would run, never the ops one by one. ``form``, a stored
+    decision's, is taken without measuring again. Falls back to the ops themselves when
+    Inductor cannot compile them."""
     gpu = _on_gpu(ext)
+    only = forms is None and bool(_inside)
     if forms is None:
         forms = (_inside[-1],) if _inside else tuple(INDUCTOR_FORMS)
     if form == "ops" or not (gpu or on_cpu):
@@ -300,7 +310,7 @@ def separate(unfused, ext, on_cpu: bool = False, form: str | None = None, forms=
                           f"({_why(e)}); timing them as they are", FallbackWarning, stacklevel=2)
     if not built:
         return unfused, "ops"
-    if not gpu or form is not None:  # (on the CPU, for tests: compiled, not timed)
+    if not gpu or form is not None or only:  # (on the CPU, for tests: compiled, not timed)
         name = next(iter(built))
         return built[name], name
     # Inductor's code is not always the faster (DLRM's GEMM chain: eager won), nor is
@@ -334,9 +344,11 @@ def compile_ahead(run_fused, count: int, device: torch.device) -> None:
     each on the H200's host; Triton releases the GIL in its compiler passes and ptxas runs in
     a process of its own), in parallel threads: the timed pass that follows only launches.
     Each thread launches on the device's current stream, so the GPU still runs one candidate
-    at a time (a strip kernel's programs wait for one another and must all be resident)."""
-    workers = min(count, os.cpu_count() or 1, 16)
-    if device.type != "cuda" or workers < 2 or not torch.cuda.is_available():
+    at a time (a strip kernel's programs wait for one another and must all be resident).
+    Where ``COMPILE_IN_WORKERS``, the compilations those calls start run in worker processes
+    (``workers.py``), which hold no lock of this process's Python."""
+    threads = min(count, os.cpu_count() or 1, 16)
+    if device.type != "cuda" or threads < 2 or not torch.cuda.is_available():
         return
     stream = torch.cuda.current_stream(device)
 
@@ -344,11 +356,25 @@ def compile_ahead(run_fused, count: int, device: torch.device) -> None:
         with torch.cuda.device(device), torch.cuda.stream(stream), torch.no_grad():
             run_fused(i)
     start = time.perf_counter()
-    failed = in_threads(first_call, count, workers)
+    pool = start_workers(device)
+    with workers.compiling_in(pool) if pool is not None else contextlib.nullcontext():
+        failed = in_threads(first_call, count, threads)
     torch.cuda.synchronize(device)
-    log.info("autotuning: %d candidates compiled in %.1f s by %d threads%s", count - len(failed),
-             time.perf_counter() - start, workers,
+    log.info("autotuning: %d candidates compiled in %.1f s by %d threads%s%s", count - len(failed),
+             time.perf_counter() - start, threads, " and compile workers" if pool is not None else "",
              f"; {len(failed)} failed (first: {_why(next(iter(failed.values())))})" if failed else "")
+
+
+def start_workers(device: torch.device):
+    """The process's compile workers for ``device``'s GPU (started now if they are not yet:
+    their start-up, a Python with torch and Triton, overlaps what comes before the first
+    compilation), or None where they are not used."""
+    if not COMPILE_IN_WORKERS or device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    from triton.runtime.driver import driver
+    with torch.cuda.device(device):
+        target = driver.active.get_current_target()
+    return workers.start(target)
 
 
 def decide(names: list, run_fused, run_unfused, device: torch.device, tol: float | None = None,
@@ -369,6 +395,11 @@ def decide(names: list, run_fused, run_unfused, device: torch.device, tol: float
     log.info("autotuning: %d candidate plan(s) and the unfused ops, timed by %s", len(names),
              "CUDA-graph replays" if timing == "graph" else "launches")
     reference = run_unfused()
+    # every candidate compiled before anything is timed: seconds of compiling leave the GPU
+    # idle and its clock low, which would favour whatever was timed before them
+    compile_ahead(run_fused, len(names), device)
+    if device.type == "cuda":
+        heat(run_unfused, HEAT_MS)
     note = ""
     try:
         times = {UNFUSED: timed(run_unfused)}
@@ -376,7 +407,6 @@ def decide(names: list, run_fused, run_unfused, device: torch.device, tol: float
         note = f"graph capture of the unfused ops failed ({type(e).__name__}); timed launches"
         timing = "launch"
         times = {UNFUSED: timed(run_unfused)}
-    compile_ahead(run_fused, len(names), device)
     rejected = {}
     exact_once = functools.cache(exact) if exact is not None else None  # (computed once, if ever)
     for i, name in enumerate(names):
