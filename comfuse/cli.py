@@ -81,8 +81,10 @@ def main(argv=None) -> int:
                                 "instructions, TMA, shared memory and spills")
     p_bench = sub.add_parser("bench", help="the paper's evaluation: time comfuse against eager, "
                              "torch.compile and the GEMM alone; write JSON, Markdown and figures")
-    p_bench.add_argument("--suite", default="all", choices=["paper", "b2b", "attention", "models", "all"],
-                         help="all = paper, b2b and attention; models (Hugging Face blocks) runs alone")
+    p_bench.add_argument("--suite", default="all", choices=["paper", "b2b", "attention", "blocks", "models", "all"],
+                         help="all = paper, b2b and attention; blocks (Hugging Face layers) and models (whole "
+                              "models, inference and training, every torch.compile mode, each in a process of "
+                              "its own) run alone")
     p_bench.add_argument("--quick", action="store_true", help="one shape per workload")
     p_bench.add_argument("--out", default="bench/results/latest", help="output folder")
     p_bench.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -106,6 +108,14 @@ def main(argv=None) -> int:
                               "can double a time); comfuse's autotuning then times graph replays too, "
                               "unless COMFUSE_TUNE_TIMING is set")
     p_bench.add_argument("--report-only", action="store_true", help="rewrite the report of OUT/results.json")
+    p_bench.add_argument("--layers", type=int, default=0,
+                         help="models suite: layers per model (default: BERT-base's and GPT-2 small's 12, one "
+                              "Llama-3-8B-shaped layer)")
+    p_bench.add_argument("--small", action="store_true",
+                         help="models suite: small widths (256) and 2 x 128 tokens, one layer (a CPU's size)")
+    p_bench.add_argument("--rounds", type=int, default=5, help="models suite: rounds of back-to-back calls")
+    p_bench.add_argument("--no-warm", action="store_true",
+                         help="models suite: skip the warm first calls (a second process per model and form)")
     p_prof = sub.add_parser("profile", help="DRAM bytes of a fused kernel and its unfused pipeline (ncu)")
     p_prof.add_argument("workload", help="a workload of the bench suites, e.g. ln_postnorm")
     p_prof.add_argument("--shape", default="8192,1024,1024", help="M,K,N for GEMM + epilogue workloads")
@@ -150,6 +160,21 @@ def main(argv=None) -> int:
                 if planned is not None and hasattr(planned, "describe"):
                     print(f"\n-- region {r.index} compiled for sm_90 ({planned.describe()}): "
                           f"{_sm90_summary(planned)}")
+        return 0
+    if args.command == "bench" and args.suite == "models":
+        import json as _json
+
+        from .bench import models
+        if args.report_only:
+            results = _json.loads((Path(args.out) / "results.json").read_text())
+        else:
+            picked = [m for m in args.only.split(",") if m] or list(models.DEFAULT_MODELS)
+            forms = [c for c in args.candidates.split(",") if c] or list(models.FORMS)
+            results = models.run(picked, forms, args.out, args.layers or None, args.small, args.rounds,
+                                 not args.no_warm, args.device, progress=lambda m: print(m, file=sys.stderr))
+        for path in models.write(results, args.out):
+            print(f"wrote {path}")
+        print(models.markdown(results))
         return 0
     if args.command == "bench":
         import json as _json

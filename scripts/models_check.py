@@ -56,6 +56,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import comfuse  # noqa: E402,F401  (registers the backend)
 from comfuse import inductor_pass, settings  # noqa: E402
+from comfuse.bench import models as bench_models  # noqa: E402
+from comfuse.bench.models import grads, loss_of, peak_gib, rel, step  # noqa: E402,F401
 from comfuse.runtime.timing import kernel_times, profiled  # noqa: E402
 
 MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
@@ -63,104 +65,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # (the CPU: --first-cal
 
 
 def build(name: str, layers: int, small: bool = False):
-    """(model, batch, seq, vocab, inputs(batch, seq) -> kwargs) at the size users run, or small."""
-    import transformers as tf
-    # (transformers' logging helpers as no-ops in traced code from the first compile on, for
-    # Inductor's form too: GPT-2's loss is then in its LM head's graph in every form)
-    comfuse.backend.quiet_library_logging()
-    h, ff, vocab = (256, 512, 1024) if small else (None, None, None)
-
-    def text(v):
-        def inputs(batch, seq):
-            ids = torch.randint(0, v, (batch, seq), device=DEVICE)
-            return {"input_ids": ids, "labels": ids}
-        return inputs
-    if name == "gpt2":
-        v = vocab or 50257
-        cfg = tf.GPT2Config(n_layer=layers, n_embd=h or 768, n_head=8 if small else 12, vocab_size=v,
-                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-        return tf.GPT2LMHeadModel(cfg), 8, 1024, text(v)
-    if name == "llama":
-        v = vocab or 32000
-        cfg = tf.LlamaConfig(num_hidden_layers=layers, hidden_size=h or 2048, intermediate_size=ff or 5632,
-                             num_attention_heads=8 if small else 32, num_key_value_heads=4, vocab_size=v)
-        return tf.LlamaForCausalLM(cfg), 4, 2048, text(v)
-    if name == "llama8b":  # a Llama-3-8B-shaped block: its widths, heads and vocabulary
-        v = vocab or 128256
-        cfg = tf.LlamaConfig(num_hidden_layers=layers, hidden_size=h or 4096, intermediate_size=ff or 14336,
-                             num_attention_heads=8 if small else 32, num_key_value_heads=4 if small else 8,
-                             vocab_size=v)
-        return tf.LlamaForCausalLM(cfg), 4, 2048, text(v)
-    if name == "qwen2":  # grouped-query attention (Qwen2-1.5B's widths)
-        v = vocab or 151936
-        cfg = tf.Qwen2Config(num_hidden_layers=layers, hidden_size=h or 1536, intermediate_size=ff or 8960,
-                             num_attention_heads=8 if small else 12, num_key_value_heads=2, vocab_size=v)
-        return tf.Qwen2ForCausalLM(cfg), 4, 2048, text(v)
-    if name == "bert":
-        v = vocab or 30522
-        cfg = tf.BertConfig(num_hidden_layers=layers, hidden_size=h or 768, intermediate_size=ff or 3072,
-                            num_attention_heads=8 if small else 12, vocab_size=v,
-                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-        return tf.BertForMaskedLM(cfg), 32, 512, text(v)
-    if name == "t5":
-        v = vocab or 32128
-        cfg = tf.T5Config(vocab_size=v, d_model=h or 512, d_kv=64, d_ff=ff or 2048, num_layers=layers,
-                          num_decoder_layers=layers, num_heads=4 if small else 8, dropout_rate=0.0,
-                          decoder_start_token_id=0, pad_token_id=0)
-        return tf.T5ForConditionalGeneration(cfg), 8, 512, text(v)
-    if name == "vit":  # no loss head: a fixed weighting of the last hidden state
-        cfg = tf.ViTConfig(num_hidden_layers=layers, hidden_size=h or 768, intermediate_size=ff or 3072,
-                           num_attention_heads=8 if small else 12, image_size=224, patch_size=16,
-                           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-
-        def pixels(batch, seq):  # (seq: the image side, a multiple of the patch)
-            x = torch.randn(batch, 3, seq, seq, device=DEVICE, dtype=torch.bfloat16 if DEVICE == "cuda" else None)
-            return {"pixel_values": x, "interpolate_pos_encoding": seq != cfg.image_size}
-        return tf.ViTModel(cfg), 64, 224, pixels
-    raise ValueError(name)
-
-
-def loss_of(out) -> torch.Tensor:
-    if getattr(out, "loss", None) is not None:
-        return out.loss
-    hidden = out.last_hidden_state
-    weights = torch.linspace(-1, 1, hidden.shape[-1], device=hidden.device, dtype=hidden.dtype)
-    return (hidden.float() * weights).sum() / hidden.numel()
-
-
-def step(fn, model, kwargs):
-    model.zero_grad(set_to_none=True)
-    loss = loss_of(fn(**kwargs))
-    loss.backward()
-    return loss
-
-
-def grads(model) -> torch.Tensor:
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).float().flatten()
-                      for p in model.parameters()])
-
-
-def rel(a, b) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+    """(model, batch, seq, inputs(batch, seq) -> kwargs) at the size users run, or small."""
+    return bench_models.build(name, layers, small, DEVICE)
 
 
 def time_ms(call, rounds: int) -> tuple:
-    """(median, min, max) ms per call over ``rounds`` rounds of back-to-back calls."""
-    call()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    call()
-    torch.cuda.synchronize()
-    reps = max(3, min(20, int(0.3 / max(time.perf_counter() - t0, 1e-6))))
-    out = []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            call()
-        torch.cuda.synchronize()
-        out.append((time.perf_counter() - t0) / reps * 1e3)
-    return statistics.median(out), min(out), max(out)
+    return bench_models.time_ms(call, rounds, "cuda")
 
 
 def launch_kind(name: str) -> str:
@@ -220,15 +130,6 @@ def configure(form: str):
     inductor_pass.LAUNCH_FROM_INDUCTOR = base != "forced-op"
     over = settings.override(graph_check="0") if base.startswith("forced") else settings.override()
     return over, {"backend": "inductor" if base == "inductor" else "comfuse", **({"mode": mode} if mode else {})}
-
-
-def peak_gib(call) -> float:
-    """The most GPU memory allocated during one ``call``, in GiB."""
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    call()
-    torch.cuda.synchronize()
-    return round(torch.cuda.max_memory_allocated() / 2**30, 3)
 
 
 def run(name: str, layers: int, rounds: int, out, forms, out_dir: Path) -> list:

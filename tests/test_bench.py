@@ -315,3 +315,33 @@ def test_memory_peak_lists_what_is_alive_at_the_peak():
     alive = mp.live_at_peak({"device_traces": [events]})
     assert [size for size, _ in alive] == [100, 50]
     assert alive[0][1].startswith("kernel.py:170 scratch") and "no Python frame" in alive[1][1]
+
+
+def test_models_suite_runs_each_model_and_form_in_processes_of_their_own(tmp_path, monkeypatch):
+    """``comfuse bench --suite models``: each (model, form) in a process of its own with empty
+    caches, checked against eager there before it is timed, then its first calls again in a new
+    process with the caches it left (warm: faster than cold); forms that do not apply are listed
+    with the reason; the table and the figure are written. (Regions found, none fused: the
+    interpreter's kernels would take minutes, and this checks the harness.)"""
+    from comfuse.bench import models
+    monkeypatch.setenv("COMFUSE_FUEL", "0")
+    forms = ["eager", "comfuse", "liger", "inductor@reduce-overhead"]
+    results = models.run(["gpt2"], forms, tmp_path, small=True, rounds=1, device="cpu", progress=lambda m: None)
+    rows = {r["form"]: r for r in results["rows"]}
+    assert list(rows) == forms
+    assert rows["eager"]["loss_rel_err"] == 0 and rows["eager"]["step_ms"][0] > 0 and "warm" not in rows["eager"]
+    compiled = rows["comfuse"]
+    assert "error" not in compiled, compiled
+    assert compiled["loss_rel_err"] < 1e-4 and compiled["grads_rel_err"] < 1e-4
+    assert compiled["warm"]["first_step_s"] < compiled["first_step_s"]
+    assert rows["liger"]["skipped"] == "Liger-Kernel patches Llama-family models only"
+    assert rows["inductor@reduce-overhead"]["skipped"] == "CUDA graphs need a GPU"
+    written = models.write(results, tmp_path)
+    table = (tmp_path / "results.md").read_text()
+    assert "| gpt2 (1 layer) | comfuse |" in table and "n/a: CUDA graphs need a GPU" in table
+    assert any(p.name == "models.png" for p in written)
+    assert not (tmp_path / "caches").exists() or not any((tmp_path / "caches").iterdir())
+    with pytest.raises(SystemExit, match="unknown models"):
+        models.run(["gpt3"], ["eager"], tmp_path, device="cpu")
+    with pytest.raises(SystemExit, match="unknown candidates"):
+        models.run(["gpt2"], ["comfuse@fast"], tmp_path, device="cpu")

@@ -119,7 +119,7 @@ def markdown(results: dict) -> str:
     for name in ("inductor-reduce-overhead", "comfuse-backend-reduce-overhead"):  # (asked for by name)
         if any(name in c["candidates"] for c in results["cases"]):
             cols.append(name)
-    for suite in ("paper", "b2b", "attention", "models"):
+    for suite in ("paper", "b2b", "attention", "blocks", "models"):  # ("models": blocks, in older results)
         cases = [c for c in results["cases"] if c["suite"] == suite]
         if not cases:
             continue

@@ -248,8 +248,8 @@ def run(suite: str = "all", quick: bool = False, out_dir: str | Path = "bench/re
     launch timing kept the unfused ops where the graph-timed RMSNorm kernel ran 1.09x faster)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu" and suite not in ("paper", "models"):
-        raise SystemExit("comfuse bench --device cpu runs only --suite paper or models (small shapes "
+    if device == "cpu" and suite not in ("paper", "blocks"):
+        raise SystemExit("comfuse bench --device cpu runs only --suite paper or blocks (small shapes "
                          "through Triton's interpreter, a smoke test of the harness, not a measurement)")
     candidates = tuple(candidates or DEFAULT_CANDIDATES)
     unknown = set(candidates) - set(ALL_CANDIDATES)

@@ -257,7 +257,7 @@ def model_program(name: str, dtype, device, seed=0, small: bool = False) -> Prog
         ref = _double_module(layer, run)
         tokens = batch * seq
         flops = 2.0 * tokens * (4 * h * h + 2 * h * inter) + 4.0 * batch * seq * seq * h
-        return Program("models", name, (batch, seq, h), dtype, fn, (x,), flops,
+        return Program("blocks", name, (batch, seq, h), dtype, fn, (x,), flops,
                        float(x.numel() * x.element_size() * 2 + sum(p.numel() * p.element_size()
                                                                      for p in layer.parameters())),
                        reference=ref)
@@ -268,7 +268,7 @@ def model_program(name: str, dtype, device, seed=0, small: bool = False) -> Prog
         cfg = LlamaConfig(hidden_size=h, intermediate_size=inter)
         mlp = LlamaMLP(cfg).eval().to(device=device, dtype=dtype)
         x = torch.randn(tokens, h, device=device, dtype=dtype)
-        return Program("models", name, (tokens, h, inter), dtype, lambda x: mlp(x), (x,),
+        return Program("blocks", name, (tokens, h, inter), dtype, lambda x: mlp(x), (x,),
                        6.0 * tokens * h * inter,
                        float(x.numel() * x.element_size() * 2 + sum(p.numel() * p.element_size()
                                                                      for p in mlp.parameters())),
@@ -277,7 +277,7 @@ def model_program(name: str, dtype, device, seed=0, small: bool = False) -> Prog
 
 
 MODELS = ("bert_layer", "llama_mlp")
-SUITES = ("paper", "b2b", "attention", "models")
+SUITES = ("paper", "b2b", "attention", "blocks")  # (whole models: bench/models.py)
 B2B = ("dlrm_bottom_mlp", "target_attention", "transformer_mlp")
 
 
@@ -285,7 +285,7 @@ def cases(suite: str, quick: bool = False, sweep: bool = True) -> list[tuple]:
     """(suite, workload, shape or None) for ``suite`` ("paper", "b2b", "attention", "all");
     ``sweep=False``: the paper suite at each workload's own shapes, without the extra ones."""
     if suite == "all":
-        return [c for s in SUITES if s != "models" for c in cases(s, quick, sweep)]
+        return [c for s in SUITES if s != "blocks" for c in cases(s, quick, sweep)]
     if suite == "paper":
         out = []
         for name, wl in SUITE.items():
@@ -296,8 +296,8 @@ def cases(suite: str, quick: bool = False, sweep: bool = True) -> list[tuple]:
         return [("b2b", n, None) for n in (B2B[:2] if quick else B2B)]
     if suite == "attention":
         return [("attention", "self_attention", None)]
-    if suite == "models":
-        return [("models", n, None) for n in MODELS]
+    if suite == "blocks":
+        return [("blocks", n, None) for n in MODELS]
     raise ValueError(f"unknown suite {suite!r}; choose from {', '.join(SUITES + ('all',))}")
 
 
@@ -308,6 +308,6 @@ def build(case: tuple, dtype, device, cpu_scale: bool = False) -> Program:
         return paper_program(name, SUITE[name].cpu_shape if cpu_scale else shape, dtype, device)
     if suite == "b2b":
         return b2b_program(name, dtype, device)
-    if suite == "models":
+    if suite == "blocks":
         return model_program(name, dtype, device, small=cpu_scale)
     return attention_program(dtype, device)

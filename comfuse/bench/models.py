@@ -1,0 +1,379 @@
+"""``comfuse bench --suite models``: whole Hugging Face models, compared as their users compare.
+
+Each model is built from its config with random weights (bf16 on a GPU, fp32 on a CPU), with
+labels, so its loss is part of what runs: BERT-base (``BertForMaskedLM``, 12 layers, 32 x 512
+tokens), GPT-2 small (``GPT2LMHeadModel``, 12 layers, 8 x 1024) and a Llama-3-8B-shaped
+block (``LlamaForCausalLM``: hidden 4096, intermediate 14336, 32 / 8 heads, vocabulary
+128256, one layer, 4 x 2048). Candidates: eager; Inductor in the default,
+max-autotune-no-cudagraphs and reduce-overhead modes; the comfuse backend in each of those;
+and Liger-Kernel's patched model (eager, its kernels in place: Llama and Qwen2, where
+``liger_kernel`` is installed).
+
+Every (model, candidate) runs in a process of its own with empty caches (comfuse's,
+Inductor's, Triton's): its first training step and first inference call from
+``torch.compile`` are the cold first calls; the loss and all gradients (one vector) are
+checked against eager's in that process before anything is timed; then the forward with its
+loss (grad off) and the training step are timed (median and range of rounds of back-to-back
+calls, host time included), with tokens a second and the peak GPU memory of each. A second
+process with the caches the first left gives the warm first calls. Results go to
+``OUT/results.json``, the table to ``OUT/results.md``, figures beside them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+MODELS = ("bert", "gpt2", "llama8b", "llama", "qwen2", "t5", "vit")
+DEFAULT_MODELS = ("bert", "gpt2", "llama8b")
+DEPTH = {"bert": 12, "gpt2": 12, "llama8b": 1}  # BERT-base, GPT-2 small, one Llama-3-8B-shaped layer
+MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead")
+FORMS = ("eager",) + tuple(f"{b}{'' if m == 'default' else '@' + m}" for b in ("inductor", "comfuse")
+                           for m in MODES) + ("liger",)
+LIGER = {"llama": "apply_liger_kernel_to_llama", "llama8b": "apply_liger_kernel_to_llama",
+         "qwen2": "apply_liger_kernel_to_qwen2"}
+
+
+def build(name: str, layers: int, small: bool = False, device: str = "cuda"):
+    """(model, batch, seq, inputs(batch, seq) -> keyword arguments): at the size users run,
+    or small (hidden 256, vocabulary 1024). Dropout is off, so every form computes the same."""
+    import transformers as tf
+
+    from .. import backend
+    backend.quiet_library_logging()  # (GPT-2's loss then stays in its LM head's graph in every form)
+    h, ff, vocab = (256, 512, 1024) if small else (None, None, None)
+
+    def text(v):
+        def inputs(batch, seq):
+            ids = torch.randint(0, v, (batch, seq), device=device)
+            return {"input_ids": ids, "labels": ids}
+        return inputs
+    if name == "gpt2":
+        v = vocab or 50257
+        cfg = tf.GPT2Config(n_layer=layers, n_embd=h or 768, n_head=8 if small else 12, vocab_size=v,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return tf.GPT2LMHeadModel(cfg), 8, 1024, text(v)
+    if name == "llama":
+        v = vocab or 32000
+        cfg = tf.LlamaConfig(num_hidden_layers=layers, hidden_size=h or 2048, intermediate_size=ff or 5632,
+                             num_attention_heads=8 if small else 32, num_key_value_heads=4, vocab_size=v)
+        return tf.LlamaForCausalLM(cfg), 4, 2048, text(v)
+    if name == "llama8b":  # a Llama-3-8B-shaped block: its widths, heads and vocabulary
+        v = vocab or 128256
+        cfg = tf.LlamaConfig(num_hidden_layers=layers, hidden_size=h or 4096, intermediate_size=ff or 14336,
+                             num_attention_heads=8 if small else 32, num_key_value_heads=4 if small else 8,
+                             vocab_size=v)
+        return tf.LlamaForCausalLM(cfg), 4, 2048, text(v)
+    if name == "qwen2":  # grouped-query attention (Qwen2-1.5B's widths)
+        v = vocab or 151936
+        cfg = tf.Qwen2Config(num_hidden_layers=layers, hidden_size=h or 1536, intermediate_size=ff or 8960,
+                             num_attention_heads=8 if small else 12, num_key_value_heads=2, vocab_size=v)
+        return tf.Qwen2ForCausalLM(cfg), 4, 2048, text(v)
+    if name == "bert":
+        v = vocab or 30522
+        cfg = tf.BertConfig(num_hidden_layers=layers, hidden_size=h or 768, intermediate_size=ff or 3072,
+                            num_attention_heads=8 if small else 12, vocab_size=v,
+                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        return tf.BertForMaskedLM(cfg), 32, 512, text(v)
+    if name == "t5":
+        v = vocab or 32128
+        cfg = tf.T5Config(vocab_size=v, d_model=h or 512, d_kv=64, d_ff=ff or 2048, num_layers=layers,
+                          num_decoder_layers=layers, num_heads=4 if small else 8, dropout_rate=0.0,
+                          decoder_start_token_id=0, pad_token_id=0)
+        return tf.T5ForConditionalGeneration(cfg), 8, 512, text(v)
+    if name == "vit":  # no loss head: a fixed weighting of the last hidden state
+        cfg = tf.ViTConfig(num_hidden_layers=layers, hidden_size=h or 768, intermediate_size=ff or 3072,
+                           num_attention_heads=8 if small else 12, image_size=224, patch_size=16,
+                           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+        def pixels(batch, seq):  # (seq: the image side, a multiple of the patch)
+            x = torch.randn(batch, 3, seq, seq, device=device, dtype=torch.bfloat16 if device == "cuda" else None)
+            return {"pixel_values": x, "interpolate_pos_encoding": seq != cfg.image_size}
+        return tf.ViTModel(cfg), 64, 224, pixels
+    raise ValueError(f"unknown model {name!r}; models are gpt2, llama, llama8b, qwen2, bert, t5, vit")
+
+
+def loss_of(out) -> torch.Tensor:
+    if getattr(out, "loss", None) is not None:
+        return out.loss
+    hidden = out.last_hidden_state
+    weights = torch.linspace(-1, 1, hidden.shape[-1], device=hidden.device, dtype=hidden.dtype)
+    return (hidden.float() * weights).sum() / hidden.numel()
+
+
+def step(fn, model, kwargs):
+    """One training step's forward and backward (no optimizer): the loss."""
+    model.zero_grad(set_to_none=True)
+    loss = loss_of(fn(**kwargs))
+    loss.backward()
+    return loss
+
+
+def grads(model) -> torch.Tensor:
+    """Every parameter's gradient as one vector (zeros where a parameter got none)."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).float().flatten()
+                      for p in model.parameters()])
+
+
+def rel(a, b) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _sync(device: str):
+    return torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+
+def time_ms(call, rounds: int, device: str = "cuda") -> tuple:
+    """(median, min, max) ms per call over ``rounds`` rounds of back-to-back calls."""
+    sync = _sync(device)
+    call()
+    sync()
+    t0 = time.perf_counter()
+    call()
+    sync()
+    reps = max(3, min(20, int(0.3 / max(time.perf_counter() - t0, 1e-6))))
+    out = []
+    for _ in range(rounds):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            call()
+        sync()
+        out.append((time.perf_counter() - t0) / reps * 1e3)
+    return statistics.median(out), min(out), max(out)
+
+
+def peak_gib(call, device: str = "cuda") -> float | None:
+    """The most GPU memory allocated during one ``call``, in GiB (None off the GPU)."""
+    if device != "cuda":
+        call()
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    call()
+    torch.cuda.synchronize()
+    return round(torch.cuda.max_memory_allocated() / 2**30, 3)
+
+
+def why_not(name: str, form: str, device: str) -> str:
+    """Why ``form`` does not apply to ``name`` here ('' where it does)."""
+    if form.endswith("reduce-overhead") and device != "cuda":
+        return "CUDA graphs need a GPU"
+    if form == "liger":
+        if name not in LIGER:
+            return "Liger-Kernel patches Llama-family models only"
+        if device != "cuda":
+            return "Liger-Kernel's kernels need a GPU"
+        try:
+            import liger_kernel  # noqa: F401
+        except ImportError:
+            return "liger_kernel is not installed"
+    return ""
+
+
+def measure(name: str, form: str, layers: int, small: bool, rounds: int, device: str,
+            first_calls_only: bool = False) -> dict:
+    """One (model, form) in this process: first calls, checks against eager, times, memory."""
+    import comfuse  # noqa: F401  (registers the backend)
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model, batch, seq, inputs = build(name, layers, small, device)
+    model = model.to(device, dtype)
+    if small:
+        batch, seq = 2, (64 if name == "vit" else 128)
+    kwargs = inputs(batch, seq)
+    row = {"model": name, "form": form, "layers": layers, "batch": batch, "seq": seq, "small": small,
+           "dtype": str(dtype).removeprefix("torch.")}
+    want = step(model, model, kwargs).float()
+    want_grads = grads(model)
+    if form == "liger":
+        import liger_kernel.transformers as liger
+        getattr(liger, LIGER[name])()  # (patches the model's classes, as its users do, before building)
+        state = model.state_dict()
+        model = build(name, layers, small, device)[0].to(device, dtype)
+        model.load_state_dict(state)
+    sync = _sync(device)
+    began = time.perf_counter()
+    if form in ("eager", "liger"):
+        run = model
+    else:
+        backend, _, mode = form.partition("@")
+        run = torch.compile(model, backend=backend, **({"mode": mode} if mode else {}))
+    loss = step(run, model, kwargs).float()
+    sync()
+    row["first_step_s"] = round(time.perf_counter() - began, 2)
+    row["loss_rel_err"] = float((loss - want).abs() / want.abs())
+    row["grads_rel_err"] = rel(grads(model), want_grads)
+    began = time.perf_counter()
+    with torch.no_grad():
+        run(**kwargs)
+    sync()
+    row["first_forward_s"] = round(time.perf_counter() - began, 2)
+    if first_calls_only:
+        return row
+    with torch.no_grad():
+        row["forward_ms"] = time_ms(lambda: run(**kwargs), rounds, device)
+        row["forward_peak_gib"] = peak_gib(lambda: run(**kwargs), device)
+    row["step_ms"] = time_ms(lambda: step(run, model, kwargs), rounds, device)
+    row["step_peak_gib"] = peak_gib(lambda: step(run, model, kwargs), device)
+    return row
+
+
+def _child(args: list, env: dict) -> dict:
+    done = subprocess.run([sys.executable, "-m", "comfuse.bench.models", *args], env=env, capture_output=True,
+                          text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        return {"error": " ".join((done.stderr.strip().splitlines() or ["no output"])[-1].split())[:300]}
+    return json.loads(lines[-1])
+
+
+def run(models=DEFAULT_MODELS, forms=FORMS, out_dir="bench/results/latest", layers: int | None = None,
+        small: bool = False, rounds: int = 5, warm: bool = True, device: str = "auto", progress=print) -> dict:
+    """Every (model, form) in processes of their own (``measure``), cold then warm; the results,
+    also written to ``out_dir``/results.json after each."""
+    from .env import environment
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    unknown = sorted(set(forms) - set(FORMS))
+    if unknown:
+        raise SystemExit(f"unknown candidates {unknown} for --suite models; choose from {', '.join(FORMS)}")
+    unknown = sorted(set(models) - set(MODELS))
+    if unknown:
+        raise SystemExit(f"unknown models {unknown} for --suite models; choose from {', '.join(MODELS)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"meta": dict(environment(device), suite="models", small=small, rounds=rounds), "rows": []}
+    for name in models:
+        depth = layers or (1 if small else DEPTH.get(name, 2))
+        for form in forms:
+            row = {"model": name, "form": form, "layers": depth}
+            why = why_not(name, form, device)
+            if why:
+                results["rows"].append({**row, "skipped": why})
+                continue
+            caches = out / "caches" / f"{name}-{form}"
+            shutil.rmtree(caches, ignore_errors=True)
+            env = dict(os.environ, COMFUSE_CACHE_DIR=str(caches / "comfuse"), TRITON_CACHE_DIR=str(caches / "triton"),
+                       TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"))
+            args = ["--child", name, "--form", form, "--layers", str(depth), "--rounds", str(rounds),
+                    "--device", device] + (["--small"] if small else [])
+            progress(f"{name} ({depth} layer{'' if depth == 1 else 's'}), {form}: cold ...")
+            row.update(_child(args, env))
+            if warm and form not in ("eager", "liger") and "error" not in row:
+                progress(f"{name}, {form}: warm, in a new process ...")
+                again = _child(args + ["--first-calls-only"], env)
+                row["warm"] = {k: again[k] for k in ("first_step_s", "first_forward_s", "error") if k in again}
+            shutil.rmtree(caches, ignore_errors=True)
+            results["rows"].append(row)
+            (out / "results.json").write_text(json.dumps(results, indent=1))
+    return results
+
+
+def _fmt(t) -> str:
+    return f"{t[0]:.3f} [{t[1]:.3f}..{t[2]:.3f}]" if t else "-"
+
+
+def markdown(results: dict) -> str:
+    """The table: per model and form, times with their range, tokens a second, peak memory,
+    first calls cold and warm, and the checks against eager; the step's speed against
+    Inductor's default mode."""
+    meta = results.get("meta", {})
+    lines = [f"# Whole models: {meta.get('gpu') or meta.get('device', '')}, torch {meta.get('torch', '?')}, "
+             f"{'small sizes' if meta.get('small') else 'real sizes'}", "",
+             "| model | form | forward ms [range] | step ms [range] | step tokens/s | step vs Inductor | "
+             "peak GiB fwd / step | first step s cold / warm | first forward s cold / warm | "
+             "loss rel err | grads rel err |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    base = {r["model"]: r["step_ms"][0] for r in results["rows"] if r.get("form") == "inductor" and r.get("step_ms")}
+    for r in results["rows"]:
+        layers = r.get("layers", "?")
+        head = f"| {r['model']} ({layers} layer{'' if layers == 1 else 's'}) | {r['form']} |"
+        if r.get("skipped") or r.get("error"):
+            lines.append(f"{head} {'n/a: ' + r['skipped'] if r.get('skipped') else 'error: ' + r['error']} |" +
+                         " |" * 8)
+            continue
+        step_ms = r.get("step_ms")
+        tokens = f"{r['batch'] * r['seq'] / step_ms[0] * 1e3:,.0f}" if step_ms else "-"
+        speed = f"{base[r['model']] / step_ms[0]:.3f}x" if step_ms and r["model"] in base else "-"
+        warm = r.get("warm", {})
+        peaks = " / ".join(str(r.get(k) if r.get(k) is not None else "-") for k in ("forward_peak_gib", "step_peak_gib"))
+        lines.append(f"{head} {_fmt(r.get('forward_ms'))} | {_fmt(step_ms)} | {tokens} | {speed} | {peaks} | "
+                     f"{r.get('first_step_s', '-')} / {warm.get('first_step_s', '-')} | "
+                     f"{r.get('first_forward_s', '-')} / {warm.get('first_forward_s', '-')} | "
+                     f"{r.get('loss_rel_err', float('nan')):.1e} | {r.get('grads_rel_err', float('nan')):.1e} |")
+    return "\n".join(lines) + "\n"
+
+
+def figures(results: dict, out_dir) -> list:
+    """models.png: per model and form, the training step's and the forward's speed against
+    Inductor's default mode, the step's peak memory and the cold first step; returns the paths
+    written (none without matplotlib)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    rows = [r for r in results["rows"] if r.get("step_ms")]
+    if not rows:
+        return []
+    models = list(dict.fromkeys(r["model"] for r in rows))
+    forms = list(dict.fromkeys(r["form"] for r in rows))
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4.5))
+    width = 0.8 / len(forms)
+    panels = (("step_ms", "training step, x Inductor (default)"), ("forward_ms", "forward with loss, x Inductor"),
+              ("step_peak_gib", "training step, peak GiB"), ("first_step_s", "first step from torch.compile, s (cold)"))
+    for ax, (key, title) in zip(axes, panels):
+        for j, form in enumerate(forms):
+            values = []
+            for m in models:
+                r = next((x for x in rows if x["model"] == m and x["form"] == form), {})
+                base = next((x for x in rows if x["model"] == m and x["form"] == "inductor"), None)
+                v = r.get(key)
+                if key.endswith("_ms"):
+                    v = base[key][0] / v[0] if v and base else None
+                values.append(v or 0.0)
+            ax.bar([i + j * width for i in range(len(models))], values, width, label=form)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(models))], models)
+        ax.set_title(title, fontsize=10)
+        if key.endswith("_ms"):
+            ax.axhline(1.0, color="black", linewidth=0.8)
+        if key == "step_peak_gib" and not any(r.get(key) for r in rows):
+            ax.text(0.5, 0.5, "not measured (no GPU)", ha="center", transform=ax.transAxes)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(out_dir) / "models.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+def write(results: dict, out_dir) -> list:
+    out = Path(out_dir)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "results.md").write_text(markdown(results))
+    return [out / "results.json", out / "results.md", *figures(results, out)]
+
+
+def _main(argv: list) -> None:
+    import argparse
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--child", required=True)
+    parser.add_argument("--form", required=True)
+    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--small", action="store_true")
+    parser.add_argument("--first-calls-only", action="store_true")
+    a = parser.parse_args(argv)
+    print(json.dumps(measure(a.child, a.form, a.layers, a.small, a.rounds, a.device, a.first_calls_only)), flush=True)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
