@@ -144,3 +144,27 @@ def test_a_widening_cast_read_only_outside_is_left_to_its_readers():
     assert any("widening cast" in note for note in cand.notes)
     gm, (cand,) = regions_of(lambda x, w: torch.relu((x @ w).float()), x, w)
     assert len(cand.members) == 3 and cand.outputs[0].node.target is aten.relu.default
+
+
+def test_inductors_online_softmax_prim_is_taken_apart_into_a_region():
+    """On a GPU Inductor's post-grad passes (which run before the backend's) rewrite softmax,
+    log-softmax and cross-entropy into ``prims.prepare_softmax_online`` (a row's max and sum
+    of exponentials in one op). The region finder knows no such op: on the H200 a GEMM +
+    softmax graph reached the pass as a plain GEMM and nothing fused. It is decomposed now,
+    and the region (softmax and a cross-entropy from the same statistics) fuses and matches."""
+    import comfuse
+    import torch._inductor.inductor_prims  # noqa: F401  (registers the prim)
+
+    def f(x, w, t):
+        y = (x @ w).float()
+        m, s = torch.ops.prims.prepare_softmax_online(y, 1)
+        loss = (m + s.log()).squeeze(1) - y.gather(1, t[:, None]).squeeze(1)
+        return torch.exp(y - m) / s, loss.mean()
+    x, w, t = torch.randn(16, 32), torch.randn(32, 100), torch.randint(0, 100, (16,))
+    with comfuse.settings.override(autotune="0"):
+        compiled = comfuse.compile(f, (x, w, t))
+        out = compiled(x, w, t)
+    (region,) = compiled.report.regions
+    assert region.fused and "amax" in region.ops and "exp" in " ".join(region.ops), str(compiled.report)
+    for got, want in zip(out, f(x.double(), w.double(), t)):
+        torch.testing.assert_close(got.double(), want.double(), rtol=1e-5, atol=1e-5)

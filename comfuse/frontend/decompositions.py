@@ -167,6 +167,30 @@ def log_softmax(x, dim, half_to_float):
     return out.to(torch.float32 if half_to_float else x.dtype)
 
 
+def _inductor_prim(name: str):
+    """Inductor's prim ``name`` (its overload), or None where this torch has none."""
+    try:
+        import torch._inductor.inductor_prims  # noqa: F401  (registers Inductor's prims)
+    except ImportError:
+        return None
+    packet = getattr(torch.ops.prims, name, None)
+    return getattr(packet, "default", None)
+
+
+def prepare_softmax_online(x, dim):
+    """Inductor's post-grad passes on a GPU rewrite softmax, log-softmax and cross-entropy into
+    this prim (a row's max and its sum of exp(x - max), one pass); the backend's pass sees
+    their graphs after that, so it is taken apart again into the ops the region finder knows,
+    as Inductor's own eager form of it computes them (in the input's dtype)."""
+    amax = x.amax(dim, keepdim=True)
+    return amax, (x - amax).exp().sum(dim, keepdim=True)
+
+
+_ONLINE = _inductor_prim("prepare_softmax_online")
+if _ONLINE is not None:
+    DECOMPOSITIONS[_ONLINE] = prepare_softmax_online
+
+
 # ---- activations -------------------------------------------------------------------------
 
 @_register("gelu.default")
