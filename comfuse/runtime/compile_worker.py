@@ -10,7 +10,7 @@ from stdin and answers on stdout, each a length-prefixed pickle:
   ``specialization_data``), and the parent's Triton cache directory. The worker compiles
   it with ``JITFunction.preload``, which builds the same source and options, so the result
   lands under the key the parent's JIT looks up; the answer is ``(True, seconds)`` or
-  ``(False, why)``; a request ``PING`` only answers.
+  ``(False, why)``.
 
 The worker needs no GPU: a stand-in driver reports the parent's target. It never runs
 the parent's ``__main__`` (which a ``multiprocessing`` spawn would import).
@@ -24,8 +24,6 @@ import pickle
 import struct
 import sys
 import time
-
-PING = "ping"
 
 
 def send(stream, value) -> None:
@@ -76,11 +74,8 @@ def kernel_function(module: str, path: str | None, function: str):
 
 
 def compile_one(request) -> float:
-    """Compile one request into Triton's cache; its seconds (a request of ``PING`` only
-    answers)."""
+    """Compile one request into Triton's cache; its seconds."""
     from triton import knobs
-    if request == PING:
-        return 0.0
     module, path, function, specialization, cache_dir = request
     began = time.perf_counter()
     knobs.cache.dir = cache_dir
@@ -98,6 +93,11 @@ def main() -> None:
         return
     from triton.runtime.driver import driver
     driver.set_active(TargetDriver(target))
+    # what every generated kernel's module imports (torch among them: seconds), loaded before
+    # the worker says it is ready rather than at its first request
+    import triton.compiler  # noqa: F401
+
+    import comfuse.codegen.triton.helpers  # noqa: F401
     send(channel_out, (True, "ready"))
     while True:
         request = receive(channel_in)

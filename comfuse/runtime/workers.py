@@ -23,7 +23,7 @@ import threading
 from concurrent.futures import Future
 
 from ..errors import notice_once
-from .compile_worker import PING, receive, send
+from .compile_worker import receive, send
 
 log = logging.getLogger("comfuse.tuning")
 
@@ -57,11 +57,6 @@ class Workers:
         else:
             self.jobs.put((future, request))
         return future
-
-    def wait_ready(self) -> None:
-        """Return once every worker has started (or the pool has failed)."""
-        for future in [self.submit(PING) for _ in self.threads]:
-            future.exception()
 
     def stop(self) -> None:
         for _ in self.threads:
