@@ -76,13 +76,13 @@ def run_script(body: str, tmp_path) -> dict:
 
 
 def test_workers_compile_what_the_jit_then_finds_in_its_cache(tmp_path):
-    """Candidates' first compilations started in threads run in the worker processes: the
-    JIT then compiles none of them itself (each a hit in Triton's cache) and returns the
-    kernels; a kernel that is not comfuse's is left to the JIT."""
+    """Once the workers have started, candidates' first compilations started in threads run in
+    them: the JIT then compiles none of them itself (each a hit in Triton's cache) and returns
+    the kernels; a kernel that is not comfuse's is left to the JIT."""
     result = run_script("""
         jobs = [aot.warmup_arguments(p) for p in plans(3)]
         pool = workers.Workers(2, TARGET)
-        began = time.perf_counter()
+        assert pool.wait(120), pool.broken
         with workers.compiling_in(pool):
             errors = warm_in_threads(jobs)
         kernels = [fn.warmup(*args, grid=(1,), **options) for fn, args, options in jobs]
@@ -95,8 +95,8 @@ def test_workers_compile_what_the_jit_then_finds_in_its_cache(tmp_path):
 
 
 def test_without_working_workers_the_jit_compiles_as_before(tmp_path):
-    """A pool whose workers do not start (here: each exits at once) fails every request at
-    once, and the JIT compiles the kernels in this process, correctly."""
+    """Until the workers have started, or where they cannot (here: each exits at once), the
+    JIT compiles the kernels in this process, correctly."""
     result = run_script("""
         import sys
         workers.worker_command = lambda: [sys.executable, "-c", "pass"]

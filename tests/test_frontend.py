@@ -160,7 +160,9 @@ def test_inductors_online_softmax_prim_is_taken_apart_into_a_region():
         m, s = torch.ops.prims.prepare_softmax_online(y, 1)
         loss = (m + s.log()).squeeze(1) - y.gather(1, t[:, None]).squeeze(1)
         return torch.exp(y - m) / s, loss.mean()
-    x, w, t = torch.randn(16, 32), torch.randn(32, 100), torch.randint(0, 100, (16,))
+    from helpers import DEVICE
+    x, w = torch.randn(16, 32, device=DEVICE), torch.randn(32, 100, device=DEVICE)
+    t = torch.randint(0, 100, (16,), device=DEVICE)
     with comfuse.settings.override(autotune="0"):
         compiled = comfuse.compile(f, (x, w, t))
         out = compiled(x, w, t)
