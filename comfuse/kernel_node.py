@@ -194,8 +194,11 @@ def launch_from_inductor(graph: fx.Graph, call: fx.Node, module, ext_nodes: list
         # the kernel takes its tensors' strides as constants: Inductor must hand it buffers
         # with exactly these strides (copying one it laid out otherwise, rows padded for
         # alignment, say), not only in this order, as it does for a traced user kernel
-        launch.meta["eager_input_vals"] = ((), {**launch.kwargs, "kwargs": {
-            name: node.meta["val"] for name, node in tensors.items()}})
+        # (recorded as Dynamo records it for a traced kernel: the node's arguments, each node its
+        # value and anything else None, in fx's immutable containers, which Inductor's own
+        # rewrites of the node compare structure with; plain dicts there fail its lowering)
+        launch.meta["eager_input_vals"] = fx.node.map_aggregate(
+            (launch.args, launch.kwargs), lambda v: v.meta.get("val") if isinstance(v, fx.Node) else None)
         by_output = {j: name for name, j in written if j is not None}
         for user in list(call.users):
             if user.op != "call_function" or user.target is not operator.getitem:

@@ -1058,6 +1058,12 @@ def test_a_kernel_inductor_launches_asks_for_the_exact_strides_it_was_built_for(
     (node,) = [n for n in lowered.gm.graph.nodes if "triton_kernel_wrapper" in str(n.target)]
     args, kwargs = node.meta["eager_input_vals"]
     assert args == () and set(kwargs) == set(node.kwargs)
+    # in fx's immutable containers, as Dynamo records them: Inductor's rewrites of the node
+    # match their structure against the node's own (plain dicts failed BERT's lowering on the
+    # H200: "Type mismatch; expected immutable_dict, but got dict")
+    from torch.fx.immutable_collections import immutable_dict
+    assert type(kwargs) is immutable_dict and type(kwargs["kwargs"]) is immutable_dict
+    assert kwargs["kernel_idx"] is None  # (what is not a node carries no value)
     built = {name: (v.shape, v.stride()) for name, v in kwargs["kwargs"].items()}
     graph = {name: (n.meta["val"].shape, n.meta["val"].stride()) for name, n in node.kwargs["kwargs"].items()}
     assert built == graph and (torch.Size([64, 2000]), (2000, 1)) in built.values()
