@@ -243,6 +243,13 @@ class BackwardChoice:
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 _step(self.compiled, args)()
+        except Exception as e:  # (its backward, lowered with the pass, failed: it would again)
+            fallback("lowering the backward with comfuse's regions failed", e,
+                     "Inductor's compilation of the graph without them runs")
+            self.on_choice(INDUCTOR)
+            with own_compilation():
+                return self.compile_plain()
+        try:
             fused = self.regions.fused
             if not fused:
                 self.on_choice(UNFUSED)

@@ -801,6 +801,38 @@ def test_a_backward_that_fuses_where_the_forward_did_not_is_timed_against_induct
     torch.testing.assert_close(got, (x.grad, model.w.grad), rtol=1e-4, atol=1e-5)
 
 
+def test_a_backward_that_fails_to_lower_with_regions_runs_inductors_compilation(monkeypatch, fused_regions_win):
+    """Inductor lowers the backward at the first backward, after the pass, where comfuse's
+    pass cannot catch what fails (on the H200 a kernel node's metadata failed Inductor's own
+    rewrite of it, and BERT's first backward crashed). The first call's step meets it: the
+    graph then runs Inductor's compilation without regions, with a warning, and the
+    gradients are eager's."""
+    from comfuse import backend, inductor_pass
+    real = inductor_pass.RegionPass.__call__
+
+    def failing(self, graph):
+        real(self, graph)
+        if inductor_pass.graph_kind(graph) == "backward":
+            raise RuntimeError("Inductor's lowering failed after the pass")
+    monkeypatch.setattr(inductor_pass.RegionPass, "__call__", failing)
+    torch.manual_seed(0)
+    model = NormThenCumsum().to(DEVICE)
+    x = torch.randn(2, 5, 32, device=DEVICE, requires_grad=True)
+    torch._dynamo.reset()
+    cm = torch.compile(model, dynamic=False, backend=lambda gm, ex: backend.comfuse_backend(
+        gm, ex, {"autotune": "1", "graph_check": "1"}))
+    with pytest.warns(comfuse.errors.FallbackWarning, match="lowering the backward with comfuse's regions failed"):
+        cm(x).square().sum().backward()
+    got = (x.grad.clone(), model.w.grad.clone())
+    x.grad = model.w.grad = None
+    cm(x).square().sum().backward()  # (and again, from the compilation kept)
+    again = (x.grad.clone(), model.w.grad.clone())
+    x.grad = model.w.grad = None
+    model(x).square().sum().backward()
+    torch.testing.assert_close(got, (x.grad, model.w.grad), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(again, got, rtol=1e-4, atol=1e-5)
+
+
 def test_a_backward_that_fuses_nothing_costs_no_compilation_more(monkeypatch):
     """The forward and the backward keep no fused region (gemm_epilogue fusion off): after
     the first step, the graph runs as compiled; Inductor's compilation without regions is
