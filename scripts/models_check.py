@@ -294,6 +294,9 @@ def main() -> None:
     ap.add_argument("--first-call-child", default="", help=argparse.SUPPRESS)
     ap.add_argument("--report", default="", help="only write the tables of this JSONL file to stdout")
     ap.add_argument("--forms", default="inductor,comfuse,forced,forced-op")
+    ap.add_argument("--threads-only", action="store_true",
+                    help="compile autotuning's candidates in threads only, without comfuse's compile workers "
+                         "(to measure what the workers save)")
     ap.add_argument("--log", nargs="?", const="info", default="", choices=("info", "debug"),
                     help="comfuse's progress on stderr (debug: each candidate's times too), with ms since the start")
     args = ap.parse_args()
@@ -303,6 +306,9 @@ def main() -> None:
         handler.setFormatter(logging.Formatter("%(relativeCreated)9.0f ms %(name)s: %(message)s"))
         logging.getLogger("comfuse").addHandler(handler)
         logging.getLogger("comfuse").setLevel(logging.DEBUG if args.log == "debug" else logging.INFO)
+    if args.threads_only:
+        from comfuse.runtime import tuning
+        tuning.COMPILE_IN_WORKERS = False
     if args.report:
         print(markdown([json.loads(line) for line in open(args.report) if line.strip()]), end="")
         return
