@@ -145,3 +145,26 @@ def test_a_cooperative_grid_is_sized_by_the_compilation_its_launch_runs(monkeypa
     (warm,) = warmed
     kind = lambda v: native_specialize_impl(BaseBackend, v, False, True, True)  # noqa: E731
     assert kind(warm[slot_param[0]]) == kind(groups)
+
+
+def test_compile_workers_are_as_many_as_inductors_own(monkeypatch):
+    """The workers follow Inductor's own compile parallelism (TORCHINDUCTOR_COMPILE_THREADS,
+    at most 16): a user who limits Inductor's workers, or turns them off with 1, limits or
+    turns off comfuse's too."""
+    import contextlib
+
+    import torch._inductor.config as inductor_config
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    from comfuse.runtime import tuning, workers
+    from comfuse.runtime.compile_worker import TargetDriver
+    started = []
+    monkeypatch.setattr(workers, "start", lambda target, count: started.append((target, count)) or "pool")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(driver, "_active", TargetDriver(GPUTarget("cuda", 90, 32)))
+    for threads, expected in ((1, None), (4, 4), (64, 16)):
+        monkeypatch.setattr(inductor_config, "compile_threads", threads)
+        assert tuning.start_workers(torch.device("cuda")) == (expected and "pool")
+    assert [count for _, count in started] == [4, 16]

@@ -369,12 +369,14 @@ def start_workers(device: torch.device):
     """The process's compile workers for ``device``'s GPU (started now if they are not yet:
     their start-up, a Python with torch and Triton, overlaps what comes before the first
     compilation), or None where they are not used."""
-    if not COMPILE_IN_WORKERS or device.type != "cuda" or not torch.cuda.is_available():
+    # as many as Inductor's own compile workers (TORCHINDUCTOR_COMPILE_THREADS: 1 turns both off)
+    count = min(workers.MAX_WORKERS, torch._inductor.config.compile_threads or os.cpu_count() or 1)
+    if not COMPILE_IN_WORKERS or count < 2 or device.type != "cuda" or not torch.cuda.is_available():
         return None
     from triton.runtime.driver import driver
     with torch.cuda.device(device):
         target = driver.active.get_current_target()
-    return workers.start(target)
+    return workers.start(target, count)
 
 
 def decide(names: list, run_fused, run_unfused, device: torch.device, tol: float | None = None,
