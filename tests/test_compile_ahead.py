@@ -159,12 +159,14 @@ def test_compile_workers_are_as_many_as_inductors_own(monkeypatch):
 
     from comfuse.runtime import tuning, workers
     from comfuse.runtime.compile_worker import TargetDriver
+    before = inductor_config.compile_threads
     started = []
     monkeypatch.setattr(workers, "start", lambda target, count: started.append((target, count)) or "pool")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
     monkeypatch.setattr(driver, "_active", TargetDriver(GPUTarget("cuda", 90, 32)))
     for threads, expected in ((1, None), (4, 4), (64, 16)):
-        monkeypatch.setattr(inductor_config, "compile_threads", threads)
-        assert tuning.start_workers(torch.device("cuda")) == (expected and "pool")
+        with inductor_config.patch(compile_threads=threads):  # (Inductor's own way: restored after)
+            assert tuning.start_workers(torch.device("cuda")) == (expected and "pool")
     assert [count for _, count in started] == [4, 16]
+    assert inductor_config.compile_threads == before

@@ -370,7 +370,7 @@ def start_workers(device: torch.device):
     their start-up, a Python with torch and Triton, overlaps what comes before the first
     compilation), or None where they are not used."""
     # as many as Inductor's own compile workers (TORCHINDUCTOR_COMPILE_THREADS: 1 turns both off)
-    count = min(workers.MAX_WORKERS, torch._inductor.config.compile_threads or os.cpu_count() or 1)
+    count = min(workers.MAX_WORKERS, getattr(torch._inductor.config, "compile_threads", None) or os.cpu_count() or 1)
     if not COMPILE_IN_WORKERS or count < 2 or device.type != "cuda" or not torch.cuda.is_available():
         return None
     from triton.runtime.driver import driver
