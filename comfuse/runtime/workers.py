@@ -47,6 +47,7 @@ class Workers:
         self.jobs: queue.Queue = queue.Queue()
         self.broken = ""  # why the workers stopped, once they have
         self.started = 0  # workers that have started (imports done)
+        self._count_lock = threading.Lock()
         self.threads = [threading.Thread(target=self._serve, name=f"comfuse-worker-{i}", daemon=True)
                         for i in range(count)]
         for thread in self.threads:
@@ -86,7 +87,8 @@ class Workers:
             send(proc.stdin, self.target)
             if receive(proc.stdout) != (True, "ready"):
                 raise RuntimeError("a compile worker did not start")
-            self.started += 1
+            with self._count_lock:
+                self.started += 1
         except Exception as e:
             self._fail(f"{type(e).__name__}: {e}")
             return
