@@ -126,6 +126,7 @@ def tune_on_random_inputs(fused: fx.GraphModule) -> None:
     decide at their first call. A region whose candidates Inductor's wrapper launches is
     timed by CUDA-graph replays (``launched_by_inductor``), unless COMFUSE_TUNE_TIMING says
     otherwise."""
+    started = set()  # (devices whose compile workers were asked for)
     for node in fused.graph.nodes:
         if node.op != "call_module":
             continue
@@ -133,7 +134,8 @@ def tune_on_random_inputs(fused: fx.GraphModule) -> None:
         tensors = [v for v in vals if isinstance(v, torch.Tensor)]
         if not tensors or not (tensors[0].device.type == "cuda" or tuning.enabled(tensors[0].device)):
             continue
-        if tensors[0].device.type == "cuda" and tuning.enabled(tensors[0].device):
+        if tensors[0].device.type == "cuda" and tuning.enabled(tensors[0].device) and tensors[0].device not in started:
+            started.add(tensors[0].device)
             tuning.start_workers(tensors[0].device)  # (their start-up overlaps the unfused ops' compile)
         module = fused.get_submodule(node.target)
         timing = {"tune_timing": "graph"} if launched_by_inductor(module) and not settings_mod.chosen(
