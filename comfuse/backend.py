@@ -31,7 +31,7 @@ import torch.fx as fx
 from . import settings as settings_mod
 from . import verdicts
 from .errors import fallback, notice_once
-from .graph_check import GRAPH_CHECKS, backward_checked, faster_graph, own_compilation  # noqa: F401  (GRAPH_CHECKS: for inspection)
+from .graph_check import GRAPH_CHECKS, backward_checked, faster_graph, later_compilation  # noqa: F401  (GRAPH_CHECKS: for inspection)
 from .inductor_pass import REPORTS, RegionPass, settings_text, symbolic  # noqa: F401  (REPORTS: for inspection)
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -94,8 +94,7 @@ def comfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = N
     record = verdicts.load(stored)
     if record is not None and record["kept"] == verdicts.INDUCTOR:
         _remember(key, verdicts.INDUCTOR)
-        with own_compilation():  # (as the first call's check compiled it: Inductor's caches answer)
-            return _inductor(gm, list(example_inputs), opts)
+        return _inductor(gm, example_inputs, opts)  # (as the first call's check compiled it: caches answer)
     compiled, regions = _compile_with_regions(gm, example_inputs, opts, passes=passes, cacheable=passes is None)
     if compiled is None:
         return _inductor(gm, example_inputs, opts)
@@ -105,19 +104,19 @@ def comfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = N
         _remember(key, record["kept"])
         return compiled
     on_choice = functools.partial(_decided, key, stored, regions.fused)
+    # Inductor's compilation of the graph without regions, to time against the fused one
+    plain = later_compilation(lambda: _inductor(gm, list(example_inputs), opts))
     if not regions.calls and passes is None:
         # Inductor's caches answered for a graph whose verdict is not stored (lost, or
         # written by no process): what it fuses is not known here, so it is checked whole
         with settings_mod.override(**opts["settings"]):
-            return faster_graph(gm, example_inputs, compiled, 1, False,
-                                lambda: _inductor(gm, list(example_inputs), opts), on_choice=on_choice)
+            return faster_graph(gm, example_inputs, compiled, 1, False, plain, on_choice=on_choice)
     if not regions.fused:  # (nothing fused in the forward: the graph is Inductor's, its backward aside)
         with settings_mod.override(**opts["settings"]):
-            return backward_checked(gm, example_inputs, compiled, regions,
-                                    lambda: _inductor(gm, list(example_inputs), opts), on_choice=on_choice)
+            return backward_checked(gm, example_inputs, compiled, regions, plain, on_choice=on_choice)
     with settings_mod.override(**opts["settings"]):
-        return faster_graph(gm, example_inputs, compiled, regions.fused, regions.saves_memory,
-                            lambda: _inductor(gm, list(example_inputs), opts), on_choice=on_choice)
+        return faster_graph(gm, example_inputs, compiled, regions.fused, regions.saves_memory, plain,
+                            on_choice=on_choice)
 
 
 # What the backend kept for a graph at its first, static sizes, by the graph's frame and

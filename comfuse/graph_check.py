@@ -8,6 +8,7 @@ backward, turns out to fuse a region (``BackwardChoice``). Each decision is logg
 """
 from __future__ import annotations
 
+import copy
 import logging
 import statistics
 import time
@@ -27,14 +28,21 @@ GRAPH_MARGIN = 0.99  # the graph with fused regions must run at least 1 % faster
 GRAPH_CHECKS: list = []  # the last few whole-graph comparisons (dicts), newest last, for inspection
 
 
-def own_compilation():
-    """The context of a compilation of its own, outside Dynamo's (Inductor's compilation of a
-    graph without regions, to time it): a tracing context with a fake mode and a shape
-    environment of its own, in which Inductor's caches store and find the compiled graph as
-    they do inside Dynamo's compilation (without one they are bypassed)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-    return torch._guards.tracing(torch._guards.TracingContext(FakeTensorMode(shape_env=ShapeEnv())))
+def later_compilation(compile_fn):
+    """``compile_fn`` (Inductor's compilation of a graph Dynamo is handing over now), made
+    to run later (at the graph's first call, or now) as if Dynamo's compilation were still
+    under way: in a copy of Dynamo's tracing context, as AOTAutograd compiles a backward
+    lazily. The copy leaves Dynamo's own context as the fused graph's backward will find it.
+    Compiled in a context of its own (a fresh fake mode and shape environment), BERT's
+    decoder GEMM lost Inductor's padding (``pad_mm`` did not even consider it) and ran
+    3.24 ms a step against Inductor alone's 1.11 ms (H200, 2026-12-05; ``scripts/standin_check.py``).
+    Outside Dynamo's compilation, ``compile_fn`` runs with no tracing context."""
+    context = torch._guards.TracingContext.try_get()
+
+    def compile_later():
+        with torch._guards.tracing(copy.copy(context) if context is not None else None):
+            return compile_fn()
+    return compile_later
 
 
 def _told_no_one(kept: str) -> None:
@@ -135,8 +143,7 @@ def faster_graph(gm: fx.GraphModule, example_inputs, fused, regions: int, saves_
         return fused
     try:
         if plain is None:
-            with own_compilation():
-                plain = compile_plain()
+            plain = compile_plain()
     except Exception as e:  # keep the fused graph: each of its regions won its own timing
         fallback("compiling the graph without fused regions, to time it, failed", e, "the fused graph runs")
         on_choice(FUSED)
@@ -247,8 +254,7 @@ class BackwardChoice:
             fallback("lowering the backward with comfuse's regions failed", e,
                      "Inductor's compilation of the graph without them runs")
             self.on_choice(INDUCTOR)
-            with own_compilation():
-                return self.compile_plain()
+            return self.compile_plain()
         try:
             fused = self.regions.fused
             if not fused:
@@ -256,8 +262,7 @@ class BackwardChoice:
                 return self.compiled
             log.info("backend: the backward kept %d fused region(s) where the forward kept none: "
                      "timing the graph against Inductor's", fused)
-            with own_compilation():
-                plain = self.compile_plain()
+            plain = self.compile_plain()
         except Exception as e:
             fallback("checking the graph whose backward fused regions failed", e, "the graph runs as compiled")
             return self.compiled

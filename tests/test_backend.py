@@ -833,6 +833,42 @@ def test_a_backward_that_fails_to_lower_with_regions_runs_inductors_compilation(
     torch.testing.assert_close(again, got, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_inductors_graph_is_compiled_for_the_check_as_inductor_alone_compiles_it(monkeypatch, fused_regions_win,
+                                                                               grad):
+    """The graph the whole-graph check times against the fused one, and keeps where it wins,
+    is Inductor's own compilation: in Dynamo's fake mode, as Inductor alone compiles (in a
+    fake mode of its own, BERT's decoder GEMM lost Inductor's padding on the H200 and the
+    user got a step 13 % slower than Inductor's); Dynamo's tracing context itself is left
+    as the fused graph's backward will find it."""
+    from comfuse import backend, graph_check
+    seen = {}
+    inductor = backend._inductor
+
+    def recorded(gm, example_inputs, opts):
+        context = torch._guards.TracingContext.try_get()
+        seen.setdefault("plain", []).append((context.fake_mode, context))
+        return inductor(gm, example_inputs, opts)
+    monkeypatch.setattr(backend, "_inductor", recorded)
+    monkeypatch.setattr(graph_check, "_time_graphs", lambda calls, device: {n: 1.0 for n in calls})
+
+    def comfuse(gm, example_inputs):
+        context = torch._guards.TracingContext.try_get()
+        seen["dynamo"] = (context.fake_mode, context)
+        return backend.comfuse_backend(gm, example_inputs, {"autotune": "1", "graph_check": "1"})
+    model = PostNorm().to(DEVICE)
+    x, r = torch.randn(2, 5, 32, device=DEVICE), torch.randn(2, 5, 48, device=DEVICE)
+    if grad:  # (the forward fuses: the check is a GraphChoice with a training step)
+        x.requires_grad_(True)
+    torch._dynamo.reset()
+    with torch.set_grad_enabled(grad):
+        torch.compile(model, dynamic=False, backend=comfuse)(x, r)
+    assert backend.GRAPH_CHECKS[-1]["kept"] == "inductor"  # (timed equal: the fused graph must win by 1 %)
+    assert len(seen["plain"]) == 1
+    (fake_mode, context), = seen["plain"]
+    assert fake_mode is seen["dynamo"][0] and context is not seen["dynamo"][1]
+
+
 def test_a_backward_that_fuses_nothing_costs_no_compilation_more(monkeypatch):
     """The forward and the backward keep no fused region (gemm_epilogue fusion off): after
     the first step, the graph runs as compiled; Inductor's compilation without regions is
