@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..ir import canonical_shape, evaluate, evaluate_with_scale
+from ..planner.cost import estimate_ms
 from . import tuning
 from .build import build, kernel_name
 from ..errors import KernelMismatch
@@ -40,7 +41,21 @@ class FusedRegion(Fused):
         return [(shape, out.dtype) for shape, out in zip(self.out_shapes, self.region.outputs)]
 
     def tune(self, ext, device) -> None:
-        """Pick the fastest of the candidate plans and the unfused ops (runtime/tuning.py)."""
+        """Pick the fastest of the candidate plans and the unfused ops (runtime/tuning.py),
+        among the candidates the cost model shortlists; none where it predicts that the ops
+        win (planner/cost.py)."""
+        why = tuning.predicted_loss(self.alternatives, self.region, device)
+        if why:
+            tuning.log.info("region at %s: %s", self.report.anchor, why)
+            self.prefer_unfused = True
+            self.report.fused, self.report.reason = False, why
+            self.tuned.add(device)
+            return
+        plans = tuning.shortlisted(self.alternatives, self.region, device)
+        if len(plans) < len(self.alternatives):
+            tuning.log.info("region at %s: %d of %d candidate plans shortlisted by their estimates",
+                            self.report.anchor, len(plans), len(self.alternatives))
+            self.alternatives = plans
         names = [kernel_name(p) for p in self.alternatives]
         kernels = {}  # built on the first call: the timed calls only launch
 
@@ -50,7 +65,8 @@ class FusedRegion(Fused):
             return self.run(ext, device, kernels[i])
         s = self.region.sizes
         about = {"sizes": {"B": s.B, "M": s.M, "N": s.N, "K": s.K}, "kind": self.report.kind,
-                 "plans": {n: tuning.plan_fields(p) for n, p in zip(names, self.alternatives)}}
+                 "plans": {n: dict(tuning.plan_fields(p), estimate_ms=estimate_ms(p))
+                           for n, p in zip(names, self.alternatives)}}
         decision = self.autotune(ext, device, tuning.key(self.region, device), names, run_fused, about)
         kept = tuning.memory_first(self.region, decision) if decision["choice"] == tuning.UNFUSED else ""
         if kept:  # slower fused, but the unfused ops would hold a huge intermediate

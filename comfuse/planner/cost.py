@@ -1,0 +1,123 @@
+"""The cost model: which of a region's candidate plans are worth compiling and timing on a GPU.
+
+Compiling a candidate costs seconds (Triton's compiler, on the host); timing it costs the
+GPU's time. A model's first call through the backend tuned every region it found, and on
+the H200 that was 95 of BERT's 116 seconds, for regions that all kept Inductor's code. So
+before anything is compiled:
+
+1. **What each schedule has ever reached** (``BEST_SEEN``): per schedule, the best time its
+   plans reached against the region's unfused ops as Inductor compiles them, over every
+   stored autotuning decision in the benchmark results on the H200. A region none of whose
+   candidates belongs to a schedule that has ever been ``MIN_GAIN`` faster than the ops is
+   not tuned: its ops go to Inductor at once. Inside Inductor's compilation this is the
+   common case: only the one-launch Triton plans can be launched by Inductor's wrapper, and
+   the cooperative and row-in-CTA plans of a row reduction (LayerNorm, RMSNorm, softmax)
+   never beat Inductor's code for the same ops (best 0.99 and 1.45 of its time); the
+   warp-specialised Gluon kernels that do (0.69-0.97) run only through comfuse's own launch.
+2. **A roofline estimate** (``estimate_ms``) ranks the rest: the GEMM's tile grid in waves
+   over the SMs at the measured GEMM rate, plus the bytes the kernel reads and writes at the
+   measured copy bandwidth, plus a fixed cost per launch. Only the plans of the
+   ``SHORTLIST`` best tile shapes are compiled and timed. It orders tile shapes (wave
+   quantisation, tiles wasted at the edges) and schedules (a second launch); it cannot tell a
+   shape's forms apart (mainloop, grid), which are all kept, and it is not trusted to decide
+   between a plan and the unfused ops, which autotuning measures.
+
+Each stored decision records the estimates beside the measured times (``about``), so the
+constants can be fitted again as decisions accumulate (``scripts/plan_record.py``).
+"""
+from __future__ import annotations
+
+from .records import Plan
+
+# Best measured time of a schedule's plans over the region's unfused ops (Inductor's code
+# for them, timed as CUDA-graph replays), across the stored decisions of
+# bench/results/2026-12-01-h200-models, 2026-12-03-h200-paper-* and 2026-12-03-h200-b2b-*
+# (H200; per schedule: regions measured, best ratio). A schedule absent here has no record
+# and is always tuned.
+BEST_SEEN = {
+    "tile": 0.94,  # 4 regions (0.94-1.02): pointwise epilogues
+    "split": 0.95,  # 1 region: a loss over a 32768 vocabulary
+    "cooperative": 0.99,  # 19 regions (0.99-1.78): row reductions
+    "row_in_cta": 1.45,  # 14 regions (1.45-5.10): row reductions
+    "ws_stages": 0.69,  # 17 regions (0.69-0.97)
+    "ws_strip": 0.86,  # 16 regions (0.86-1.10)
+}
+MIN_GAIN = 0.02  # a schedule must have been at least this much faster than the ops to be tried
+SHORTLIST = 3  # tile shapes compiled and timed per region (each in all its forms), best estimates first
+
+# the H200's measured ceilings (bench/results/2026-12-03-h200-paper-comfuse: bf16 GEMM
+# 753 TFLOP/s on random data, copy 4.24 TB/s), a tile's share of the GEMM rate, and the fixed
+# cost of a launch inside a graph (its ramp and tail)
+GEMM_TFLOPS = {2: 750.0, 4: 60.0}  # by operand bytes: bf16 / fp16, fp32 (no TF32)
+COPY_TBPS = 4.2
+LAUNCH_MS = 0.003
+SM_COUNT = 132
+
+
+def may_win(plans: list[Plan]) -> bool:
+    """Whether some plan's schedule has ever beaten a region's unfused ops by ``MIN_GAIN``
+    (or has no record yet)."""
+    return any(BEST_SEEN.get(p.schedule, 0.0) <= 1.0 - MIN_GAIN for p in plans)
+
+
+def why_not_tuned(plans: list[Plan]) -> str:
+    """'' where ``plans`` may win, else the reason the region's ops are kept untimed."""
+    if may_win(plans):
+        return ""
+    seen = sorted({p.schedule for p in plans})
+    best = ", ".join(f"{s} {BEST_SEEN[s]:.2f}" for s in seen)
+    return (f"predicted: no candidate it can launch here ({', '.join(seen)}) has beaten the ops' "
+            f"Inductor code anywhere measured (best time over the ops': {best}); not tuned")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _elements(axes, sizes) -> int:
+    n = 1
+    for axis in axes:
+        n *= sizes.of(axis)
+    return n
+
+
+def moved_bytes(plan: Plan) -> int:
+    """Bytes a plan's kernel reads and writes at least: both operands once, every side input
+    and every output."""
+    r, s = plan.region, plan.region.sizes
+    a = r.gemm.a.dtype.itemsize
+    operands = (s.B * s.M * s.K + (s.B if r.gemm.batched else 1) * s.K * s.N) * a
+    sides = sum(_elements(i.axes, s) * i.dtype.itemsize for i in r.inputs)
+    outs = sum(_elements(o.axes, s) * o.dtype.itemsize for o in r.outputs)
+    return operands + sides + outs
+
+
+def estimate_ms(plan: Plan, sm_count: int = SM_COUNT) -> float:
+    """A roofline time of ``plan``: its tile grid's waves over the SMs at the GEMM rate (each
+    wave as long as one tile's mainloop on one SM), then its bytes at the copy bandwidth
+    (a Triton plan's epilogue follows its mainloop), and a fixed cost per launch."""
+    r, s = plan.region, plan.region.sizes
+    rate = GEMM_TFLOPS.get(r.gemm.a.dtype.itemsize, GEMM_TFLOPS[4]) * 1e12 / sm_count  # FLOP/s an SM
+    tiles = s.B * _cdiv(s.M, plan.block_m) * _cdiv(s.N, plan.block_n)
+    waves = _cdiv(tiles, sm_count)
+    mainloop = waves * 2.0 * plan.block_m * plan.block_n * s.K / rate * 1e3
+    memory = moved_bytes(plan) / (COPY_TBPS * 1e12) * 1e3
+    launches = 2 if plan.schedule in ("split", "ws_split") else 1
+    return mainloop + memory + launches * LAUNCH_MS
+
+
+def _shape(plan: Plan) -> tuple:
+    return plan.schedule, plan.block_m, plan.block_n, plan.block_k, plan.num_warps
+
+
+def shortlist(plans: list[Plan], count: int = SHORTLIST, sm_count: int = SM_COUNT) -> list[Plan]:
+    """The plans of the ``count`` tile shapes (schedule, tile, warps) with the least
+    estimates, each in all its forms (mainloop, grid, prefetch: the roofline cannot tell
+    those apart), in the order given."""
+    best = {}
+    for p in plans:
+        best[_shape(p)] = min(best.get(_shape(p), float("inf")), estimate_ms(p, sm_count))
+    if len(best) <= count:
+        return list(plans)
+    kept = set(sorted(best, key=lambda shape: best[shape])[:count])  # (stable: ties keep the planner's order)
+    return [p for p in plans if _shape(p) in kept]

@@ -1,0 +1,124 @@
+"""The cost model (planner/cost.py): which candidates a region compiles and times on a GPU."""
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import comfuse
+from comfuse.frontend.capture import capture
+from comfuse.frontend.regions import find_regions
+from comfuse.kernel_node import why_plan_not_launched
+from comfuse.planner import candidates, cost
+from comfuse.planner.gluon import GLUON_SCHEDULES
+from comfuse.runtime import tuning
+
+from helpers import DEVICE
+
+BF = torch.bfloat16
+CUDA = torch.device("cuda")
+
+
+def region(fn, *shapes):
+    """The one region of ``fn`` on bf16 tensors of ``shapes`` (on the CPU: only sizes matter)."""
+    (cand,) = find_regions(capture(fn, tuple(torch.randn(s, dtype=BF) for s in shapes)))
+    return cand.region
+
+
+def post_norm(x, w, r, g, b):  # BERT's attention output: GEMM, residual, LayerNorm
+    return F.layer_norm(x @ w + r, (w.shape[1],), g, b)
+
+
+def gelu(x, w, b):  # BERT's intermediate layer
+    return F.gelu(x @ w + b)
+
+
+@pytest.fixture
+def an_h200(monkeypatch):
+    """The cost model asked about a GPU its record was measured on."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+
+
+def test_a_row_reduction_whose_launchable_plans_never_won_is_not_tuned(an_h200):
+    """BERT's attention output inside Inductor's compilation: the plans Inductor can launch
+    are cooperative and row-in-CTA ones, which never beat Inductor's code for the ops on the
+    H200; the region is not tuned. With its Gluon plans (comfuse's own launch) it is."""
+    r = region(post_norm, (8192, 768), (768, 768), (8192, 768), (768,), (768,))
+    plans = candidates(r, target="cuda")
+    launchable = [p for p in plans if not why_plan_not_launched(p)]
+    assert launchable and {p.schedule for p in launchable} <= {"cooperative", "row_in_cta"}
+    why = tuning.predicted_loss(launchable, r, CUDA)
+    assert why.startswith("predicted") and "cooperative 0.99" in why
+    assert tuning.predicted_loss(plans, r, CUDA) == ""  # (ws_stages has won: 0.69 of the ops' time)
+    assert cost.may_win(plans) and not cost.may_win(launchable)
+
+
+def test_the_prediction_holds_only_where_it_was_measured_and_nothing_is_forced(monkeypatch, an_h200):
+    r = region(post_norm, (8192, 768), (768, 768), (8192, 768), (768,), (768,))
+    launchable = [p for p in candidates(r, target="cuda") if not why_plan_not_launched(p)]
+    assert tuning.predicted_loss(launchable, r, torch.device("cpu")) == ""
+    with comfuse.settings.override(schedule="cooperative"):
+        assert tuning.predicted_loss(launchable, r, CUDA) == ""  # (the user asked for it)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert tuning.predicted_loss(launchable, r, CUDA) == ""  # (no record on an A100)
+
+
+def test_the_shortlist_keeps_the_best_estimated_tile_shapes_in_all_their_forms_and_every_gluon_plan(an_h200):
+    """BERT's attention output at a width of 768: 128 x 256 tiles leave a quarter of their
+    second wave idle; the shapes with the best estimates are kept, each with its TMA and
+    persistent forms, and the Gluon plans all."""
+    r = region(lambda x, w, b: torch.relu(x @ w + b), (8192, 768), (768, 768), (768,))
+    plans = candidates(r, target="cuda")
+    triton = [p for p in plans if p.schedule not in GLUON_SCHEDULES]
+    shapes = {cost._shape(p) for p in triton}
+    assert len(shapes) > cost.SHORTLIST
+    kept = tuning.shortlisted(plans, r, CUDA)
+    kept_triton = [p for p in kept if p.schedule not in GLUON_SCHEDULES]
+    kept_shapes = {cost._shape(p) for p in kept_triton}
+    assert len(kept_shapes) == cost.SHORTLIST
+    assert kept_triton == [p for p in triton if cost._shape(p) in kept_shapes]  # (every form of a kept shape)
+    assert [p for p in plans if p.schedule in GLUON_SCHEDULES] == [p for p in kept if p.schedule in GLUON_SCHEDULES]
+    dropped = [p for p in triton if cost._shape(p) not in kept_shapes]
+    assert max(map(cost.estimate_ms, kept_triton)) <= min(map(cost.estimate_ms, dropped))
+    assert ("tile", 128, 256, 64, 8) not in kept_shapes  # (2 waves, the second 45 % full)
+    assert tuning.shortlisted(plans, r, torch.device("cpu")) == plans
+
+
+def test_estimates_count_waves_over_the_sms_and_the_bytes_moved():
+    r = region(gelu, (8192, 768), (768, 3072), (3072,))
+    (p,) = [q for q in candidates(r, target="interpreter") if q.schedule == "tile"][:1]
+    p = dataclasses.replace(p, block_m=128, block_n=128)
+
+    def at(M, N, K):
+        return dataclasses.replace(p, region=r.replace(sizes=dataclasses.replace(r.sizes, M=M, N=N, K=K)))
+    one_wave, one_more = at(128 * 132, 128, 4096), at(128 * 133, 128, 4096)  # 132 tiles, then 133
+    mainloop = cost.estimate_ms(one_wave) - cost.moved_bytes(one_wave) / (cost.COPY_TBPS * 1e9) - cost.LAUNCH_MS
+    grown = cost.estimate_ms(one_more) - cost.moved_bytes(one_more) / (cost.COPY_TBPS * 1e9) - cost.LAUNCH_MS
+    assert grown == pytest.approx(2 * mainloop)  # (a second wave for one tile)
+    assert cost.estimate_ms(at(8192, 3072, 1536)) > cost.estimate_ms(at(8192, 3072, 768))
+    assert cost.moved_bytes(at(8192, 3072, 768)) == (8192 * 768 + 768 * 3072 + 3072 + 8192 * 3072) * 2
+
+
+def test_a_region_predicted_to_lose_keeps_its_ops_without_timing_anything(monkeypatch, tmp_path):
+    """Where the cost model predicts a loss, nothing is compiled or timed: the region runs
+    its ops, and its report says why."""
+    from comfuse import backend
+    monkeypatch.setattr(tuning, "predicted_loss", lambda plans, region, device: "predicted: never won")
+    monkeypatch.setattr(tuning, "decide", lambda *a, **k: pytest.fail("timed"))
+
+    class PostNorm(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.ln = torch.nn.Linear(32, 48), torch.nn.LayerNorm(48)
+
+        def forward(self, x, r):
+            return self.ln(self.lin(x) + r)
+    model = PostNorm().to(DEVICE)
+    x, r = torch.randn(4, 32, device=DEVICE), torch.randn(4, 48, device=DEVICE)
+    torch._dynamo.reset()
+    with torch.no_grad(), comfuse.settings.override(cache_dir=tmp_path):
+        out = torch.compile(model, backend=lambda gm, ex: backend.comfuse_backend(
+            gm, ex, {"autotune": "1", "graph_check": "0"}), dynamic=False)(x, r)
+    torch.testing.assert_close(out, model(x, r), rtol=1e-4, atol=1e-5)
+    (reg,) = backend.REPORTS[-1].regions
+    assert not reg.fused and reg.reason == "predicted: never won"
