@@ -32,15 +32,23 @@ def later_compilation(compile_fn):
     """``compile_fn`` (Inductor's compilation of a graph Dynamo is handing over now), made
     to run later (at the graph's first call, or now) as if Dynamo's compilation were still
     under way: in a copy of Dynamo's tracing context, as AOTAutograd compiles a backward
-    lazily. The copy leaves Dynamo's own context as the fused graph's backward will find it.
-    Compiled in a context of its own (a fresh fake mode and shape environment), BERT's
-    decoder GEMM lost Inductor's padding (``pad_mm`` did not even consider it) and ran
-    3.24 ms a step against Inductor alone's 1.11 ms (H200, 2026-12-05; ``scripts/standin_check.py``).
-    Outside Dynamo's compilation, ``compile_fn`` runs with no tracing context."""
+    lazily, holding each input's symbolic context as Dynamo recorded it (Dynamo clears its
+    own when its compilation ends). Without those, AOTAutograd gives the inputs sizes of
+    its own, symbolic ones under Dynamo's shape environment, and Inductor's ``pad_mm`` pads
+    no GEMM on them: BERT's vocabulary-wide decoder GEMM then ran as an unaligned cuBLAS
+    kernel, 3.24 ms against Inductor alone's 1.11 ms (H200, 2026-12-05;
+    ``scripts/standin_check.py``). The copy leaves Dynamo's own context as the fused graph's
+    backward will find it. Outside Dynamo's compilation, ``compile_fn`` runs with none."""
     context = torch._guards.TracingContext.try_get()
+    recorded = context.tensor_to_context.copy() if context is not None else None
 
     def compile_later():
-        with torch._guards.tracing(copy.copy(context) if context is not None else None):
+        if context is None:
+            with torch._guards.tracing(None):
+                return compile_fn()
+        later = copy.copy(context)
+        later.tensor_to_context = recorded
+        with torch._guards.tracing(later):
             return compile_fn()
     return compile_later
 

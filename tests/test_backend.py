@@ -833,14 +833,16 @@ def test_a_backward_that_fails_to_lower_with_regions_runs_inductors_compilation(
     torch.testing.assert_close(again, got, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("grad", [False, True])
+@pytest.mark.parametrize("fuses", ["inference", "forward", "backward only"])
 def test_inductors_graph_is_compiled_for_the_check_as_inductor_alone_compiles_it(monkeypatch, fused_regions_win,
-                                                                               grad):
+                                                                               fuses):
     """The graph the whole-graph check times against the fused one, and keeps where it wins,
-    is Inductor's own compilation: in Dynamo's fake mode, as Inductor alone compiles (in a
-    fake mode of its own, BERT's decoder GEMM lost Inductor's padding on the H200 and the
-    user got a step 13 % slower than Inductor's); Dynamo's tracing context itself is left
-    as the fused graph's backward will find it."""
+    is Inductor's own compilation: in Dynamo's fake mode, with each input's sizes as Dynamo
+    recorded them, as Inductor alone compiles, also when it is compiled at the first call,
+    after Dynamo's compilation ended and forgot them (with sizes of AOTAutograd's own,
+    symbolic, BERT's decoder GEMM lost Inductor's padding on the H200 and the user got a
+    step 13 % slower than Inductor's); Dynamo's tracing context itself is left as the fused
+    graph's backward will find it."""
     from comfuse import backend, graph_check
     seen = {}
     inductor = backend._inductor
@@ -848,6 +850,8 @@ def test_inductors_graph_is_compiled_for_the_check_as_inductor_alone_compiles_it
     def recorded(gm, example_inputs, opts):
         context = torch._guards.TracingContext.try_get()
         seen.setdefault("plain", []).append((context.fake_mode, context))
+        # every input with the sizes Dynamo gave it (static here), not sizes of AOTAutograd's own
+        assert all(t in context.tensor_to_context for t in example_inputs if isinstance(t, torch.Tensor))
         return inductor(gm, example_inputs, opts)
     monkeypatch.setattr(backend, "_inductor", recorded)
     monkeypatch.setattr(graph_check, "_time_graphs", lambda calls, device: {n: 1.0 for n in calls})
@@ -855,14 +859,20 @@ def test_inductors_graph_is_compiled_for_the_check_as_inductor_alone_compiles_it
     def comfuse(gm, example_inputs):
         context = torch._guards.TracingContext.try_get()
         seen["dynamo"] = (context.fake_mode, context)
-        return backend.comfuse_backend(gm, example_inputs, {"autotune": "1", "graph_check": "1"})
-    model = PostNorm().to(DEVICE)
-    x, r = torch.randn(2, 5, 32, device=DEVICE), torch.randn(2, 5, 48, device=DEVICE)
-    if grad:  # (the forward fuses: the check is a GraphChoice with a training step)
-        x.requires_grad_(True)
+        return backend.comfuse_backend(gm, example_inputs, {"autotune": "1", "graph_check": "1"}, passes=[])
+    if fuses == "backward only":
+        model, args = NormThenCumsum().to(DEVICE), (torch.randn(2, 5, 32, device=DEVICE, requires_grad=True),)
+    else:
+        model = PostNorm().to(DEVICE)
+        args = (torch.randn(2, 5, 32, device=DEVICE, requires_grad=fuses == "forward"),
+                torch.randn(2, 5, 48, device=DEVICE))
     torch._dynamo.reset()
-    with torch.set_grad_enabled(grad):
-        torch.compile(model, dynamic=False, backend=comfuse)(x, r)
+    # (as for a registered backend: Dynamo forgets its inputs' symbolic contexts when done)
+    with torch.set_grad_enabled(fuses != "inference"), \
+            torch._dynamo.config.patch(invalidate_compile_context_weakrefs=True):
+        out = torch.compile(model, dynamic=False, backend=comfuse)(*args)
+        if fuses != "inference":
+            out.square().sum().backward()
     assert backend.GRAPH_CHECKS[-1]["kept"] == "inductor"  # (timed equal: the fused graph must win by 1 %)
     assert len(seen["plain"]) == 1
     (fake_mode, context), = seen["plain"]
