@@ -11,7 +11,7 @@ from comfuse.frontend.regions import find_regions
 from comfuse.kernel_node import why_plan_not_launched
 from comfuse.planner import candidates, cost
 from comfuse.planner.gluon import GLUON_SCHEDULES
-from comfuse.runtime import tuning
+from comfuse.runtime import prediction, tuning
 
 from helpers import DEVICE
 
@@ -34,9 +34,13 @@ def gelu(x, w, b):  # BERT's intermediate layer
 
 
 @pytest.fixture
-def an_h200(monkeypatch):
-    """The cost model asked about a GPU its record was measured on."""
+def an_h200(monkeypatch, tmp_path):
+    """The cost model asked about a GPU its record was measured on (with no record of its
+    own yet)."""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    with comfuse.settings.override(cache_dir=tmp_path):
+        yield
 
 
 def test_a_row_reduction_whose_launchable_plans_never_won_is_not_tuned(an_h200):
@@ -47,20 +51,20 @@ def test_a_row_reduction_whose_launchable_plans_never_won_is_not_tuned(an_h200):
     plans = candidates(r, target="cuda")
     launchable = [p for p in plans if not why_plan_not_launched(p)]
     assert launchable and {p.schedule for p in launchable} <= {"cooperative", "row_in_cta"}
-    why = tuning.predicted_loss(launchable, r, CUDA)
-    assert why.startswith("predicted") and "cooperative 0.99" in why
-    assert tuning.predicted_loss(plans, r, CUDA) == ""  # (ws_stages has won: 0.69 of the ops' time)
+    why = prediction.predicted_loss(launchable, r, CUDA)
+    assert why.startswith("predicted") and "cooperative 0.99 (the benchmark record)" in why
+    assert prediction.predicted_loss(plans, r, CUDA) == ""  # (ws_stages has won: 0.69 of the ops' time)
     assert cost.may_win(plans) and not cost.may_win(launchable)
 
 
 def test_the_prediction_holds_only_where_it_was_measured_and_nothing_is_forced(monkeypatch, an_h200):
     r = region(post_norm, (8192, 768), (768, 768), (8192, 768), (768,), (768,))
     launchable = [p for p in candidates(r, target="cuda") if not why_plan_not_launched(p)]
-    assert tuning.predicted_loss(launchable, r, torch.device("cpu")) == ""
+    assert prediction.predicted_loss(launchable, r, torch.device("cpu")) == ""
     with comfuse.settings.override(schedule="cooperative"):
-        assert tuning.predicted_loss(launchable, r, CUDA) == ""  # (the user asked for it)
+        assert prediction.predicted_loss(launchable, r, CUDA) == ""  # (the user asked for it)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert tuning.predicted_loss(launchable, r, CUDA) == ""  # (no record on an A100)
+    assert prediction.predicted_loss(launchable, r, CUDA) == ""  # (no record on an A100)
 
 
 def test_the_shortlist_keeps_the_best_estimated_tile_shapes_in_all_their_forms_and_every_gluon_plan(an_h200):
@@ -72,7 +76,7 @@ def test_the_shortlist_keeps_the_best_estimated_tile_shapes_in_all_their_forms_a
     triton = [p for p in plans if p.schedule not in GLUON_SCHEDULES]
     shapes = {cost._shape(p) for p in triton}
     assert len(shapes) > cost.SHORTLIST
-    kept = tuning.shortlisted(plans, r, CUDA)
+    kept = prediction.shortlisted(plans, r, CUDA)
     kept_triton = [p for p in kept if p.schedule not in GLUON_SCHEDULES]
     kept_shapes = {cost._shape(p) for p in kept_triton}
     assert len(kept_shapes) == cost.SHORTLIST
@@ -81,7 +85,7 @@ def test_the_shortlist_keeps_the_best_estimated_tile_shapes_in_all_their_forms_a
     dropped = [p for p in triton if cost._shape(p) not in kept_shapes]
     assert max(map(cost.estimate_ms, kept_triton)) <= min(map(cost.estimate_ms, dropped))
     assert ("tile", 128, 256, 64, 8) not in kept_shapes  # (2 waves, the second 45 % full)
-    assert tuning.shortlisted(plans, r, torch.device("cpu")) == plans
+    assert prediction.shortlisted(plans, r, torch.device("cpu")) == plans
 
 
 def test_estimates_count_waves_over_the_sms_and_the_bytes_moved():
@@ -103,7 +107,7 @@ def test_a_region_predicted_to_lose_keeps_its_ops_without_timing_anything(monkey
     """Where the cost model predicts a loss, nothing is compiled or timed: the region runs
     its ops, and its report says why."""
     from comfuse import backend
-    monkeypatch.setattr(tuning, "predicted_loss", lambda plans, region, device: "predicted: never won")
+    monkeypatch.setattr(prediction, "predicted_loss", lambda plans, region, device: "predicted: never won")
     monkeypatch.setattr(tuning, "decide", lambda *a, **k: pytest.fail("timed"))
 
     class PostNorm(torch.nn.Module):
@@ -122,3 +126,41 @@ def test_a_region_predicted_to_lose_keeps_its_ops_without_timing_anything(monkey
     torch.testing.assert_close(out, model(x, r), rtol=1e-4, atol=1e-5)
     (reg,) = backend.REPORTS[-1].regions
     assert not reg.fused and reg.reason == "predicted: never won"
+
+
+def test_this_gpus_measurements_replace_the_record_for_a_class_once_there_are_enough(an_h200):
+    """Autotuning adds each region's best time over its ops' per class of plan to this GPU's
+    record on disk; once a class has MEASURED_ENOUGH regions, the record predicts from them:
+    tile plans on batched GEMMs that lost twice are not tuned for a third region of their
+    size; a class that won stays tuned; a plan that failed adds nothing."""
+    r = region(lambda q, k: torch.relu(q @ k) * 2, (384, 512, 64), (384, 64, 512))
+    plans = [p for p in candidates(r, target="cuda") if not why_plan_not_launched(p) and p.schedule == "tile"]
+    assert plans
+    names = [f"plan{i}" for i in range(len(plans))]
+    assert prediction.predicted_loss(plans, r, CUDA) == ""  # (tile: 0.94 in the shipped record)
+    lost = {"times_ms": {tuning.UNFUSED: 0.30, **{n: 0.33 + i * 0.01 for i, n in enumerate(names)}}}
+    for k in range(cost.MEASURED_ENOUGH):
+        assert prediction.predicted_loss(plans, r, CUDA) == ""
+        prediction.remember(plans, names, lost, f"region{k}", CUDA)
+        prediction.remember(plans, names, lost, f"region{k}", CUDA)  # (the same decision read again)
+    why = prediction.predicted_loss(plans, r, CUDA)
+    assert f"tile 1.10 ({cost.MEASURED_ENOUGH} regions of its class measured here)" in why
+    (c,) = {cost.plan_class(p) for p in plans}
+    assert len(prediction.measured(CUDA)[c]) == cost.MEASURED_ENOUGH
+    won = {"times_ms": {tuning.UNFUSED: 0.30, names[0]: 0.27, names[1]: float("inf")}}
+    prediction.remember(plans[:2], names[:2], won, "region-won", CUDA)
+    assert prediction.predicted_loss(plans, r, CUDA) == ""
+    bigger = region(lambda q, k: torch.relu(q @ k) * 2, (384, 2048, 64), (384, 64, 2048))  # (16 x the work)
+    big_plans = [p for p in candidates(bigger, target="cuda") if p.schedule == "tile"]
+    assert {cost.plan_class(p) for p in big_plans} != {c}
+
+
+def test_a_damaged_record_is_ignored(an_h200):
+    r = region(lambda q, k: torch.relu(q @ k) * 2, (384, 512, 64), (384, 64, 512))
+    plans = [p for p in candidates(r, target="cuda") if not why_plan_not_launched(p)]
+    path = comfuse.settings.get().cache_dir / "tuning" / "measured.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"\xff{not json")
+    assert prediction.predicted_loss(plans, r, CUDA) == ""
+    prediction.remember(plans, ["a"] * len(plans), {"times_ms": {tuning.UNFUSED: 1.0, "a": 1.5}}, "k", CUDA)
+    assert prediction.measured(CUDA)

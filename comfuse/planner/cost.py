@@ -5,11 +5,14 @@ GPU's time. A model's first call through the backend tuned every region it found
 the H200 that was 95 of BERT's 116 seconds, for regions that all kept Inductor's code. So
 before anything is compiled:
 
-1. **What each schedule has ever reached** (``BEST_SEEN``): per schedule, the best time its
-   plans reached against the region's unfused ops as Inductor compiles them, over every
-   stored autotuning decision in the benchmark results on the H200. A region none of whose
-   candidates belongs to a schedule that has ever been ``MIN_GAIN`` faster than the ops is
-   not tuned: its ops go to Inductor at once. Inside Inductor's compilation this is the
+1. **What each kind of plan has ever reached**: per schedule, the best time its plans
+   reached against the region's unfused ops as Inductor compiles them, over every stored
+   autotuning decision in the benchmark results on the H200 (``BEST_SEEN``); and, once this
+   GPU has measured ``MEASURED_ENOUGH`` regions of a class (schedule, batched or not, size
+   within a factor of 4: ``plan_class``), the best of those instead (the record each tuned
+   region adds to, on disk, shared by processes). A region none of whose candidates is of
+   a kind that has ever been ``MIN_GAIN`` faster than the ops is not tuned: its ops go to
+   Inductor at once. Inside Inductor's compilation this is the
    common case: only the one-launch Triton plans can be launched by Inductor's wrapper, and
    the cooperative and row-in-CTA plans of a row reduction (LayerNorm, RMSNorm, softmax)
    never beat Inductor's code for the same ops (best 0.99 and 1.45 of its time); the
@@ -27,6 +30,8 @@ constants can be fitted again as decisions accumulate (``scripts/plan_record.py`
 """
 from __future__ import annotations
 
+import math
+
 from .records import Plan
 
 # Best measured time of a schedule's plans over the region's unfused ops (Inductor's code
@@ -43,6 +48,9 @@ BEST_SEEN = {
     "ws_strip": 0.86,  # 16 regions (0.86-1.10)
 }
 MIN_GAIN = 0.02  # a schedule must have been at least this much faster than the ops to be tried
+# regions of a class (``plan_class``) measured on this GPU before its own record replaces
+# BEST_SEEN for it (decisions autotuning makes add to it: runtime/prediction.py)
+MEASURED_ENOUGH = 2
 SHORTLIST = 3  # tile shapes compiled and timed per region (each in all its forms), best estimates first
 
 # the H200's measured ceilings (bench/results/2026-12-03-h200-paper-comfuse: bf16 GEMM
@@ -54,20 +62,42 @@ LAUNCH_MS = 0.003
 SM_COUNT = 132
 
 
-def may_win(plans: list[Plan]) -> bool:
-    """Whether some plan's schedule has ever beaten a region's unfused ops by ``MIN_GAIN``
-    (or has no record yet)."""
-    return any(BEST_SEEN.get(p.schedule, 0.0) <= 1.0 - MIN_GAIN for p in plans)
+def plan_class(plan: Plan) -> str:
+    """The class of regions a measurement of ``plan`` speaks for: its schedule, whether
+    the GEMM is batched, and the GEMM's size within a factor of 4 (B * M * N * K)."""
+    s = plan.region.sizes
+    work = max(s.B * s.M * s.N * s.K, 1)
+    return f"{plan.schedule}/{'batched' if plan.region.gemm.batched else 'single'}/{round(math.log2(work) / 2)}"
 
 
-def why_not_tuned(plans: list[Plan]) -> str:
+def _best(plan: Plan, measured: dict) -> tuple:
+    """(best time over the ops' a plan like ``plan`` has reached, where that comes from): from
+    this GPU's own measurements of its class where there are ``MEASURED_ENOUGH``, else from
+    ``BEST_SEEN``; (0, ...) where neither knows."""
+    seen = measured.get(plan_class(plan), {})
+    if len(seen) >= MEASURED_ENOUGH:
+        return min(seen.values()), f"{len(seen)} regions of its class measured here"
+    if plan.schedule in BEST_SEEN:
+        return BEST_SEEN[plan.schedule], "the benchmark record"
+    return 0.0, "no record"
+
+
+def may_win(plans: list[Plan], measured: dict | None = None) -> bool:
+    """Whether some plan's kind has ever beaten a region's unfused ops by ``MIN_GAIN`` (or
+    has no record yet). ``measured``: this GPU's record (class -> {region: best ratio})."""
+    return any(_best(p, measured or {})[0] <= 1.0 - MIN_GAIN for p in plans)
+
+
+def why_not_tuned(plans: list[Plan], measured: dict | None = None) -> str:
     """'' where ``plans`` may win, else the reason the region's ops are kept untimed."""
-    if may_win(plans):
+    if may_win(plans, measured):
         return ""
-    seen = sorted({p.schedule for p in plans})
-    best = ", ".join(f"{s} {BEST_SEEN[s]:.2f}" for s in seen)
-    return (f"predicted: no candidate it can launch here ({', '.join(seen)}) has beaten the ops' "
-            f"Inductor code anywhere measured (best time over the ops': {best}); not tuned")
+    bests = {}
+    for p in plans:
+        bests.setdefault(p.schedule, _best(p, measured or {}))
+    text = "; ".join(f"{s} {b:.2f} ({where})" for s, (b, where) in sorted(bests.items()))
+    return (f"predicted: no candidate it can launch here has beaten the ops' Inductor code "
+            f"(best time over the ops': {text}); not tuned")
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -6,7 +6,7 @@ import torch
 
 from ..ir import canonical_shape, evaluate, evaluate_with_scale
 from ..planner.cost import estimate_ms
-from . import tuning
+from . import prediction, tuning
 from .build import build, kernel_name
 from ..errors import KernelMismatch
 from .check import agreement_tolerance, compare, region_tolerance
@@ -44,14 +44,14 @@ class FusedRegion(Fused):
         """Pick the fastest of the candidate plans and the unfused ops (runtime/tuning.py),
         among the candidates the cost model shortlists; none where it predicts that the ops
         win (planner/cost.py)."""
-        why = tuning.predicted_loss(self.alternatives, self.region, device)
+        why = prediction.predicted_loss(self.alternatives, self.region, device)
         if why:
             tuning.log.info("region at %s: %s", self.report.anchor, why)
             self.prefer_unfused = True
             self.report.fused, self.report.reason = False, why
             self.tuned.add(device)
             return
-        plans = tuning.shortlisted(self.alternatives, self.region, device)
+        plans = prediction.shortlisted(self.alternatives, self.region, device)
         if len(plans) < len(self.alternatives):
             tuning.log.info("region at %s: %d of %d candidate plans shortlisted by their estimates",
                             self.report.anchor, len(plans), len(self.alternatives))
@@ -67,7 +67,9 @@ class FusedRegion(Fused):
         about = {"sizes": {"B": s.B, "M": s.M, "N": s.N, "K": s.K}, "kind": self.report.kind,
                  "plans": {n: dict(tuning.plan_fields(p), estimate_ms=estimate_ms(p))
                            for n, p in zip(names, self.alternatives)}}
-        decision = self.autotune(ext, device, tuning.key(self.region, device), names, run_fused, about)
+        key = tuning.key(self.region, device)
+        decision = self.autotune(ext, device, key, names, run_fused, about)
+        prediction.remember(self.alternatives, names, decision, key, device)
         kept = tuning.memory_first(self.region, decision) if decision["choice"] == tuning.UNFUSED else ""
         if kept:  # slower fused, but the unfused ops would hold a huge intermediate
             decision = dict(decision, choice=kept)

@@ -131,37 +131,6 @@ def enabled(device: torch.device, settings=None) -> bool:
     return mode == "1" or (mode == "auto" and device.type == "cuda")  # (the interpreter's times mean nothing)
 
 
-RECORDED_GPUS = ((9, 0),)  # compute capabilities the cost model's record was measured on (the H200)
-
-
-def _predicts(region, device: torch.device) -> bool:
-    """Whether the cost model (planner/cost.py) may narrow ``region``'s candidates on
-    ``device``: a GPU its record was measured on, no schedule or plan forced, and not a
-    region kept fused for memory (its fastest plan runs whatever the ops' time)."""
-    settings = settings_mod.get()
-    return (device.type == "cuda" and not settings.plan and not settings.schedule and not saves_memory(region)
-            and torch.cuda.get_device_capability(device) in RECORDED_GPUS)
-
-
-def predicted_loss(plans: list, region, device: torch.device) -> str:
-    """'' unless the cost model predicts that none of ``plans`` can beat ``region``'s ops on
-    ``device`` (its schedules never have): then the reason, and the region is not tuned."""
-    from ..planner.cost import why_not_tuned
-    return why_not_tuned(plans) if _predicts(region, device) else ""
-
-
-def shortlisted(plans: list, region, device: torch.device) -> list:
-    """``plans`` narrowed by the cost model on ``device`` to the Triton plans with the best
-    estimates (cost.SHORTLIST) and every Gluon plan (whose forms its roofline cannot tell
-    apart); all of them where it does not predict."""
-    from ..planner.cost import shortlist
-    from ..planner.gluon import GLUON_SCHEDULES
-    if not _predicts(region, device):
-        return list(plans)
-    kept = shortlist([p for p in plans if p.schedule not in GLUON_SCHEDULES])
-    return [p for p in plans if p.schedule in GLUON_SCHEDULES or any(p is k for k in kept)]
-
-
 def validating(device: torch.device, regions) -> bool:
     """Whether a region (a chain: its regions) is compared with its own ops on its first
     call (COMFUSE_VALIDATE): not where those ops would hold a memory-first intermediate."""
