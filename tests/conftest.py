@@ -74,3 +74,12 @@ def fused_regions_win(monkeypatch):
 @pytest.fixture
 def device():
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def no_prediction(monkeypatch):
+    """The cost model (runtime/prediction.py) predicts for no GPU unless a test asks for it
+    (tests/test_cost.py): the tests of autotuning's mechanics tune regions, at toy sizes,
+    of kinds it would leave untuned on an H200."""
+    from comfuse.runtime import prediction
+    monkeypatch.setattr(prediction, "RECORDED_GPUS", ())

@@ -37,6 +37,7 @@ def gelu(x, w, b):  # BERT's intermediate layer
 def an_h200(monkeypatch, tmp_path):
     """The cost model asked about a GPU its record was measured on (with no record of its
     own yet)."""
+    monkeypatch.setattr(prediction, "RECORDED_GPUS", ((9, 0),))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     with comfuse.settings.override(cache_dir=tmp_path):
