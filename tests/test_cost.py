@@ -159,7 +159,7 @@ def test_this_gpus_measurements_replace_the_record_for_a_class_once_there_are_en
 def test_a_damaged_record_is_ignored(an_h200):
     r = region(lambda q, k: torch.relu(q @ k) * 2, (384, 512, 64), (384, 64, 512))
     plans = [p for p in candidates(r, target="cuda") if not why_plan_not_launched(p)]
-    path = comfuse.settings.get().cache_dir / "tuning" / "measured.json"
+    path = comfuse.settings.get().cache_dir / "measured" / "record.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(b"\xff{not json")
     assert prediction.predicted_loss(plans, r, CUDA) == ""

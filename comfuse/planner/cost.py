@@ -10,7 +10,7 @@ before anything is compiled:
    autotuning decision in the benchmark results on the H200 (``BEST_SEEN``); and, once this
    GPU has measured ``MEASURED_ENOUGH`` regions of a class (schedule, batched or not, size
    within a factor of 4: ``plan_class``), the best of those instead (the record each tuned
-   region adds to, on disk, shared by processes). A region none of whose candidates is of
+   region adds to, on disk, shared by processes: runtime/prediction.py). A region none of whose candidates is of
    a kind that has ever been ``MIN_GAIN`` faster than the ops is not tuned: its ops go to
    Inductor at once. Inside Inductor's compilation this is the
    common case: only the one-launch Triton plans can be launched by Inductor's wrapper, and

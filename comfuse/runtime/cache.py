@@ -84,7 +84,7 @@ def generation() -> str:
 
 # what the cache directory holds: (folder, its files, what they are)
 CONTENTS = (("kernels", "*.py", "kernel sources"), ("tuning", "*.json", "autotuning decisions"),
-            ("verdicts", "*.json", "graph verdicts"))
+            ("measured", "*.json", "records of measured plans"), ("verdicts", "*.json", "graph verdicts"))
 
 
 def _files(sub: str) -> list:
@@ -115,8 +115,9 @@ def new_generation() -> int:
 
 
 def clear() -> int:
-    """Delete every file of ``CONTENTS`` (kernel sources, autotuning decisions, the graphs'
-    verdicts) and start a new generation (``new_generation``); return how many files went."""
-    count = _remove("kernels") + _remove("tuning") + new_generation()
+    """Delete every file of ``CONTENTS`` (kernel sources, autotuning decisions, the GPU's
+    record of measured plans, the graphs' verdicts) and start a new generation
+    (``new_generation``); return how many files went."""
+    count = _remove("kernels") + _remove("tuning") + _remove("measured") + new_generation()
     _loaded.clear()
     return count

@@ -1,6 +1,6 @@
 """The cost model (planner/cost.py) applied on a GPU: whether a region is tuned at all, which
 of its candidates are, and this GPU's record of what autotuning measured, by class of plan
-(``COMFUSE_CACHE_DIR/tuning/measured.json``: GPU -> class -> {decision key: the class's best
+(``COMFUSE_CACHE_DIR/measured/record.json``: GPU -> class -> {decision key: the class's best
 time over the unfused ops'}), which later regions and processes predict from."""
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def _predicts(region, device: torch.device) -> bool:
 
 
 def _path():
-    return settings_mod.get().cache_dir / "tuning" / "measured.json"
+    return settings_mod.get().cache_dir / "measured" / "record.json"
 
 
 def _load() -> dict:
