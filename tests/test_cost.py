@@ -14,6 +14,7 @@ from comfuse.planner.gluon import GLUON_SCHEDULES
 from comfuse.runtime import prediction, tuning
 
 from helpers import DEVICE
+from test_backend import PostNorm
 
 BF = torch.bfloat16
 CUDA = torch.device("cuda")
@@ -111,13 +112,6 @@ def test_a_region_predicted_to_lose_keeps_its_ops_without_timing_anything(monkey
     monkeypatch.setattr(prediction, "predicted_loss", lambda plans, region, device: "predicted: never won")
     monkeypatch.setattr(tuning, "decide", lambda *a, **k: pytest.fail("timed"))
 
-    class PostNorm(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin, self.ln = torch.nn.Linear(32, 48), torch.nn.LayerNorm(48)
-
-        def forward(self, x, r):
-            return self.ln(self.lin(x) + r)
     model = PostNorm().to(DEVICE)
     x, r = torch.randn(4, 32, device=DEVICE), torch.randn(4, 48, device=DEVICE)
     torch._dynamo.reset()

@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 
 from .records import Plan
+from .schedules import cdiv
 
 # Best measured time of a schedule's plans over the region's unfused ops (Inductor's code
 # for them, timed as CUDA-graph replays), across the stored decisions of
@@ -54,8 +55,8 @@ MEASURED_ENOUGH = 2
 SHORTLIST = 3  # tile shapes compiled and timed per region (each in all its forms), best estimates first
 
 # the H200's measured ceilings (bench/results/2026-12-03-h200-paper-comfuse: bf16 GEMM
-# 753 TFLOP/s on random data, copy 4.24 TB/s), a tile's share of the GEMM rate, and the fixed
-# cost of a launch inside a graph (its ramp and tail)
+# 753 TFLOP/s on random data, copy 4.24 TB/s) and the fixed cost of a launch inside a graph
+# (its ramp and tail)
 GEMM_TFLOPS = {2: 750.0, 4: 60.0}  # by operand bytes: bf16 / fp16, fp32 (no TF32)
 COPY_TBPS = 4.2
 LAUNCH_MS = 0.003
@@ -100,25 +101,14 @@ def why_not_tuned(plans: list[Plan], measured: dict | None = None) -> str:
             f"(best time over the ops': {text}); not tuned")
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _elements(axes, sizes) -> int:
-    n = 1
-    for axis in axes:
-        n *= sizes.of(axis)
-    return n
-
-
 def moved_bytes(plan: Plan) -> int:
     """Bytes a plan's kernel reads and writes at least: both operands once, every side input
     and every output."""
     r, s = plan.region, plan.region.sizes
     a = r.gemm.a.dtype.itemsize
     operands = (s.B * s.M * s.K + (s.B if r.gemm.batched else 1) * s.K * s.N) * a
-    sides = sum(_elements(i.axes, s) * i.dtype.itemsize for i in r.inputs)
-    outs = sum(_elements(o.axes, s) * o.dtype.itemsize for o in r.outputs)
+    sides = sum(math.prod(s.of(x) for x in i.axes) * i.dtype.itemsize for i in r.inputs)
+    outs = sum(math.prod(s.of(x) for x in o.axes) * o.dtype.itemsize for o in r.outputs)
     return operands + sides + outs
 
 
@@ -128,8 +118,8 @@ def estimate_ms(plan: Plan, sm_count: int = SM_COUNT) -> float:
     (a Triton plan's epilogue follows its mainloop), and a fixed cost per launch."""
     r, s = plan.region, plan.region.sizes
     rate = GEMM_TFLOPS.get(r.gemm.a.dtype.itemsize, GEMM_TFLOPS[4]) * 1e12 / sm_count  # FLOP/s an SM
-    tiles = s.B * _cdiv(s.M, plan.block_m) * _cdiv(s.N, plan.block_n)
-    waves = _cdiv(tiles, sm_count)
+    tiles = s.B * cdiv(s.M, plan.block_m) * cdiv(s.N, plan.block_n)
+    waves = cdiv(tiles, sm_count)
     mainloop = waves * 2.0 * plan.block_m * plan.block_n * s.K / rate * 1e3
     memory = moved_bytes(plan) / (COPY_TBPS * 1e12) * 1e3
     launches = 2 if plan.schedule in ("split", "ws_split") else 1

@@ -77,6 +77,9 @@ def remember(plans: list, names: list, decision: dict, key: str, device: torch.d
         return
     record = _load()
     mine = record.setdefault(torch.cuda.get_device_name(device), {})
-    for c, ratio in best.items():
-        mine.setdefault(c, {})[key] = round(ratio, 4)
+    new = {c: round(ratio, 4) for c, ratio in best.items()}
+    if all(mine.get(c, {}).get(key) == ratio for c, ratio in new.items()):
+        return  # (a decision read again from disk: recorded already)
+    for c, ratio in new.items():
+        mine.setdefault(c, {})[key] = ratio
     cache.atomic_write(_path(), json.dumps(record, indent=1, sort_keys=True))
