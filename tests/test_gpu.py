@@ -215,6 +215,26 @@ def test_autotune_on_the_gpu_keeps_a_correct_and_timed_choice(tmp_path):
     assert ("autotuned" in r.plan) if r.fused else r.reason.startswith("autotune:")
 
 
+def test_timing_by_graph_replays_leaves_no_cublas_workspace_behind():
+    """Each capture warms up on a side stream of its own, and cuBLAS keeps a workspace per
+    stream for good unless it is dropped: ten timings of a GEMM by graph replays leave the
+    memory in use as one plain GEMM left it."""
+    import gc
+    from comfuse.runtime.timing import graphed
+    a = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    expected = a @ a
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    for _ in range(10):
+        replay = graphed(lambda: a @ a, warmup_calls=1)
+        torch.testing.assert_close(replay(), expected)
+        del replay
+    torch.mm(a, a)
+    torch.cuda.synchronize()
+    gc.collect()
+    assert torch.cuda.memory_allocated() - before < 4 * 2**20
+
+
 @pytest.mark.timeout(300)
 def test_dynamic_lengths_tune_and_run_per_shape_through_the_backend(tmp_path):
     """torch.compile(backend="comfuse") with dynamic shapes on the GPU: each new token count

@@ -6,6 +6,7 @@ the 60 MB L2. On the CPU (smoke runs through the interpreter) a wall clock is us
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
@@ -82,27 +83,46 @@ def heat(fn: Callable, ms: float) -> None:
     torch.cuda.synchronize()
 
 
+@contextlib.contextmanager
+def own_cublas_workspaces():
+    """cuBLAS's workspaces dropped before and after the block, as Inductor's CUDA-graph trees
+    do around a recording. cuBLAS keeps one workspace (32 MiB on an H100 / H200) per handle
+    and stream for the life of the process, and each capture warms up on a side stream of
+    its own (a new one from the pool each time). Models whose regions were autotuned by graph
+    replays held, at their training step's peak, 3 to 10 times 32 MiB more than under
+    Inductor alone (0.09-0.31 GiB, H200, 2026-12-05), running Inductor's graph. Dropped
+    before, the capture allocates its workspace in its graph's pool, which the graph keeps;
+    dropped after, no later launch outside the graph writes into that one. Launches after
+    the block allocate theirs again."""
+    import torch
+    torch._C._cuda_clearCublasWorkspaces()
+    try:
+        yield
+    finally:
+        torch._C._cuda_clearCublasWorkspaces()
+
+
 def graphed(fn: Callable, warmup_calls: int = 3) -> Callable:
     """A callable that replays one call of ``fn`` captured in a CUDA graph (after
     ``warmup_calls`` calls on a side stream, so compilation and autotuning stay out of it),
     returning that call's result: timing it gives the GPU's time without Python's launch
     path (for ~30 us kernels the two differ by up to 2x; see bench/results)."""
     import torch
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(warmup_calls):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
+    with own_cublas_workspaces():
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(warmup_calls):
+                fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn()
 
     def replay():
         graph.replay()
         return out
     return replay
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,12 +196,13 @@ def graph_rounds(forms: dict, rounds: int = 3, reps: int = 20, heat: int = 50) -
     import torch
     graphs = {}
     for name, fn in forms.items():
-        fn()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(reps):
-                fn()
+        with own_cublas_workspaces():
+            fn()
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(reps):
+                    fn()
         graphs[name] = g
     names = list(graphs)
     times = {n: [] for n in names}
