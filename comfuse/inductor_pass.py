@@ -220,6 +220,8 @@ class RegionPass(CustomGraphPass):
         self.lowered: list = []
         self.calls = 0  # graphs Inductor handed the pass (none where its caches answered)
         self.failed = 0  # graphs it could not lower (Inductor's code runs for them)
+        self.lm_losses: list = []  # LM heads and losses computed together before lowering (lm_loss.py)
+        self.lm_losses_applied = False  # (False: found and reported only, as under COMFUSE_DISABLE)
 
     @property
     def reports(self) -> list:
@@ -238,7 +240,7 @@ class RegionPass(CustomGraphPass):
 
     @property
     def saves_memory(self) -> bool:
-        return any(lowered.saves_memory for lowered in self.lowered)
+        return self.lm_losses_applied or any(lowered.saves_memory for lowered in self.lowered)
 
     def uuid(self):
         """What Inductor's FX graph and AOTAutograd caches key a graph compiled with this pass

@@ -14,7 +14,9 @@ Inductor's, Triton's): its first training step and first inference call from
 ``torch.compile`` are the cold first calls; the loss and all gradients (one vector) are
 checked against eager's in that process before anything is timed; then the forward with its
 loss (grad off) and the training step are timed (median and range of rounds of back-to-back
-calls, host time included), with tokens a second and the peak GPU memory of each. A second
+calls, host time included), with tokens a second and the peak GPU memory of each; the step
+also with a compiled function that returns the loss alone (a training loop's step: the
+logits unused, which comfuse's backend then never holds, lm_loss.py), checked too. A second
 process with the caches the first left gives the warm first calls. Results go to
 ``OUT/results.json``, the table to ``OUT/results.md``, figures beside them.
 """
@@ -101,6 +103,8 @@ def build(name: str, layers: int, small: bool = False, device: str = "cuda"):
 
 
 def loss_of(out) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):  # (a function that returns the loss)
+        return out
     if getattr(out, "loss", None) is not None:
         return out.loss
     hidden = out.last_hidden_state
@@ -201,11 +205,14 @@ def measure(name: str, form: str, layers: int, small: bool, rounds: int, device:
         model.load_state_dict(state)
     sync = _sync(device)
     began = time.perf_counter()
+    def loss_only(**kw):  # a training loop's step: the loss alone leaves the function, not the logits
+        return loss_of(model(**kw))
     if form in ("eager", "liger"):
-        run = model
+        run, run_loss = model, loss_only
     else:
         backend, _, mode = form.partition("@")
         run = torch.compile(model, backend=backend, **({"mode": mode} if mode else {}))
+        run_loss = torch.compile(loss_only, backend=backend, **({"mode": mode} if mode else {}))
     loss = step(run, model, kwargs).float()
     sync()
     row["first_step_s"] = round(time.perf_counter() - began, 2)
@@ -223,6 +230,10 @@ def measure(name: str, form: str, layers: int, small: bool, rounds: int, device:
         row["forward_peak_gib"] = peak_gib(lambda: run(**kwargs), device)
     row["step_ms"] = time_ms(lambda: step(run, model, kwargs), rounds, device)
     row["step_peak_gib"] = peak_gib(lambda: step(run, model, kwargs), device)
+    loss = step(run_loss, model, kwargs).float()
+    row["loss_step_rel_err"] = [float((loss - want).abs() / want.abs()), rel(grads(model), want_grads)]
+    row["loss_step_ms"] = time_ms(lambda: step(run_loss, model, kwargs), rounds, device)
+    row["loss_step_peak_gib"] = peak_gib(lambda: step(run_loss, model, kwargs), device)
     return row
 
 
@@ -289,14 +300,17 @@ def markdown(results: dict) -> str:
              f"{'small sizes' if meta.get('small') else 'real sizes'}", "",
              "| model | form | forward ms [range] | step ms [range] | step tokens/s | step vs Inductor | "
              "peak GiB fwd / step | first step s cold / warm | first forward s cold / warm | "
-             "loss rel err | grads rel err |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "loss rel err | grads rel err | loss-only step ms [range] | vs Inductor | peak GiB | "
+             "loss / grads rel err |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base = {r["model"]: r["step_ms"][0] for r in results["rows"] if r.get("form") == "inductor" and r.get("step_ms")}
+    base_loss = {r["model"]: r["loss_step_ms"][0] for r in results["rows"]
+                 if r.get("form") == "inductor" and r.get("loss_step_ms")}
     for r in results["rows"]:
         layers = r.get("layers", "?")
         head = f"| {r['model']} ({layers} layer{'' if layers == 1 else 's'}) | {r['form']} |"
         if r.get("skipped") or r.get("error"):
             lines.append(f"{head} {'n/a: ' + r['skipped'] if r.get('skipped') else 'error: ' + r['error']} |" +
-                         " |" * 8)
+                         " |" * 12)
             continue
         step_ms = r.get("step_ms")
         tokens = f"{r['batch'] * r['seq'] / step_ms[0] * 1e3:,.0f}" if step_ms else "-"
@@ -306,8 +320,19 @@ def markdown(results: dict) -> str:
         lines.append(f"{head} {_fmt(r.get('forward_ms'))} | {_fmt(step_ms)} | {tokens} | {speed} | {peaks} | "
                      f"{r.get('first_step_s', '-')} / {warm.get('first_step_s', '-')} | "
                      f"{r.get('first_forward_s', '-')} / {warm.get('first_forward_s', '-')} | "
-                     f"{r.get('loss_rel_err', float('nan')):.1e} | {r.get('grads_rel_err', float('nan')):.1e} |")
+                     f"{r.get('loss_rel_err', float('nan')):.1e} | {r.get('grads_rel_err', float('nan')):.1e} | "
+                     + _loss_step(r, base_loss))
     return "\n".join(lines) + "\n"
+
+
+def _loss_step(r: dict, base: dict) -> str:
+    """The cells of the step whose compiled function returns the loss alone."""
+    t = r.get("loss_step_ms")
+    if not t:
+        return "- | - | - | - |"
+    speed = f"{base[r['model']] / t[0]:.3f}x" if r["model"] in base else "-"
+    errs = r.get("loss_step_rel_err") or [float("nan")] * 2
+    return f"{_fmt(t)} | {speed} | {r.get('loss_step_peak_gib', '-')} | {errs[0]:.1e} / {errs[1]:.1e} |"
 
 
 def figures(results: dict, out_dir) -> list:
