@@ -123,11 +123,22 @@ def test_a_region_predicted_to_lose_keeps_its_ops_without_timing_anything(monkey
     assert not reg.fused and reg.reason == "predicted: never won"
 
 
-def test_this_gpus_measurements_replace_the_record_for_a_class_once_there_are_enough(an_h200):
+def test_a_class_measured_in_the_benchmark_record_is_predicted_at_first_sight(an_h200):
+    """BERT's attention scores (a batched GEMM, 384 x 512 x 512 x 64) with a pointwise
+    epilogue: tile plans of that class lost in two regions of the record, so a new GPU's first
+    such region is not tuned."""
+    r = region(lambda q, k: torch.relu(q @ k) * 2, (384, 512, 64), (384, 64, 512))
+    plans = [p for p in candidates(r, target="cuda") if not why_plan_not_launched(p) and p.schedule == "tile"]
+    assert {cost.plan_class(p) for p in plans} == {"tile/batched/16"}
+    assert "tile 1.10 (2 regions of its class measured)" in prediction.predicted_loss(plans, r, CUDA)
+
+
+def test_this_gpus_measurements_replace_the_record_for_a_class_once_there_are_enough(an_h200, monkeypatch):
     """Autotuning adds each region's best time over its ops' per class of plan to this GPU's
     record on disk; once a class has MEASURED_ENOUGH regions, the record predicts from them:
     tile plans on batched GEMMs that lost twice are not tuned for a third region of their
     size; a class that won stays tuned; a plan that failed adds nothing."""
+    monkeypatch.setattr(cost, "MEASURED_CLASSES", {})  # (this GPU's record alone)
     r = region(lambda q, k: torch.relu(q @ k) * 2, (384, 512, 64), (384, 64, 512))
     plans = [p for p in candidates(r, target="cuda") if not why_plan_not_launched(p) and p.schedule == "tile"]
     assert plans
@@ -139,7 +150,7 @@ def test_this_gpus_measurements_replace_the_record_for_a_class_once_there_are_en
         prediction.remember(plans, names, lost, f"region{k}", CUDA)
         prediction.remember(plans, names, lost, f"region{k}", CUDA)  # (the same decision read again)
     why = prediction.predicted_loss(plans, r, CUDA)
-    assert f"tile 1.10 ({cost.MEASURED_ENOUGH} regions of its class measured here)" in why
+    assert f"tile 1.10 ({cost.MEASURED_ENOUGH} regions of its class measured)" in why
     (c,) = {cost.plan_class(p) for p in plans}
     assert len(prediction.measured(CUDA)[c]) == cost.MEASURED_ENOUGH
     won = {"times_ms": {tuning.UNFUSED: 0.30, names[0]: 0.27, names[1]: float("inf")}}
@@ -150,7 +161,8 @@ def test_this_gpus_measurements_replace_the_record_for_a_class_once_there_are_en
     assert {cost.plan_class(p) for p in big_plans} != {c}
 
 
-def test_a_damaged_record_is_ignored(an_h200):
+def test_a_damaged_record_is_ignored(an_h200, monkeypatch):
+    monkeypatch.setattr(cost, "MEASURED_CLASSES", {})
     r = region(lambda q, k: torch.relu(q @ k) * 2, (384, 512, 64), (384, 64, 512))
     plans = [p for p in candidates(r, target="cuda") if not why_plan_not_launched(p)]
     path = comfuse.settings.get().cache_dir / "measured" / "record.json"

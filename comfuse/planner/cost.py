@@ -7,10 +7,11 @@ before anything is compiled:
 
 1. **What each kind of plan has ever reached**: per schedule, the best time its plans
    reached against the region's unfused ops as Inductor compiles them, over every stored
-   autotuning decision in the benchmark results on the H200 (``BEST_SEEN``); and, once this
-   GPU has measured ``MEASURED_ENOUGH`` regions of a class (schedule, batched or not, size
-   within a factor of 4: ``plan_class``), the best of those instead (the record each tuned
-   region adds to, on disk, shared by processes: runtime/prediction.py). A region none of whose candidates is of
+   autotuning decision in the benchmark results on the H200 (``BEST_SEEN``); and, once
+   ``MEASURED_ENOUGH`` regions of a class (schedule, batched or not, size within a factor of
+   4: ``plan_class``) were measured inside models, in the benchmark results
+   (``MEASURED_CLASSES``) or on this GPU (the record each tuned region adds to, on disk,
+   shared by processes: runtime/prediction.py), the best of those instead. A region none of whose candidates is of
    a kind that has ever been ``MIN_GAIN`` faster than the ops is not tuned: its ops go to
    Inductor at once. Inside Inductor's compilation this is the
    common case: only the one-launch Triton plans can be launched by Inductor's wrapper, and
@@ -48,6 +49,16 @@ BEST_SEEN = {
     "ws_stages": 0.69,  # 17 regions (0.69-0.97)
     "ws_strip": 0.86,  # 16 regions (0.86-1.10)
 }
+# Classes of plans (``plan_class``) measured inside a model on the H200: class -> {region's
+# decision key: the class's best time over the region's ops'}, the record BERT's first call
+# left (2 layers, 32 x 512 tokens, bf16; bench/results/2026-12-05-h200-standin-and-cost-model/
+# measured-run3.json). A GPU's own measurements add to it.
+MEASURED_CLASSES = {
+    "row_in_cta/batched/16": {"7c36a48abb7806cf": 1.7695, "e39b553b2a8f0237": 1.8053},
+    "tile/batched/16": {"7c36a48abb7806cf": 1.1014, "e39b553b2a8f0237": 1.3147},  # attention's bmm
+    "tile/single/18": {"4c4e1e1e0cc31c05": 1.1825, "a02ebf9cd38d57be": 1.0256},  # GEMM + GELU
+    "tile/single/19": {"1503987c2a4fc3e4": 0.8996},  # the decoder's weight gradient
+}
 MIN_GAIN = 0.02  # a schedule must have been at least this much faster than the ops to be tried
 # regions of a class (``plan_class``) measured on this GPU before its own record replaces
 # BEST_SEEN for it (decisions autotuning makes add to it: runtime/prediction.py)
@@ -73,11 +84,12 @@ def plan_class(plan: Plan) -> str:
 
 def _best(plan: Plan, measured: dict) -> tuple:
     """(best time over the ops' a plan like ``plan`` has reached, where that comes from): from
-    this GPU's own measurements of its class where there are ``MEASURED_ENOUGH``, else from
-    ``BEST_SEEN``; (0, ...) where neither knows."""
-    seen = measured.get(plan_class(plan), {})
+    the measurements of its class (``MEASURED_CLASSES`` and this GPU's own) where there are
+    ``MEASURED_ENOUGH``, else from ``BEST_SEEN``; (0, ...) where neither knows."""
+    c = plan_class(plan)
+    seen = {**MEASURED_CLASSES.get(c, {}), **measured.get(c, {})}
     if len(seen) >= MEASURED_ENOUGH:
-        return min(seen.values()), f"{len(seen)} regions of its class measured here"
+        return min(seen.values()), f"{len(seen)} regions of its class measured"
     if plan.schedule in BEST_SEEN:
         return BEST_SEEN[plan.schedule], "the benchmark record"
     return 0.0, "no record"
