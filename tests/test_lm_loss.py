@@ -154,3 +154,15 @@ def test_the_rewrite_needs_a_large_head():
     report = comfuse.explain(model, (), {"x": torch.randn(2, 5, 32), "labels": torch.randint(0, 200, (2, 5))})
     assert report.regions and not report.notes
     assert lm_loss.linear_ce.chunk_rows(8192, 128256, 2) == 1024
+
+
+def test_comfuse_compile_trains_the_head_without_its_logits(small_heads):
+    torch.manual_seed(0)
+    model = Head()
+    x, labels = torch.randn(2, 7, 32), torch.randint(0, 200, (2, 7))
+    want, want_grads = _step(model, model, x, labels)
+    compiled = comfuse.compile(model, (x, labels))
+    got, got_grads = _step(compiled, model, x, labels)
+    assert any("no [12, 200] logits" in note for note in compiled.report.notes), str(compiled.report)
+    assert abs(got.item() - want.item()) <= 1e-4 * abs(want.item())
+    assert _rel(got_grads, want_grads) < 1e-4
