@@ -334,6 +334,7 @@ def test_models_suite_runs_each_model_and_form_in_processes_of_their_own(tmp_pat
     assert "error" not in compiled, compiled
     assert compiled["loss_rel_err"] < 1e-4 and compiled["grads_rel_err"] < 1e-4
     assert max(compiled["loss_step_rel_err"]) < 1e-4 and compiled["loss_step_ms"][0] > 0  # (the loss alone returned)
+    assert compiled["loss_forward_ms"][0] > 0
     assert compiled["warm"]["first_step_s"] < compiled["first_step_s"]
     assert rows["liger"]["skipped"] == "Liger-Kernel patches Llama-family models only"
     assert rows["inductor@reduce-overhead"]["skipped"] == "CUDA graphs need a GPU"

@@ -230,6 +230,8 @@ def measure(name: str, form: str, layers: int, small: bool, rounds: int, device:
         row["forward_peak_gib"] = peak_gib(lambda: run(**kwargs), device)
     row["step_ms"] = time_ms(lambda: step(run, model, kwargs), rounds, device)
     row["step_peak_gib"] = peak_gib(lambda: step(run, model, kwargs), device)
+    with torch.no_grad():  # (an evaluation loop's call: the loss alone, no gradient)
+        row["loss_forward_ms"] = time_ms(lambda: run_loss(**kwargs), rounds, device)
     loss = step(run_loss, model, kwargs).float()
     row["loss_step_rel_err"] = [float((loss - want).abs() / want.abs()), rel(grads(model), want_grads)]
     row["loss_step_ms"] = time_ms(lambda: step(run_loss, model, kwargs), rounds, device)
@@ -300,8 +302,9 @@ def markdown(results: dict) -> str:
              f"{'small sizes' if meta.get('small') else 'real sizes'}", "",
              "| model | form | forward ms [range] | step ms [range] | step tokens/s | step vs Inductor | "
              "peak GiB fwd / step | first step s cold / warm | first forward s cold / warm | "
-             "loss rel err | grads rel err | loss-only step ms [range] | vs Inductor | peak GiB | "
-             "loss / grads rel err |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "loss rel err | grads rel err | loss-only forward ms [range] | loss-only step ms [range] | "
+             "vs Inductor | peak GiB | loss / grads rel err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base = {r["model"]: r["step_ms"][0] for r in results["rows"] if r.get("form") == "inductor" and r.get("step_ms")}
     base_loss = {r["model"]: r["loss_step_ms"][0] for r in results["rows"]
                  if r.get("form") == "inductor" and r.get("loss_step_ms")}
@@ -310,7 +313,7 @@ def markdown(results: dict) -> str:
         head = f"| {r['model']} ({layers} layer{'' if layers == 1 else 's'}) | {r['form']} |"
         if r.get("skipped") or r.get("error"):
             lines.append(f"{head} {'n/a: ' + r['skipped'] if r.get('skipped') else 'error: ' + r['error']} |" +
-                         " |" * 12)
+                         " |" * 13)
             continue
         step_ms = r.get("step_ms")
         tokens = f"{r['batch'] * r['seq'] / step_ms[0] * 1e3:,.0f}" if step_ms else "-"
@@ -326,13 +329,15 @@ def markdown(results: dict) -> str:
 
 
 def _loss_step(r: dict, base: dict) -> str:
-    """The cells of the step whose compiled function returns the loss alone."""
+    """The cells of the compiled function that returns the loss alone: its forward (grad off)
+    and its training step."""
     t = r.get("loss_step_ms")
     if not t:
-        return "- | - | - | - |"
+        return "- | - | - | - | - |"
     speed = f"{base[r['model']] / t[0]:.3f}x" if r["model"] in base else "-"
     errs = r.get("loss_step_rel_err") or [float("nan")] * 2
-    return f"{_fmt(t)} | {speed} | {r.get('loss_step_peak_gib', '-')} | {errs[0]:.1e} / {errs[1]:.1e} |"
+    return (f"{_fmt(r.get('loss_forward_ms'))} | {_fmt(t)} | {speed} | {r.get('loss_step_peak_gib', '-')} | "
+            f"{errs[0]:.1e} / {errs[1]:.1e} |")
 
 
 def figures(results: dict, out_dir) -> list:
