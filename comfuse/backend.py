@@ -184,8 +184,8 @@ def _compile_with_regions(gm: fx.GraphModule, example_inputs, opts: dict, shapes
             with settings_mod.override(**opts["settings"]):
                 chosen = settings_mod.get()
                 apply = not chosen.disable and chosen.fuel != 0  # (else reported, not applied)
-            gm, regions.lm_losses = lm_loss.rewritten(gm, apply)
-            regions.lm_losses_applied = apply and bool(regions.lm_losses)
+            rewritten, regions.lm_losses = lm_loss.rewritten(gm, apply)
+            regions.lm_losses_applied, gm = rewritten is not gm, rewritten
         with (torch._guards.tracing(None) if own else contextlib.nullcontext()):
             from torch._inductor.compile_fx import compile_fx
             inputs = list(example_inputs) if own else example_inputs

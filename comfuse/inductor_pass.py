@@ -220,8 +220,8 @@ class RegionPass(CustomGraphPass):
         self.lowered: list = []
         self.calls = 0  # graphs Inductor handed the pass (none where its caches answered)
         self.failed = 0  # graphs it could not lower (Inductor's code runs for them)
-        self.lm_losses: list = []  # LM heads and losses computed together before lowering (lm_loss.py)
-        self.lm_losses_applied = False  # (False: found and reported only, as under COMFUSE_DISABLE)
+        self.lm_losses: list = []  # what lm_loss.py made of each LM head and its loss (one line each)
+        self.lm_losses_applied = False  # whether it rewrote one (not under COMFUSE_DISABLE)
 
     @property
     def reports(self) -> list:

@@ -25,6 +25,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from .errors import notice_once
 from .runtime import linear_ce, tuning
 
 log = logging.getLogger("comfuse.backend")
@@ -89,14 +90,14 @@ def _keeps_last_dim(index, ndim: int) -> bool:
     return len(index) < ndim or index[-1] == slice(None)
 
 
-def _head(ce: fx.Node):
+def _head(ce: fx.Node, shared: bool = False):
     """(linear node, the getitem indices to move onto h, the nodes from the loss's input back
     to the linear one) where ``ce``'s input is a linear layer's output through casts,
     contiguous, slices keeping the vocabulary and reshapes to [rows, vocabulary], each value
-    used once; else None."""
+    used once (``shared``: or more); else None."""
     x = ce.args[0] if ce.args else ce.kwargs.get("input")
     indices, chain = [], []  # (walking from the loss back: a slice seen here comes after what follows)
-    while isinstance(x, fx.Node) and len(x.users) == 1:
+    while isinstance(x, fx.Node) and (len(x.users) == 1 or shared):
         chain.append(x)
         if x.op == "call_function" and x.target in LINEARS:
             return x, indices[::-1], chain
@@ -131,7 +132,9 @@ def _candidate(ce: fx.Node):
             or args.get("label_smoothing", 0.0) != 0.0 or args.get("reduction", "mean") not in ("mean", "sum") \
             or not isinstance(args.get("ignore_index", -100), int):
         return None
-    found = _head(ce)
+    found, shared = _head(ce), False
+    if found is None:
+        found, shared = _head(ce, shared=True), True
     if found is None:
         return None
     linear, indices, chain = found
@@ -147,32 +150,40 @@ def _candidate(ce: fx.Node):
     if rows * vocab * 4 < tuning.MEMORY_FIRST_BYTES:
         return None
     need = [bool(getattr(_value(n), "requires_grad", False)) if n is not None else False for n in (h, w, b)]
-    return {"linear": linear, "indices": indices, "chain": chain, "h": h, "w": w, "b": b, "target": args["target"],
+    return {"shared": shared, "linear": linear, "indices": indices, "chain": chain, "h": h, "w": w, "b": b, "target": args["target"],
             "ignore_index": args.get("ignore_index", -100), "reduction": args.get("reduction", "mean"),
             "dtype": logits.dtype, "need": need, "rows": rows, "vocab": vocab, "hidden": _size(wv.shape[1]),
             "itemsize": hv.element_size()}
 
 
 def _note(found: dict) -> str:
-    return (f"the LM head at {found['linear'].name} and its cross-entropy ({found['rows']} rows, vocabulary "
-            f"{found['vocab']}) compute the loss and its gradients together, "
+    head = f"the LM head at {found['linear'].name} and its cross-entropy ({found['rows']} rows, vocabulary {found['vocab']})"
+    if found["shared"]:
+        return (f"{head} keep their [{found['rows']}, {found['vocab']}] logits, which the compiled function also "
+                f"uses or returns (a model's output holds them): compile a function that returns the loss alone "
+                f"to train without them")
+    return (f"{head} compute the loss and its gradients together, "
             f"{linear_ce.chunk_rows(found['rows'], found['vocab'], found['itemsize'])} rows at a time: "
             f"no [{found['rows']}, {found['vocab']}] logits in the forward or the backward")
 
 
 def rewritten(gm: fx.GraphModule, apply: bool = True) -> tuple:
     """(a copy of ``gm`` with each LM head and loss that qualifies computed by
-    ``comfuse::linear_cross_entropy``, one line per rewrite) or (``gm``, []) where none does;
-    ``apply=False``: (``gm``, the lines), unchanged. The copy shares ``gm``'s parameters and
-    buffers."""
-    notes = [_note(found) for found in map(_candidate, gm.graph.nodes) if found is not None]
-    if not notes or not apply:
+    ``comfuse::linear_cross_entropy``, one line per head found) or (``gm``, the lines) where
+    none is rewritten: none qualifies, ``apply`` is False, or the logits are wanted elsewhere
+    (a notice says so once). The copy shares ``gm``'s parameters and buffers."""
+    found = [f for f in map(_candidate, gm.graph.nodes) if f is not None]
+    notes = [_note(f) for f in found]
+    for f in found:
+        if f["shared"] and apply:
+            notice_once("lm-logits-kept", f"comfuse: {_note(f)}")
+    if not any(not f["shared"] for f in found) or not apply:
         return gm, notes
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     for ce in list(graph.nodes):
         found = _candidate(ce)
-        if found is None:
+        if found is None or found["shared"]:
             continue
         with graph.inserting_before(ce):
             h = found["h"]
@@ -187,6 +198,6 @@ def rewritten(gm: fx.GraphModule, apply: bool = True) -> tuple:
         for node in [ce] + found["chain"]:  # (each used only by the one before it)
             graph.erase_node(node)
     for note in notes:
-        log.info("backend: %s", note)
+        log.info("backend: %s", note)  # (the ones kept were given as a notice)
     graph.lint()
     return fx.GraphModule(gm, graph), notes

@@ -103,10 +103,16 @@ def test_the_head_is_left_alone_where_its_logits_are_wanted_or_no_gradient_is(sm
     def with_logits(x):
         logits = model.head(x)
         return F.cross_entropy(logits.view(-1, 200), labels.view(-1)), logits
-    for fn, kwargs in ((with_logits, {"x": x}), (model, {"x": x, "labels": labels, "smoothing": 0.1})):
-        torch._dynamo.reset()
-        report = comfuse.explain(fn, (), kwargs)
-        assert report.regions and not report.notes, str(report)
+    torch._dynamo.reset()
+    report = comfuse.explain(with_logits, (), {"x": x})
+    assert len(report.notes) == 1 and "keep their [10, 200] logits" in report.notes[0], str(report)
+    torch._dynamo.reset()
+    with pytest.warns(comfuse.ComfuseWarning, match="compile a function that returns the loss alone"):
+        loss, logits = torch.compile(with_logits, backend="comfuse")(x)
+    torch.testing.assert_close(loss, with_logits(x)[0])
+    torch._dynamo.reset()
+    report = comfuse.explain(model, (), {"x": x, "labels": labels, "smoothing": 0.1})
+    assert report.regions and not report.notes, str(report)
     torch._dynamo.reset()
     assert comfuse.explain(model, (), {"x": x, "labels": labels}).notes
     with torch.no_grad():
