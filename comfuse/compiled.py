@@ -178,18 +178,29 @@ def merged_report(name: str, reports: list, notes=()) -> Report:
 
 
 def explain(fn, example_inputs=(), kwargs: dict | None = None) -> Report:
-    """Find, plan and generate without running a kernel; return the report. ``fn`` is traced
-    whole where it can be; a program that cannot be (keyword inputs, cache objects, Python
-    that tracing cannot follow: most Hugging Face models) is captured as the torch.compile
-    backend sees it instead, graph by graph, running ``fn`` once eagerly to do so."""
+    """Find, plan and generate without running a kernel; return the report. A program that
+    trains (grad on, and an input or ``fn``'s parameter requires grad) is captured as the
+    torch.compile backend compiles it, graph by graph, forward and backward (as
+    ``comfuse.compile`` trains it), running ``fn`` once eagerly to do so; so is one that
+    cannot be traced whole (keyword inputs, cache objects, Python that tracing cannot
+    follow: most Hugging Face models). Any other is traced whole."""
     if isinstance(example_inputs, torch.Tensor) or not isinstance(example_inputs, (tuple, list)):
         raise TypeError("comfuse.explain: example_inputs must be a tuple or list of arguments")
     args = tuple(example_inputs)
-    if not kwargs:
+    if not kwargs and not _trains(fn, args):
         _, report = compile_graph(fn, args, execute=False)
         if not report.error:
             return report
     return _explain_graphs(fn, args, dict(kwargs or {}))
+
+
+def _trains(fn, args: tuple) -> bool:
+    """Whether a call of ``fn`` on ``args`` would have a backward: grad on, and an input or one
+    of ``fn``'s parameters requires grad."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if isinstance(fn, torch.nn.Module):
+        tensors += list(fn.parameters())
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def _explain_graphs(fn, args: tuple, kwargs: dict) -> Report:
