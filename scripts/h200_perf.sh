@@ -9,7 +9,8 @@
 # Time limits in seconds (0 skips a part): PAPER_S (400), B2B_S (150), GPU_TESTS_S (300),
 # MODELS_S (240, with MODELS=1). Other knobs: PAPER_SHAPES ("suite": each workload at its own
 # shapes; or "M,K,N;M,K,N"), PAPER_ONLY and B2B_ONLY (workloads), REPEAT (rounds, 3),
-# CANDIDATES, GPU_TESTS_K (pytest -k).
+# CANDIDATES, GPU_TESTS_K (pytest -k), MODELS_ONLY, MODELS_CANDIDATES and MODELS_LAYERS (the
+# models suite's --only, --candidates and --layers).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/comfuse-out}
@@ -42,7 +43,9 @@ part b2b "${B2B_S:-150}" python3 -m comfuse.cli bench --suite b2b \
 part gpu-tests "${GPU_TESTS_S:-300}" python3 -m pytest -q -p no:cacheprovider -m gpu --timeout=150 \
   ${GPU_TESTS_K:+-k "$GPU_TESTS_K"}
 mv "$OUT/gpu-tests.log" "$OUT/gpu-tests.txt" 2>/dev/null && tail -n 8 "$OUT/gpu-tests.txt"
-[ -n "${MODELS:-}" ] && part models "${MODELS_S:-240}" python3 -m comfuse.cli bench --suite models --out "$OUT/models"
+[ -n "${MODELS:-}" ] && part models "${MODELS_S:-240}" python3 -m comfuse.cli bench --suite models \
+  ${MODELS_ONLY:+--only "$MODELS_ONLY"} ${MODELS_CANDIDATES:+--candidates "$MODELS_CANDIDATES"} \
+  ${MODELS_LAYERS:+--layers "$MODELS_LAYERS"} --out "$OUT/models"
 
 for f in "$OUT"/*/results.md; do
   [ -f "$f" ] && { echo; echo "== $f"; grep -E '^\|' "$f"; }
