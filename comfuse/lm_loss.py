@@ -150,10 +150,12 @@ def _candidate(ce: fx.Node):
     if rows * vocab * 4 < tuning.MEMORY_FIRST_BYTES:
         return None
     need = [bool(getattr(_value(n), "requires_grad", False)) if n is not None else False for n in (h, w, b)]
-    return {"shared": shared, "linear": linear, "indices": indices, "chain": chain, "h": h, "w": w, "b": b, "target": args["target"],
-            "ignore_index": args.get("ignore_index", -100), "reduction": args.get("reduction", "mean"),
-            "dtype": logits.dtype, "need": need, "rows": rows, "vocab": vocab, "hidden": _size(wv.shape[1]),
-            "itemsize": hv.element_size()}
+    computed = _value(linear).dtype  # (under autocast, not the inputs': they are cast to it, as autocast does)
+    return {"shared": shared, "linear": linear, "indices": indices, "chain": chain, "h": h, "w": w, "b": b,
+            "target": args["target"], "ignore_index": args.get("ignore_index", -100),
+            "reduction": args.get("reduction", "mean"), "dtype": logits.dtype, "need": need, "rows": rows,
+            "vocab": vocab, "hidden": _size(wv.shape[1]), "computed": computed, "itemsize": computed.itemsize,
+            "cast": [n is not None and _value(n).dtype != computed for n in (h, w, b)]}
 
 
 def _note(found: dict) -> str:
@@ -186,13 +188,14 @@ def rewritten(gm: fx.GraphModule, apply: bool = True) -> tuple:
         if found is None or found["shared"]:
             continue
         with graph.inserting_before(ce):
-            h = found["h"]
+            h, w, b = (graph.call_method("to", (x, found["computed"])) if cast else x
+                       for x, cast in zip((found["h"], found["w"], found["b"]), found["cast"]))
             for index in found["indices"]:
                 h = graph.call_function(operator.getitem, (h, index))
             h = graph.call_method("reshape", (h, -1, found["hidden"]))
             call = graph.call_function(torch.ops.comfuse.linear_cross_entropy.default,
-                                       (h, found["w"], found["b"], found["target"], found["ignore_index"],
-                                        found["reduction"], found["dtype"], found["need"]))
+                                       (h, w, b, found["target"], found["ignore_index"], found["reduction"],
+                                        found["dtype"], found["need"]))
             loss = graph.call_function(operator.getitem, (call, 0))
         ce.replace_all_uses_with(loss)
         for node in [ce] + found["chain"]:  # (each used only by the one before it)

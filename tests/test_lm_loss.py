@@ -172,3 +172,22 @@ def test_comfuse_compile_trains_the_head_without_its_logits(small_heads):
     assert any("no [12, 200] logits" in note for note in compiled.report.notes), str(compiled.report)
     assert abs(got.item() - want.item()) <= 1e-4 * abs(want.item())
     assert _rel(got_grads, want_grads) < 1e-4
+
+
+def test_under_autocast_the_head_computes_in_autocasts_dtype(small_heads):
+    """Mixed precision (fp32 parameters, the head's GEMM in bf16 under autocast): the rewrite
+    casts its inputs as autocast does, and the gradients reach the fp32 parameters in fp32."""
+    torch.manual_seed(0)
+    model = Head()
+    x, labels = torch.randn(2, 9, 32), torch.randint(0, 200, (2, 9))
+
+    def loss(x, labels):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(x, labels)
+    want, want_grads = _step(loss, model, x, labels)
+    torch._dynamo.reset()
+    assert comfuse.explain(loss, (), {"x": x, "labels": labels}).notes
+    got, got_grads = _step(torch.compile(loss, backend="comfuse"), model, x, labels)
+    assert got_grads.dtype == torch.float32
+    assert abs(got.item() - want.item()) <= 2e-2 * abs(want.item())
+    assert _rel(got_grads, want_grads) < 3e-2
