@@ -48,6 +48,24 @@ def test_the_loss_and_its_gradients_are_eagers_over_several_chunks(small_heads, 
         assert _rel(got, want) < 1e-5
 
 
+def test_a_row_kernel_that_fails_leaves_its_rows_to_torch_ops(small_heads, monkeypatch):
+    class Broken:  # (a kernel whose launch fails, for any grid)
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("no kernel")
+            return launch
+    monkeypatch.setattr(linear_ce, "_rows", Broken())
+    monkeypatch.setattr(linear_ce, "_FAILED", [])
+    h, w, t = torch.randn(13, 8, requires_grad=True), torch.randn(20, 8, requires_grad=True), torch.randint(0, 20, (13,))
+    with pytest.warns(comfuse.FallbackWarning, match="row kernel failed"):
+        loss, dh, dw, _ = torch.ops.comfuse.linear_cross_entropy(h, w, None, t, -100, "mean", torch.float32,
+                                                                 [True, True, False])
+    ref = F.cross_entropy(F.linear(h, w), t)
+    gh, gw = torch.autograd.grad(ref, [h, w])
+    assert abs(loss.item() - ref.item()) < 1e-5 and _rel(dh, gh) < 1e-5 and _rel(dw, gw) < 1e-5
+    assert linear_ce._FAILED == ["RuntimeError: no kernel"]
+
+
 def test_a_target_outside_the_vocabulary_is_an_error():
     h, w = torch.randn(4, 8), torch.randn(10, 8)
     t = torch.tensor([1, 2, 10, -100])

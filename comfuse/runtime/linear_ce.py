@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..errors import fallback, summary
 from .launch import interpreting
 
 CHUNK_BYTES = 256 << 20  # a chunk's logits, at most (and at least MIN_CHUNK_ROWS rows)
@@ -80,12 +81,19 @@ def _rows_by_torch(z, t, losses, scale, ignore_index: int, grads: bool) -> None:
         z.copy_(g * torch.where(keep, scale, 0.0)[:, None])
 
 
+_FAILED: list = []  # why ``_rows`` failed to build or launch in this process, once it has
+
+
 def _on_rows(z, t, losses, scale, ignore_index: int, grads: bool) -> None:
-    if z.device.type == "cuda" or interpreting():
-        _rows[(z.shape[0],)](z, z.stride(0), t, losses, scale, z.shape[1], ignore_index, BLOCK=BLOCK_V, GRADS=grads,
-                             num_warps=8)
-    else:
-        _rows_by_torch(z, t, losses, scale, ignore_index, grads)
+    if not _FAILED and (z.device.type == "cuda" or interpreting()):
+        try:
+            _rows[(z.shape[0],)](z, z.stride(0), t, losses, scale, z.shape[1], ignore_index, BLOCK=BLOCK_V,
+                                 GRADS=grads, num_warps=8)
+            return
+        except Exception as e:  # (a launch fails before it writes anything)
+            fallback("the LM loss's row kernel failed", e, "its rows are computed by torch ops from now on")
+            _FAILED.append(summary(e))
+    _rows_by_torch(z, t, losses, scale, ignore_index, grads)
 
 
 def linear_cross_entropy(h, w, b, t, ignore_index: int, reduction: str, out_dtype, need: tuple) -> tuple:
