@@ -201,6 +201,6 @@ def rewritten(gm: fx.GraphModule, apply: bool = True) -> tuple:
         for node in [ce] + found["chain"]:  # (each used only by the one before it)
             graph.erase_node(node)
     for note in notes:
-        log.info("backend: %s", note)  # (the ones kept were given as a notice)
+        log.info("backend: %s", note)
     graph.lint()
     return fx.GraphModule(gm, graph), notes
