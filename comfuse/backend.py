@@ -28,8 +28,8 @@ import functools
 import torch
 import torch.fx as fx
 
-from . import lm_loss, verdicts
 from . import settings as settings_mod
+from . import verdicts
 from .errors import fallback, notice_once
 from .graph_check import GRAPH_CHECKS, backward_checked, faster_graph, later_compilation  # noqa: F401  (GRAPH_CHECKS: for inspection)
 from .inductor_pass import REPORTS, RegionPass, settings_text, symbolic  # noqa: F401  (REPORTS: for inspection)
@@ -111,7 +111,7 @@ def comfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = N
         # written by no process): what it fuses is not known here, so it is checked whole
         with settings_mod.override(**opts["settings"]):
             return faster_graph(gm, example_inputs, compiled, 1, False, plain, on_choice=on_choice)
-    if not regions.fused and not regions.lm_losses_applied:  # (the graph is Inductor's, its backward aside)
+    if not regions.fused:  # (nothing fused in the forward: the graph is Inductor's, its backward aside)
         with settings_mod.override(**opts["settings"]):
             return backward_checked(gm, example_inputs, compiled, regions, plain, on_choice=on_choice)
     with settings_mod.override(**opts["settings"]):
@@ -180,12 +180,6 @@ def _compile_with_regions(gm: fx.GraphModule, example_inputs, opts: dict, shapes
         passes.append(regions)
     patches = dict(opts.get("inductor") or {}, post_grad_custom_post_pass=regions)
     try:
-        if "gemm_epilogue" not in opts["kinds"]:
-            with settings_mod.override(**opts["settings"]):
-                chosen = settings_mod.get()
-                apply = not chosen.disable and chosen.fuel != 0  # (else reported, not applied)
-            rewritten, regions.lm_losses = lm_loss.rewritten(gm, apply)
-            regions.lm_losses_applied, gm = rewritten is not gm, rewritten
         with (torch._guards.tracing(None) if own else contextlib.nullcontext()):
             from torch._inductor.compile_fx import compile_fx
             inputs = list(example_inputs) if own else example_inputs
@@ -261,10 +255,10 @@ class PerShape:
             self.reports[key] = None
             return self.dynamic or self._static(gm, args)
         self.reports[key] = regions.reports[0] if regions.reports else None
-        if not regions.found and not regions.lm_losses_applied:
+        if not regions.found:
             self.regionless = True  # (no GEMM region in the forward: no shape will fuse one)
             return self.dynamic or compiled
-        if not regions.fused and not regions.lm_losses_applied:
+        if not regions.fused:
             self.settled = True  # (found, none fused at this shape: the next shapes are not lowered)
             with settings_mod.override(**self.opts["settings"]):
                 return backward_checked(self.gm, args, compiled, regions, lambda: self.dynamic or self._static(gm, args))

@@ -65,8 +65,7 @@ class Built:
     def report(self) -> Report:
         if self.own is not None:
             return self.own
-        return merged_report(self.function, [r for p in self.passes for r in p.reports],
-                             [n for p in self.passes for n in p.lm_losses])
+        return merged_report(self.function, [r for p in self.passes for r in p.reports])
 
     def modules(self) -> list:
         """The fused modules (regions and chains) in graph order."""
@@ -163,12 +162,10 @@ def _cuda_devices(fn, args) -> list:
     return sorted({t.device.index for t in tensors if t.is_cuda})
 
 
-def merged_report(name: str, reports: list, notes=()) -> Report:
+def merged_report(name: str, reports: list) -> Report:
     """One report of several graphs' reports, each region's anchor prefixed by its graph
-    ("forward graph 0: mm_3"); the regions are copies, numbered afresh. ``notes``: what the
-    backend rewrote beside the regions (an LM head and its loss)."""
-    merged = Report(function=name, regions=[], graph="\n\n".join(r.graph for r in reports if r.graph),
-                    notes=list(notes))
+    ("forward graph 0: mm_3"); the regions are copies, numbered afresh."""
+    merged = Report(function=name, regions=[], graph="\n\n".join(r.graph for r in reports if r.graph))
     for report in reports:
         for region in report.regions:
             merged.regions.append(dataclasses.replace(region, index=len(merged.regions),
@@ -222,7 +219,7 @@ def _explain_graphs(fn, args: tuple, kwargs: dict) -> Report:
             _differentiate(out, fn, args, kwargs)
     except Exception as e:
         return Report(function=name, regions=[], error=f"torch.compile could not capture {name}: {summary(e)}")
-    return merged_report(name, [r for p in passes for r in p.reports], [n for p in passes for n in p.lm_losses])
+    return merged_report(name, [r for p in passes for r in p.reports])
 
 
 def _differentiate(out, fn, args: tuple, kwargs: dict) -> None:

@@ -220,8 +220,6 @@ class RegionPass(CustomGraphPass):
         self.lowered: list = []
         self.calls = 0  # graphs Inductor handed the pass (none where its caches answered)
         self.failed = 0  # graphs it could not lower (Inductor's code runs for them)
-        self.lm_losses: list = []  # what lm_loss.py made of each LM head and its loss (one line each)
-        self.lm_losses_applied = False  # whether it rewrote one (not under COMFUSE_DISABLE)
 
     @property
     def reports(self) -> list:
@@ -240,7 +238,7 @@ class RegionPass(CustomGraphPass):
 
     @property
     def saves_memory(self) -> bool:
-        return self.lm_losses_applied or any(lowered.saves_memory for lowered in self.lowered)
+        return any(lowered.saves_memory for lowered in self.lowered)
 
     def uuid(self):
         """What Inductor's FX graph and AOTAutograd caches key a graph compiled with this pass

@@ -16,7 +16,7 @@ checked against eager's in that process before anything is timed; then the forwa
 loss (grad off) and the training step are timed (median and range of rounds of back-to-back
 calls, host time included), with tokens a second and the peak GPU memory of each; the step
 also with a compiled function that returns the loss alone (a training loop's step: the
-logits unused, which comfuse's backend then never holds, lm_loss.py), checked too. A second
+logits unused, as Liger-Kernel's patched models leave them in training), checked too. A second
 process with the caches the first left gives the warm first calls. Results go to
 ``OUT/results.json``, the table to ``OUT/results.md``, figures beside them.
 """
