@@ -42,7 +42,14 @@ def _arguments(region_id: int, tensors, scalars) -> list:
     return [next(t) if flag else next(s) for flag in is_tensor]
 
 
-@torch.library.custom_op("comfuse::region", mutates_args=())
+# Defined through a ``torch.library.Library`` rather than ``torch.library.custom_op``: a call
+# then costs the dispatcher and the function (3.5 us on a CPU, against 15 us through
+# custom_op's wrappers), once per region and graph call. The op needs no autograd formula
+# (it runs in graphs AOTAutograd has differentiated already) and returns no alias of its inputs.
+_LIBRARY = torch.library.Library("comfuse", "DEF")
+_LIBRARY.define("region(int region_id, Tensor[] tensors, int[] scalars) -> Tensor[]")
+
+
 def region_op(region_id: int, tensors: list[torch.Tensor], scalars: list[int]) -> list[torch.Tensor]:
     """Run fused region ``region_id`` (its kernel, or its original ops on fallback)."""
     module = REGISTRY[region_id][0]
@@ -69,8 +76,11 @@ def _fresh(outs: list, tensors) -> list:
     return outs
 
 
-@region_op.register_fake
 def _region_fake(region_id: int, tensors: list[torch.Tensor], scalars: list[int]) -> list[torch.Tensor]:
     module = REGISTRY[region_id][0]
     device = tensors[0].device
     return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in module.output_specs]
+
+
+_LIBRARY.impl("region", region_op, "CompositeExplicitAutograd")
+torch.library.register_fake("comfuse::region", _region_fake, lib=_LIBRARY)

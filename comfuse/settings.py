@@ -102,20 +102,30 @@ def _read(env) -> Settings:
 
 FIELDS = tuple(f.name for f in dataclasses.fields(Settings))
 _ENV = ("XDG_CACHE_HOME",) + tuple(f"COMFUSE_{name.upper()}" for name in FIELDS)
+_ENV_BYTES = tuple(os.fsencode(name) for name in _ENV)
 _overrides: dict[str, object] = {}
 _memo: dict[tuple, Settings] = {}
+
+
+def _environment() -> tuple:
+    """The variables' values now, as a key: on POSIX the raw bytes of ``os.environ``'s own
+    mapping (0.5 us for all of them, against 11 us through ``os.environ.get``, which decodes
+    each; a fused region's call reads the settings)."""
+    raw = getattr(os.environ, "_data", None)
+    if os.name == "posix" and isinstance(raw, dict):
+        return tuple(map(raw.get, _ENV_BYTES))
+    return tuple(os.environ.get(name) for name in _ENV)
 
 
 def get() -> Settings:
     """The settings now: environment variables, then ``override``. Read on every fused call,
     so the result is remembered per (environment, overrides) snapshot."""
-    env = tuple(os.environ.get(name) for name in _ENV)
-    key = (env, tuple(sorted((k, repr(v)) for k, v in _overrides.items())))
+    key = (_environment(), tuple(sorted((k, repr(v)) for k, v in _overrides.items())) if _overrides else ())
     found = _memo.get(key)
     if found is None:
         if len(_memo) > 256:
             _memo.clear()
-        found = _read(dict(zip(_ENV, env)))
+        found = _read({name: os.environ.get(name) for name in _ENV})
         found = dataclasses.replace(found, **_overrides) if _overrides else found
         _memo[key] = found
     return found
