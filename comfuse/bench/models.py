@@ -14,8 +14,8 @@ Inductor's, Triton's): its first training step and first inference call from
 ``torch.compile`` are the cold first calls; the loss and all gradients (one vector) are
 checked against eager's in that process before anything is timed; then the forward with its
 loss (grad off) and the training step are timed (median and range of rounds of back-to-back
-calls, host time included), with tokens a second and the peak GPU memory of each; the step
-also with a compiled function that returns the loss alone (a training loop's step: the
+calls, host time included), with tokens a second and the peak GPU memory of each; both again
+with a compiled function that returns the loss alone (an evaluation or training loop's: the
 logits unused, as Liger-Kernel's patched models leave them in training), checked too. A second
 process with the caches the first left gives the warm first calls. Results go to
 ``OUT/results.json``, the table to ``OUT/results.md``, figures beside them.
@@ -203,10 +203,10 @@ def measure(name: str, form: str, layers: int, small: bool, rounds: int, device:
         state = model.state_dict()
         model = build(name, layers, small, device)[0].to(device, dtype)
         model.load_state_dict(state)
-    sync = _sync(device)
-    began = time.perf_counter()
     def loss_only(**kw):  # a training loop's step: the loss alone leaves the function, not the logits
         return loss_of(model(**kw))
+    sync = _sync(device)
+    began = time.perf_counter()
     if form in ("eager", "liger"):
         run, run_loss = model, loss_only
     else:
