@@ -24,7 +24,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from . import settings as settings_mod
 from .errors import fallback
-from .kernel_node import keep_launchable, launch_from_inductor, launched_by_inductor
+from .kernel_node import (inductor_strides, keep_launchable, launch_from_inductor, launched_by_inductor,
+                          padded_by_inductor)
 from .pipeline import compile_graph, fake_inputs
 from .region_op import register as register_region
 from .report import Report
@@ -99,12 +100,14 @@ def lower(gm: fx.GraphModule, example_inputs, disabled_kinds=frozenset(), tune=N
     return Lowered(fused, report, any(tuning.saves_memory(m.region) for m in kept if getattr(m, "region", None)), kept)
 
 
-def random_like(value):
-    """A real tensor shaped like the fake ``value``: normal floats, zero integers (valid as
-    indices anywhere), or ``value`` itself when it is not a tensor."""
+def random_like(value, strides=None):
+    """A real tensor shaped like the fake ``value`` (with ``strides`` where given): normal
+    floats, zero integers (valid as indices anywhere), or ``value`` itself when it is not a
+    tensor."""
     if not isinstance(value, torch.Tensor):
         return value
-    out = torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype, device=value.device)
+    out = torch.empty_strided(tuple(value.shape), tuple(strides or value.stride()), dtype=value.dtype,
+                              device=value.device)
     if out.is_floating_point():
         out.normal_()
     else:
@@ -142,7 +145,11 @@ def tune_on_random_inputs(fused: fx.GraphModule) -> None:
             "tune_timing") else {}
         try:
             with torch.no_grad(), settings_mod.override(**timing):
-                args = [random_like(v) for v in vals]
+                # laid out as Inductor lays them out in the graph (rows padded for alignment):
+                # the unfused ops' cuBLAS GEMMs were timed on unaligned rows otherwise, slower
+                # than in the graph, and a region won alone that lost in the model
+                args = [random_like(v, inductor_strides(v) if padded_by_inductor(a) else None)
+                        for a, v in zip(node.args, vals)]
                 getattr(module, "choose", module)(*args)  # (the choice only: ops it prefers go back into the graph)
         except Exception as e:
             fallback(f"backend: autotuning the region at {module.report.anchor} failed", e,

@@ -118,13 +118,58 @@ def _pointer(view: torch.Tensor, base: torch.Tensor) -> bool:
     return torch._C._is_alias_of(view, base) and view.storage_offset() == base.storage_offset()
 
 
+def inductor_strides(value) -> tuple | None:
+    """The strides Inductor gives a buffer computed inside a graph with ``value``'s shape,
+    dtype and stride order, where its comprehensive padding changes them (on a GPU: each
+    stride above ``padding_stride_threshold`` elements rounded up to a multiple of
+    ``padding_alignment_bytes``); None where the buffer keeps ``value``'s strides."""
+    from torch._inductor import config
+    if not isinstance(value, torch.Tensor) or value.device.type != "cuda" or not config.comprehensive_padding \
+            or any(not isinstance(x, int) for x in (*value.shape, *value.stride())):
+        return None
+    strides = padded_strides(tuple(value.shape), tuple(value.stride()), value.element_size())
+    return strides if strides != tuple(value.stride()) else None
+
+
+def padded_strides(shape: tuple, strides: tuple, itemsize: int) -> tuple:
+    """Dense strides in the order of ``strides`` (innermost first by size of stride), each
+    above Inductor's ``padding_stride_threshold`` rounded up to ``padding_alignment_bytes``."""
+    from torch._inductor import config
+    if len(shape) < 2:
+        return tuple(strides)
+    align = config.padding_alignment_bytes // itemsize
+    order = sorted(range(len(shape)), key=lambda d: (strides[d], shape[d]))
+    out = [0] * len(shape)
+    out[order[0]] = 1
+    for prev, d in zip(order, order[1:]):
+        stride = out[prev] * shape[prev]
+        out[d] = -(-stride // align) * align if stride > config.padding_stride_threshold else stride
+    return tuple(out)
+
+
+def padded_by_inductor(node) -> bool:
+    """Whether ``node``'s value is a buffer Inductor computes in the graph and lays out with
+    padded rows (``inductor_strides``): not a graph input, nor a graph output, which keep
+    their strides."""
+    return isinstance(node, fx.Node) and node.op == "call_function" \
+        and not any(u.op == "output" for u in node.users) and inductor_strides(node.meta.get("val")) is not None
+
+
 def launch_from_inductor(graph: fx.Graph, call: fx.Node, module, ext_nodes: list) -> str:
     """Replace the region call ``call`` (its outputs read by ``getitem``) by a user-defined
     Triton kernel node that Inductor launches; '' when done, else the reason it was not (the
-    graph is then unchanged). ``ext_nodes``: the region's arguments in their own order."""
+    graph is then unchanged). ``ext_nodes``: the region's arguments in their own order.
+    Not where an operand is a buffer Inductor pads for alignment: the kernel takes its
+    strides as constants, so Inductor would copy the buffer to the strides the kernel was
+    built for before each launch (BERT's decoder weight gradient: a 1.27 ms copy of its
+    [16384, 30522] operand, on the H200, 2026-12-04, bench/results/2026-12-04-h200-models-profiles/),
+    while the region operator takes it as laid out."""
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table, triton_kernel_wrapper_functional
     if not isinstance(module, FusedRegion):
         return why_not_launched(module, torch.device("cpu"))
+    padded = next((n for n in ext_nodes if padded_by_inductor(n)), None)
+    if padded is not None:
+        return f"Inductor pads the rows of {padded.name} for alignment; the operator takes them as laid out"
     vals = [n.meta.get("val") if isinstance(n, fx.Node) else n for n in ext_nodes]
     a, b = vals[module.operands[0]], vals[module.operands[1]]
     if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):

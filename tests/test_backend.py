@@ -1145,3 +1145,56 @@ def test_a_kernel_inductor_launches_asks_for_the_exact_strides_it_was_built_for(
     built = {name: (v.shape, v.stride()) for name, v in kwargs["kwargs"].items()}
     graph = {name: (n.meta["val"].shape, n.meta["val"].stride()) for name, n in node.kwargs["kwargs"].items()}
     assert built == graph and (torch.Size([64, 2000]), (2000, 1)) in built.values()
+
+
+@pytest.mark.parametrize("shape,strides,dtype", [
+    ((16384, 30522), (30522, 1), torch.bfloat16), ((30522, 16384), (1, 30522), torch.bfloat16),
+    ((512, 2000), (2000, 1), torch.bfloat16), ((512, 768), (768, 1), torch.bfloat16),
+    ((12, 512, 1000), (512000, 1000, 1), torch.bfloat16), ((8, 1031, 1500), (1546500, 1500, 1), torch.float32),
+    ((4, 300), (300, 1), torch.float32), ((2000, 3), (1, 2000), torch.float16)])
+def test_the_strides_inductor_pads_a_buffer_to_are_predicted(shape, strides, dtype):
+    """``kernel_node.padded_strides`` gives what Inductor's own comprehensive padding gives a
+    buffer of that shape, stride order and dtype."""
+    from torch._inductor.ir import Layout
+
+    from comfuse.kernel_node import padded_strides
+    want = tuple(Layout._pad_strides(list(strides), list(shape), dtype))
+    assert padded_strides(shape, strides, dtype.itemsize) == want
+
+
+def test_a_region_reading_a_buffer_inductor_pads_runs_through_the_operator(monkeypatch):
+    """A region whose A operand is computed in the graph with rows Inductor pads for alignment
+    (2000 bf16 elements) is not handed to Inductor's wrapper, which would copy the buffer to the
+    strides the kernel was built for before every launch: the region operator takes it as laid
+    out, and the report says why. Autotuning's random inputs get the padded strides. Built for
+    CUDA tensors on the CPU: fake tensors, the kernel generated, not run."""
+    import functools
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    import comfuse.pipeline as pipeline_mod
+    from comfuse.inductor_pass import lower
+    from comfuse.kernel_node import inductor_strides, padded_by_inductor
+    from comfuse.runtime import launch
+    monkeypatch.setattr(launch, "_cuda_available", lambda: True)
+    monkeypatch.setattr(pipeline_mod, "sm_count", functools.cache(lambda device=None: 132))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.empty(64, 2000, device="cuda", dtype=torch.bfloat16)
+        w = torch.empty(2000, 128, device="cuda", dtype=torch.bfloat16)
+        r = torch.empty(64, 128, device="cuda", dtype=torch.bfloat16)
+        gm = make_fx(lambda x, w, r: torch.relu((x * 2 + 1) @ w + r))(x, w, r)
+    seen = []
+
+    def tuned(fused):  # (as if its first call on the GPU had checked it)
+        for n in fused.graph.nodes:
+            if n.op == "call_module":
+                seen.extend(a for a in n.args if padded_by_inductor(a))
+                fused.get_submodule(n.target).tuned.add(torch.device("cuda", 0))
+    with comfuse.settings.override(check=False, autotune="0", schedule="tile"):
+        lowered = lower(gm, [x, w, r], tune=tuned)
+    (region,) = lowered.report.regions
+    assert region.fused and region.launch.startswith("through the comfuse::region operator (Inductor pads"), \
+        region.launch
+    assert [inductor_strides(a.meta["val"]) for a in seen] == [(2048, 1)]
+    assert any(n.target is torch.ops.comfuse.region.default for n in lowered.gm.graph.nodes)
