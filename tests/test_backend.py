@@ -1104,34 +1104,38 @@ def test_a_region_fed_by_another_is_tuned_at_compile_time(monkeypatch):
     torch.testing.assert_close(out, fn(x), rtol=1e-4, atol=1e-5)
 
 
-def test_a_kernel_inductor_launches_asks_for_the_exact_strides_it_was_built_for(monkeypatch):
-    """A fused region's kernel launched from Inductor's wrapper takes its tensors' strides as
-    constants; its node carries the values it was built for (``eager_input_vals``), so that
-    Inductor hands it buffers with exactly those strides rather than any buffer of the same
-    stride order (rows of 2000 bf16 elements, which Inductor may pad for alignment). Built
-    for CUDA tensors on the CPU: fake tensors, the kernel generated, not run."""
+def _fake_cuda_graph(monkeypatch, fn):
+    """(``fn`` traced on fake CUDA tensors x [64, 2000], w [2000, 128], r [64, 128], bf16, as a
+    graph Inductor would lower; the inputs), on a CPU that plays an H200 (132 SMs)."""
     import functools
 
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
     import comfuse.pipeline as pipeline_mod
-    from comfuse.inductor_pass import lower
     from comfuse.runtime import launch
     monkeypatch.setattr(launch, "_cuda_available", lambda: True)
     monkeypatch.setattr(pipeline_mod, "sm_count", functools.cache(lambda device=None: 132))
     with FakeTensorMode(allow_non_fake_inputs=True):
-        x = torch.empty(64, 2000, device="cuda", dtype=torch.bfloat16)
-        w = torch.empty(2000, 128, device="cuda", dtype=torch.bfloat16)
-        r = torch.empty(64, 128, device="cuda", dtype=torch.bfloat16)
-        gm = make_fx(lambda x, w, r: torch.relu(x @ w + r))(x, w, r)
+        inputs = [torch.empty(*s, device="cuda", dtype=torch.bfloat16) for s in ((64, 2000), (2000, 128), (64, 128))]
+        return make_fx(fn)(*inputs), inputs
+
+
+def test_a_kernel_inductor_launches_asks_for_the_exact_strides_it_was_built_for(monkeypatch):
+    """A fused region's kernel launched from Inductor's wrapper takes its tensors' strides as
+    constants; its node carries the values it was built for (``eager_input_vals``), so that
+    Inductor hands it buffers with exactly those strides rather than any buffer of the same
+    stride order (rows of 2000 bf16 elements, which Inductor may pad for alignment). Built
+    for CUDA tensors on the CPU: fake tensors, the kernel generated, not run."""
+    from comfuse.inductor_pass import lower
+    gm, inputs = _fake_cuda_graph(monkeypatch, lambda x, w, r: torch.relu(x @ w + r))
 
     def tuned(fused):  # (as if its first call on the GPU had checked it)
         for n in fused.graph.nodes:
             if n.op == "call_module":
                 fused.get_submodule(n.target).tuned.add(torch.device("cuda", 0))
     with comfuse.settings.override(check=False, autotune="0", schedule="tile"):
-        lowered = lower(gm, [x, w, r], tune=tuned)
+        lowered = lower(gm, inputs, tune=tuned)
     assert lowered.report.regions[0].launch == "Inductor's wrapper launches the kernel"
     (node,) = [n for n in lowered.gm.graph.nodes if "triton_kernel_wrapper" in str(n.target)]
     args, kwargs = node.meta["eager_input_vals"]
@@ -1168,22 +1172,9 @@ def test_a_region_reading_a_buffer_inductor_pads_runs_through_the_operator(monke
     strides the kernel was built for before every launch: the region operator takes it as laid
     out, and the report says why. Autotuning's random inputs get the padded strides. Built for
     CUDA tensors on the CPU: fake tensors, the kernel generated, not run."""
-    import functools
-
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    import comfuse.pipeline as pipeline_mod
     from comfuse.inductor_pass import lower
     from comfuse.kernel_node import inductor_strides, padded_by_inductor
-    from comfuse.runtime import launch
-    monkeypatch.setattr(launch, "_cuda_available", lambda: True)
-    monkeypatch.setattr(pipeline_mod, "sm_count", functools.cache(lambda device=None: 132))
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        x = torch.empty(64, 2000, device="cuda", dtype=torch.bfloat16)
-        w = torch.empty(2000, 128, device="cuda", dtype=torch.bfloat16)
-        r = torch.empty(64, 128, device="cuda", dtype=torch.bfloat16)
-        gm = make_fx(lambda x, w, r: torch.relu((x * 2 + 1) @ w + r))(x, w, r)
+    gm, inputs = _fake_cuda_graph(monkeypatch, lambda x, w, r: torch.relu((x * 2 + 1) @ w + r))
     seen = []
 
     def tuned(fused):  # (as if its first call on the GPU had checked it)
@@ -1192,7 +1183,7 @@ def test_a_region_reading_a_buffer_inductor_pads_runs_through_the_operator(monke
                 seen.extend(a for a in n.args if padded_by_inductor(a))
                 fused.get_submodule(n.target).tuned.add(torch.device("cuda", 0))
     with comfuse.settings.override(check=False, autotune="0", schedule="tile"):
-        lowered = lower(gm, [x, w, r], tune=tuned)
+        lowered = lower(gm, inputs, tune=tuned)
     (region,) = lowered.report.regions
     assert region.fused and region.launch.startswith("through the comfuse::region operator (Inductor pads"), \
         region.launch
