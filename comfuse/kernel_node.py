@@ -125,10 +125,22 @@ def inductor_strides(value) -> tuple | None:
     ``padding_alignment_bytes``); None where the buffer keeps ``value``'s strides."""
     from torch._inductor import config
     if not isinstance(value, torch.Tensor) or value.device.type != "cuda" or not config.comprehensive_padding \
-            or any(not isinstance(x, int) for x in (*value.shape, *value.stride())):
-        return None
+            or any(not isinstance(x, int) or x == 0 for x in (*value.shape, *value.stride())) \
+            or not _dense(tuple(value.shape), tuple(value.stride())):
+        return None  # (symbolic, empty, broadcast or sliced: not a whole buffer's layout)
     strides = padded_strides(tuple(value.shape), tuple(value.stride()), value.element_size())
     return strides if strides != tuple(value.stride()) else None
+
+
+def _dense(shape: tuple, strides: tuple) -> bool:
+    """Whether the strides walk every element once, in some order, with no gap."""
+    expected = 1
+    for d in sorted(range(len(shape)), key=lambda d: (strides[d], shape[d])):
+        if shape[d] != 1:
+            if strides[d] != expected:
+                return False
+            expected *= shape[d]
+    return True
 
 
 def padded_strides(shape: tuple, strides: tuple, itemsize: int) -> tuple:
@@ -147,12 +159,31 @@ def padded_strides(shape: tuple, strides: tuple, itemsize: int) -> tuple:
     return tuple(out)
 
 
+VIEWS = ("permute", "t", "transpose", "view", "_unsafe_view", "reshape", "alias")  # (aten ops, by name)
+FIXED_LAYOUTS = ("mm", "bmm", "addmm", "baddbmm")  # Inductor lays their outputs out itself, unpadded
+
+
+def _op_name(node: fx.Node) -> str:
+    packet = getattr(node.target, "_overloadpacket", None)
+    return getattr(packet, "__name__", "") if node.op == "call_function" else ""
+
+
 def padded_by_inductor(node) -> bool:
-    """Whether ``node``'s value is a buffer Inductor computes in the graph and lays out with
-    padded rows (``inductor_strides``): not a graph input, nor a graph output, which keep
-    their strides."""
-    return isinstance(node, fx.Node) and node.op == "call_function" \
-        and not any(u.op == "output" for u in node.users) and inductor_strides(node.meta.get("val")) is not None
+    """Whether ``node``'s value is (a view of) a buffer that Inductor computes in the graph and
+    lays out with padded rows (``inductor_strides``). Not a graph input or output, which keep
+    their strides (a conservative guess for a training forward's saved tensors, which Inductor
+    may pad), nor a GEMM's output or a region's, whose layout is fixed."""
+    if not (isinstance(node, fx.Node) and node.op == "call_function"):
+        return False
+    base = node
+    while _op_name(base) in VIEWS and isinstance(base.args[0], fx.Node):
+        if any(u.op == "output" for u in base.users):
+            return False
+        base = base.args[0]
+    if base.op != "call_function" or base.target is operator.getitem or _op_name(base) in FIXED_LAYOUTS \
+            or any(u.op == "output" for u in base.users):
+        return False
+    return inductor_strides(node.meta.get("val")) is not None
 
 
 def launch_from_inductor(graph: fx.Graph, call: fx.Node, module, ext_nodes: list) -> str:

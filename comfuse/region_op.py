@@ -45,9 +45,14 @@ def _arguments(region_id: int, tensors, scalars) -> list:
 # Defined through a ``torch.library.Library`` rather than ``torch.library.custom_op``: a call
 # then costs the dispatcher and the function (3.5 us on a CPU, against 15 us through
 # custom_op's wrappers), once per region and graph call. The op needs no autograd formula
-# (it runs in graphs AOTAutograd has differentiated already) and returns no alias of its inputs.
-_LIBRARY = torch.library.Library("comfuse", "DEF")
-_LIBRARY.define("region(int region_id, Tensor[] tensors, int[] scalars) -> Tensor[]")
+# (it runs in graphs AOTAutograd has differentiated already) and returns no alias of its
+# inputs. It takes its tensors in their stride order with any strides (``needs_fixed_stride_order``;
+# a custom op's default is exact strides), so Inductor may hand it a buffer whose rows it
+# padded for alignment without copying it first, and need not leave the buffer unpadded for
+# the other ops that read it.
+_LIBRARY = torch.library.Library("comfuse", "FRAGMENT")
+_LIBRARY.define("region(int region_id, Tensor[] tensors, int[] scalars) -> Tensor[]",
+                tags=(torch.Tag.needs_fixed_stride_order,))
 
 
 def region_op(region_id: int, tensors: list[torch.Tensor], scalars: list[int]) -> list[torch.Tensor]:

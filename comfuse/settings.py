@@ -120,12 +120,13 @@ def _environment() -> tuple:
 def get() -> Settings:
     """The settings now: environment variables, then ``override``. Read on every fused call,
     so the result is remembered per (environment, overrides) snapshot."""
-    key = (_environment(), tuple(sorted((k, repr(v)) for k, v in _overrides.items())) if _overrides else ())
+    env = _environment()
+    key = (env, tuple(sorted((k, repr(v)) for k, v in _overrides.items())) if _overrides else ())
     found = _memo.get(key)
     if found is None:
         if len(_memo) > 256:
             _memo.clear()
-        found = _read({name: os.environ.get(name) for name in _ENV})
+        found = _read({name: os.fsdecode(v) if isinstance(v, bytes) else v for name, v in zip(_ENV, env)})
         found = dataclasses.replace(found, **_overrides) if _overrides else found
         _memo[key] = found
     return found

@@ -1189,3 +1189,20 @@ def test_a_region_reading_a_buffer_inductor_pads_runs_through_the_operator(monke
         region.launch
     assert [inductor_strides(a.meta["val"]) for a in seen] == [(2048, 1)]
     assert any(n.target is torch.ops.comfuse.region.default for n in lowered.gm.graph.nodes)
+
+
+def test_only_whole_buffers_are_predicted_padded():
+    """Broadcasts, slices and anything dense already aligned keep their strides; a transposed
+    buffer is padded along its rows as Inductor pads the buffer it views."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from comfuse.kernel_node import inductor_strides
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.empty(64, 2000, device="cuda", dtype=torch.bfloat16)
+        assert inductor_strides(x) == (2048, 1)
+        assert inductor_strides(x.t()) == (1, 2048)
+        sliced = torch.empty_strided((64, 1000), (2000, 1), device="cuda", dtype=torch.bfloat16)
+        assert inductor_strides(sliced) is None  # (a slice: not a buffer's own layout)
+        assert inductor_strides(torch.empty_strided((64, 2000), (0, 1), device="cuda")) is None  # (a broadcast)
+        assert inductor_strides(torch.empty(64, 2048, device="cuda", dtype=torch.bfloat16)) is None
+        assert inductor_strides(torch.empty(64, 2000)) is None  # (Inductor pads on a GPU only)

@@ -103,7 +103,7 @@ def build(name: str, layers: int, small: bool = False, device: str = "cuda"):
 
 
 def loss_of(out) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):  # (a function that returns the loss)
+    if isinstance(out, torch.Tensor) and out.dim() == 0:  # (a function that returns the loss)
         return out
     if getattr(out, "loss", None) is not None:
         return out.loss

@@ -60,8 +60,9 @@ MEASURED_CLASSES = {
     "tile/single/19": {"1503987c2a4fc3e4": 0.8996},  # the decoder's weight gradient
 }
 MIN_GAIN = 0.02  # a schedule must have been at least this much faster than the ops to be tried
-# regions of a class (``plan_class``) measured on this GPU before its own record replaces
-# BEST_SEEN for it (decisions autotuning makes add to it: runtime/prediction.py)
+# regions of a class (``plan_class``) measured (MEASURED_CLASSES and this GPU's record, which
+# the decisions autotuning makes add to: runtime/prediction.py) before they replace BEST_SEEN
+# for it
 MEASURED_ENOUGH = 2
 SHORTLIST = 3  # tile shapes compiled and timed per region (each in all its forms), best estimates first
 
