@@ -24,8 +24,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from . import settings as settings_mod
 from .errors import fallback
-from .kernel_node import (inductor_strides, keep_launchable, launch_from_inductor, launched_by_inductor,
-                          padded_by_inductor)
+from .kernel_node import keep_launchable, launch_from_inductor, launched_by_inductor, padded_by_inductor
 from .pipeline import compile_graph, fake_inputs
 from .region_op import register as register_region
 from .report import Report
@@ -148,8 +147,7 @@ def tune_on_random_inputs(fused: fx.GraphModule) -> None:
                 # laid out as Inductor lays them out in the graph (rows padded for alignment):
                 # the unfused ops' cuBLAS GEMMs were timed on unaligned rows otherwise, slower
                 # than in the graph, and a region won alone that lost in the model
-                args = [random_like(v, inductor_strides(v) if padded_by_inductor(a) else None)
-                        for a, v in zip(node.args, vals)]
+                args = [random_like(v, padded_by_inductor(a)) for a, v in zip(node.args, vals)]
                 getattr(module, "choose", module)(*args)  # (the choice only: ops it prefers go back into the graph)
         except Exception as e:
             fallback(f"backend: autotuning the region at {module.report.anchor} failed", e,

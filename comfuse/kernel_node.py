@@ -168,22 +168,23 @@ def _op_name(node: fx.Node) -> str:
     return getattr(packet, "__name__", "") if node.op == "call_function" else ""
 
 
-def padded_by_inductor(node) -> bool:
-    """Whether ``node``'s value is (a view of) a buffer that Inductor computes in the graph and
-    lays out with padded rows (``inductor_strides``). Not a graph input or output, which keep
-    their strides (a conservative guess for a training forward's saved tensors, which Inductor
-    may pad), nor a GEMM's output or a region's, whose layout is fixed."""
+def padded_by_inductor(node) -> tuple | None:
+    """The padded strides (``inductor_strides``) where ``node``'s value is (a view of) a buffer
+    that Inductor computes in the graph and lays out with padded rows, else None. Not a graph
+    input or output, which keep their strides (a conservative guess for a training forward's
+    saved tensors, which Inductor may pad), nor a GEMM's output or a region's, whose layout is
+    fixed."""
     if not (isinstance(node, fx.Node) and node.op == "call_function"):
-        return False
+        return None
     base = node
     while _op_name(base) in VIEWS and isinstance(base.args[0], fx.Node):
         if any(u.op == "output" for u in base.users):
-            return False
+            return None
         base = base.args[0]
     if base.op != "call_function" or base.target is operator.getitem or _op_name(base) in FIXED_LAYOUTS \
             or any(u.op == "output" for u in base.users):
-        return False
-    return inductor_strides(node.meta.get("val")) is not None
+        return None
+    return inductor_strides(node.meta.get("val"))
 
 
 def launch_from_inductor(graph: fx.Graph, call: fx.Node, module, ext_nodes: list) -> str:
@@ -198,7 +199,7 @@ def launch_from_inductor(graph: fx.Graph, call: fx.Node, module, ext_nodes: list
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table, triton_kernel_wrapper_functional
     if not isinstance(module, FusedRegion):
         return why_not_launched(module, torch.device("cpu"))
-    padded = next((n for n in ext_nodes if padded_by_inductor(n)), None)
+    padded = next((n for n in ext_nodes if padded_by_inductor(n) is not None), None)
     if padded is not None:
         return f"Inductor pads the rows of {padded.name} for alignment; the operator takes them as laid out"
     vals = [n.meta.get("val") if isinstance(n, fx.Node) else n for n in ext_nodes]

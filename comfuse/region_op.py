@@ -43,8 +43,8 @@ def _arguments(region_id: int, tensors, scalars) -> list:
 
 
 # Defined through a ``torch.library.Library`` rather than ``torch.library.custom_op``: a call
-# then costs the dispatcher and the function (3.5 us on a CPU, against 15 us through
-# custom_op's wrappers), once per region and graph call. The op needs no autograd formula
+# then costs the dispatcher and the function (3.7 us on a CPU, against 14.8 us through
+# custom_op's wrappers: bench/results/2026-12-05-cpu-region-call/), once per region and graph call. The op needs no autograd formula
 # (it runs in graphs AOTAutograd has differentiated already) and returns no alias of its
 # inputs. It takes its tensors in their stride order with any strides (``needs_fixed_stride_order``;
 # a custom op's default is exact strides), so Inductor may hand it a buffer whose rows it

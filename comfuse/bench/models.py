@@ -211,8 +211,8 @@ def measure(name: str, form: str, layers: int, small: bool, rounds: int, device:
         run, run_loss = model, loss_only
     else:
         backend, _, mode = form.partition("@")
-        run = torch.compile(model, backend=backend, **({"mode": mode} if mode else {}))
-        run_loss = torch.compile(loss_only, backend=backend, **({"mode": mode} if mode else {}))
+        options = {"backend": backend, **({"mode": mode} if mode else {})}
+        run, run_loss = torch.compile(model, **options), torch.compile(loss_only, **options)
     loss = step(run, model, kwargs).float()
     sync()
     row["first_step_s"] = round(time.perf_counter() - began, 2)
