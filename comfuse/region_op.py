@@ -42,19 +42,12 @@ def _arguments(region_id: int, tensors, scalars) -> list:
     return [next(t) if flag else next(s) for flag in is_tensor]
 
 
-# Defined through a ``torch.library.Library`` rather than ``torch.library.custom_op``: a call
-# then costs the dispatcher and the function (3.7 us on a CPU, against 14.8 us through
-# custom_op's wrappers: bench/results/2026-12-05-cpu-region-call/), once per region and graph call. The op needs no autograd formula
-# (it runs in graphs AOTAutograd has differentiated already) and returns no alias of its
-# inputs. It takes its tensors in their stride order with any strides (``needs_fixed_stride_order``;
-# a custom op's default is exact strides), so Inductor may hand it a buffer whose rows it
-# padded for alignment without copying it first, and need not leave the buffer unpadded for
-# the other ops that read it.
-_LIBRARY = torch.library.Library("comfuse", "FRAGMENT")
-_LIBRARY.define("region(int region_id, Tensor[] tensors, int[] scalars) -> Tensor[]",
-                tags=(torch.Tag.needs_fixed_stride_order,))
-
-
+# The op needs no autograd formula (it runs in graphs AOTAutograd has differentiated already)
+# and returns no alias of its inputs. It takes its tensors in their stride order with any
+# strides (``needs_fixed_stride_order``; a custom op's default is exact strides), so Inductor
+# may hand it a buffer whose rows it padded for alignment without copying it first, and need
+# not leave the buffer unpadded for the other ops that read it.
+@torch.library.custom_op("comfuse::region", mutates_args=(), tags=(torch.Tag.needs_fixed_stride_order,))
 def region_op(region_id: int, tensors: list[torch.Tensor], scalars: list[int]) -> list[torch.Tensor]:
     """Run fused region ``region_id`` (its kernel, or its original ops on fallback)."""
     module = REGISTRY[region_id][0]
@@ -81,11 +74,9 @@ def _fresh(outs: list, tensors) -> list:
     return outs
 
 
+@region_op.register_fake
 def _region_fake(region_id: int, tensors: list[torch.Tensor], scalars: list[int]) -> list[torch.Tensor]:
     module = REGISTRY[region_id][0]
     device = tensors[0].device
     return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in module.output_specs]
 
-
-_LIBRARY.impl("region", region_op, "CompositeExplicitAutograd")
-torch.library.register_fake("comfuse::region", _region_fake, lib=_LIBRARY)
