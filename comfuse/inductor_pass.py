@@ -310,7 +310,8 @@ def keep_region_calls_out_of_inductors_cache() -> bool:
     ``comfuse::region``: the call names a region by an id of this process, which another
     process's registry lacks. (A fused kernel Inductor launches itself is copied into the
     graph's code, which then stands alone and is stored.) Skipping the store also leaves the
-    graph without a cache key, so AOTAutograd does not store an entry that points to it.
+    graph without a cache key, so AOTAutograd does not store an entry that points to it (where
+    a torch version would make one anyway and assert on the missing key, no entry is made).
     False where this torch does not offer the hook, or bundles compiled graphs into its
     AOTAutograd cache: the pass then asks for no caching at all."""
     try:
@@ -321,15 +322,32 @@ def keep_region_calls_out_of_inductors_cache() -> bool:
     except (ImportError, AttributeError):
         return False
     if not _GUARDED:
-        save = getattr(FxGraphCache, "_save_graph", None)
-        if save is None or not isinstance(FxGraphCache.__dict__.get("_save_graph"), staticmethod):
+        from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
+        hooks = [(FxGraphCache, "_save_graph"), (AOTAutogradCache, "make_entry"), (AOTAutogradCache, "save")]
+        if not all(isinstance(owner.__dict__.get(name), staticmethod) for owner, name in hooks):
             _GUARDED.append(False)
         else:
+            save_graph, make_entry, save_entry = (getattr(owner, name) for owner, name in hooks)
+
             def _save_graph(key, compiled_graph, *args, **kwargs):
                 if REGION_CALL in (getattr(compiled_graph, "source_code", None) or REGION_CALL):
                     compiled_graph._fx_graph_cache_key = None  # (AOTAutograd: nothing to point to)
                     return None
-                return save(key, compiled_graph, *args, **kwargs)
+                return save_graph(key, compiled_graph, *args, **kwargs)
+
+            def _make_entry(*args, **kwargs):
+                # Some torch versions (2.11) make an entry whether or not the compiled graphs
+                # have a key, and assert that they do: no entry for a graph kept out above.
+                graphs = [kwargs.get(k) for k in ("compiled_fw_func", "compiled_bw_func")] + list(args[:2])
+                if any(g is not None and getattr(g, "_fx_graph_cache_key", None) is None for g in graphs):
+                    return None
+                return make_entry(*args, **kwargs)
+
+            def _save(key, entry, *args, **kwargs):
+                return None if entry is None else save_entry(key, entry, *args, **kwargs)
+
             FxGraphCache._save_graph = staticmethod(_save_graph)
+            AOTAutogradCache.make_entry = staticmethod(_make_entry)
+            AOTAutogradCache.save = staticmethod(_save)
             _GUARDED.append(True)
     return _GUARDED[0]

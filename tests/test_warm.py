@@ -46,6 +46,10 @@ STEP = textwrap.dedent("""
             return {name: 1.0 if name.startswith("inductor") else 2.0 for name in calls}
         graph_check._time_graphs = prefer_inductor
 
+    if "--entry-whatever-the-key" in sys.argv:  # as torch 2.11: an AOTAutograd entry is made whatever the key
+        from torch._functorch._aot_autograd import graph_compile
+        graph_compile._should_save_cache = lambda *compiled: True
+
     passes = []
     real = backend.RegionPass.__call__
     def handed(self, graph):
@@ -97,13 +101,17 @@ def test_a_later_process_takes_the_graphs_from_inductors_cache_where_they_call_n
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="regions of CPU tensors fuse only where Triton's interpreter is on, "
                     "which it is not on a GPU machine; the GPU's own case is the gpu test below")
-def test_a_graph_that_calls_a_region_is_lowered_again_in_a_later_process(tmp_path):
+@pytest.mark.parametrize("entries", ["keyed", "whatever-the-key"])
+def test_a_graph_that_calls_a_region_is_lowered_again_in_a_later_process(tmp_path, entries):
     """On the CPU a fused region runs through the ``comfuse::region`` operator, whose id only
     the process that registered it knows: Inductor must not store such a graph, and a second
-    process lowers it again rather than calling an id it does not have."""
-    first = run_step(tmp_path, {})
+    process lowers it again rather than calling an id it does not have. Also where
+    AOTAutograd makes a cache entry whether or not the compiled graphs have a key, and asserts
+    that they do (torch 2.11)."""
+    flags = ["--entry-whatever-the-key"] if entries == "whatever-the-key" else []
+    first = run_step(tmp_path, {}, "cpu", *flags)
     assert first["handed"] == 2 and first["err"] < 1e-5
-    second = run_step(tmp_path, {})
+    second = run_step(tmp_path, {}, "cpu", *flags)
     assert second["handed"] == 2 and second["err"] < 1e-5
     assert not second["fx"].get("fxgraph_cache_hit")
 
