@@ -116,7 +116,8 @@ def profile(tag: str, call, out_dir: Path) -> dict:
     lines = [f"# {tag}: {gpu_ms:.3f} ms of GPU time a call", "| ms | launches | kernel |", "|---|---|---|"]
     lines += [f"| {ms:.4f} | {n} | {name[:120]} |" for ms, n, name in rows]
     (out_dir / "profiles").mkdir(exist_ok=True)
-    (out_dir / "profiles" / f"{tag}.md").write_text("\n".join(lines) + "\n")
+    name = tag.replace("@", "-mode-")  # (a file name of letters, digits, '-', '.' and '_' only)
+    (out_dir / "profiles" / f"{name}.md").write_text("\n".join(lines) + "\n")
     return {"gpu_ms": round(gpu_ms, 4), "kernels": sum(n for _, n, _ in rows), "host_us": host_us(call)}
 
 
