@@ -16,6 +16,7 @@ Any failure leaves the graph exactly as Inductor gave it, with a warning naming 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import torch
 import torch.fx as fx
@@ -303,6 +304,7 @@ def settings_text() -> str:
 
 
 _GUARDED: list = []  # [whether the guard is in place], once tried
+_ENTRY_GRAPHS = ("compiled_fw_func", "compiled_bw_func")  # AOTAutograd's make_entry: its compiled graphs
 
 
 def keep_region_calls_out_of_inductors_cache() -> bool:
@@ -324,7 +326,9 @@ def keep_region_calls_out_of_inductors_cache() -> bool:
     if not _GUARDED:
         from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
         hooks = [(FxGraphCache, "_save_graph"), (AOTAutogradCache, "make_entry"), (AOTAutogradCache, "save")]
-        if not all(isinstance(owner.__dict__.get(name), staticmethod) for owner, name in hooks):
+        entry_signature = inspect.signature(AOTAutogradCache.make_entry)
+        if not all(isinstance(owner.__dict__.get(name), staticmethod) for owner, name in hooks) \
+                or not set(_ENTRY_GRAPHS) <= set(entry_signature.parameters):
             _GUARDED.append(False)
         else:
             save_graph, make_entry, save_entry = (getattr(owner, name) for owner, name in hooks)
@@ -338,8 +342,9 @@ def keep_region_calls_out_of_inductors_cache() -> bool:
             def _make_entry(*args, **kwargs):
                 # Some torch versions (2.11) make an entry whether or not the compiled graphs
                 # have a key, and assert that they do: no entry for a graph kept out above.
-                graphs = [kwargs.get(k) for k in ("compiled_fw_func", "compiled_bw_func")] + list(args[:2])
-                if any(g is not None and getattr(g, "_fx_graph_cache_key", None) is None for g in graphs):
+                given = entry_signature.bind_partial(*args, **kwargs).arguments
+                if any(given.get(name) is not None and getattr(given[name], "_fx_graph_cache_key", None) is None
+                       for name in _ENTRY_GRAPHS):
                     return None
                 return make_entry(*args, **kwargs)
 
