@@ -30,6 +30,7 @@ import torch.fx as fx
 
 from . import settings as settings_mod
 from . import verdicts
+from .attention_masks import dense_attention_masks
 from .errors import fallback, notice_once
 from .graph_check import GRAPH_CHECKS, backward_checked, faster_graph, later_compilation  # noqa: F401  (GRAPH_CHECKS: for inspection)
 from .inductor_pass import REPORTS, RegionPass, settings_text, symbolic  # noqa: F401  (REPORTS: for inspection)
@@ -86,6 +87,10 @@ def comfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = N
     dynamic shapes adds none)."""
     opts = _options(options, mode)
     quiet_library_logging()  # (for the graphs Dynamo traces from now on)
+    try:  # (a mask laid out so that PyTorch's fused attention kernels may take it)
+        dense_attention_masks(gm)
+    except Exception as e:
+        fallback("backend: giving an attention mask a dense last dimension", e, "the mask is passed as it was")
     key = _graph_key(gm, opts)
     if symbolic(example_inputs):
         return PerShape(gm, example_inputs, opts, settled=VERDICTS.get(key) is False)

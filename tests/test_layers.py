@@ -14,7 +14,7 @@ LAYERS = [
     ("runtime",),
     ("rewrite",),
     ("pipeline",),
-    ("region_op", "verdicts", "graph_check", "kernel_node", "inductor_pass"),
+    ("region_op", "verdicts", "graph_check", "kernel_node", "inductor_pass", "attention_masks"),
     ("backend",),
     ("compiled",),  # (comfuse.compile sends graphs that train to the backend)
     ("__init__",),

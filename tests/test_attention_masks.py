@@ -1,0 +1,93 @@
+"""Attention masks that would bar PyTorch's fused attention kernels (last dimension of stride
+!= 1) are given a dense last dimension before AOTAutograd: the same values, broadcast
+dimensions kept broadcast, and the model's outputs and gradients unchanged."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from comfuse.attention_masks import dense_attention_masks, needs_dense_last_dim
+
+
+def traced_masks(fn, *args):
+    """The masks each SDPA call of ``fn``'s Dynamo graph receives after the rewrite, with the
+    rewrite's notes."""
+    seen = {}
+
+    def backend(gm, example_inputs):
+        seen["notes"] = dense_attention_masks(gm)
+        seen["code"] = gm.code
+        return gm.forward
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend=backend)(*args)
+    return out, seen
+
+
+def attention(q, k, v, keep):
+    # a padding mask broadcast as transformers 5.17 builds it under tracing: strides (0, S, 1, 0)
+    b, _, s, _ = q.shape
+    mask = keep[:, None].as_strided((b, 1, s, s), (0, s, 1, 0))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_a_mask_with_a_broadcast_last_dimension_is_given_a_dense_one():
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 8, requires_grad=True) for _ in range(3))
+    keep = torch.rand(16) > 0.3
+    keep[0] = True
+    out, seen = traced_masks(attention, q, k, v, keep)
+    assert len(seen["notes"]) == 1 and "(0, 16, 1, 0)" in seen["notes"][0]
+    assert "contiguous" in seen["code"] and "narrow" in seen["code"]
+    want = attention(q, k, v, keep)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    want_grads = torch.autograd.grad(want.sum(), (q, k, v))
+    torch.testing.assert_close(torch.cat([g.flatten() for g in grads]),
+                               torch.cat([g.flatten() for g in want_grads]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mask", ["none", "dense", "positional"])
+def test_masks_already_dense_or_absent_are_left_alone(mask):
+    q = torch.randn(2, 4, 16, 8)
+    dense = torch.rand(2, 1, 16, 16) > 0.2
+    dense[..., 0] = True
+    if mask == "none":
+        fn = lambda q: F.scaled_dot_product_attention(q, q, q)  # noqa: E731
+    elif mask == "dense":
+        fn = lambda q: F.scaled_dot_product_attention(q, q, q, attn_mask=dense)  # noqa: E731
+    else:
+        fn = lambda q: F.scaled_dot_product_attention(q, q, q, dense)  # noqa: E731
+    _, seen = traced_masks(fn, q)
+    assert seen["notes"] == [] and "contiguous" not in seen["code"]
+
+
+def test_a_positional_mask_with_a_broadcast_last_dimension_is_rewritten_in_place():
+    q = torch.randn(1, 2, 8, 4)
+    bias = torch.randn(8, 1).expand(8, 8)  # (strides (1, 0): a float mask broadcast along the keys)
+    fn = lambda q, bias: F.scaled_dot_product_attention(q, q, q, bias)  # noqa: E731
+    out, seen = traced_masks(fn, q, bias)
+    assert len(seen["notes"]) == 1
+    torch.testing.assert_close(out, fn(q, bias), rtol=1e-5, atol=1e-6)
+
+
+def test_which_layouts_need_a_dense_last_dimension():
+    assert needs_dense_last_dim(torch.ones(4, 1).expand(4, 4))
+    assert needs_dense_last_dim(torch.ones(4, 4).t())
+    assert not needs_dense_last_dim(torch.ones(4, 4))
+    assert not needs_dense_last_dim(torch.ones(1, 4).expand(4, 4))  # (stride 0 on the queries only)
+    assert not needs_dense_last_dim(torch.ones(4, 1))
+    assert not needs_dense_last_dim(None)
+
+
+def test_through_the_backend_the_rewritten_attention_trains_as_eager():
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(2, 4, 32, 8, requires_grad=True) for _ in range(3))
+    keep = torch.rand(32) > 0.3
+    keep[0] = True
+    torch._dynamo.reset()
+    out = torch.compile(attention, backend="comfuse")(q, k, v, keep)
+    grads = torch.autograd.grad((out * out).sum(), (q, k, v))
+    want = attention(q, k, v, keep)
+    want_grads = torch.autograd.grad((want * want).sum(), (q, k, v))
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(torch.cat([g.flatten() for g in grads]),
+                               torch.cat([g.flatten() for g in want_grads]), rtol=1e-4, atol=1e-5)
