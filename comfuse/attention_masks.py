@@ -16,6 +16,7 @@ kernel then runs is PyTorch's choice, as in eager mode with a dense mask.
 """
 from __future__ import annotations
 
+import copy
 import logging
 
 import torch
@@ -46,22 +47,39 @@ def needs_dense_last_dim(value) -> bool:
     return sizes[-1] > 1 and strides[-1] != 1
 
 
+def _found(gm: fx.GraphModule) -> list:
+    """(SDPA node, where its mask is passed, the mask's node, its value) for each call whose
+    mask ``needs_dense_last_dim``."""
+    found = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in _SDPA:
+            continue
+        passed = _mask(node)
+        if passed is None or not isinstance(passed[1], fx.Node):
+            continue
+        value = passed[1].meta.get("example_value")
+        if needs_dense_last_dim(value):
+            found.append((node, *passed, value))
+    return found
+
+
+def with_dense_attention_masks(gm: fx.GraphModule):
+    """(``gm``, []) where no mask needs it; else (a copy of ``gm`` whose SDPA masks have a dense
+    last dimension, a note per rewritten call). ``gm`` itself is left as Dynamo gave it:
+    Inductor's compilation of it is what the copy is timed against."""
+    if not _found(gm):
+        return gm, []
+    copy_ = fx.GraphModule(gm, copy.deepcopy(gm.graph))  # (nodes' meta shared, not copied)
+    return copy_, dense_attention_masks(copy_)
+
+
 def dense_attention_masks(gm: fx.GraphModule) -> list:
     """Rewrite ``gm`` in place: each SDPA call whose mask ``needs_dense_last_dim`` gets the
     mask with its broadcast leading dimensions narrowed to one index, made contiguous and
     broadcast back. Returns a note per rewritten call."""
     notes = []
     graph = gm.graph
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in _SDPA:
-            continue
-        found = _mask(node)
-        if found is None or not isinstance(found[1], fx.Node):
-            continue
-        where, mask = found
-        value = mask.meta.get("example_value")
-        if not needs_dense_last_dim(value):
-            continue
+    for node, where, mask, value in _found(gm):
         with graph.inserting_before(node):
             dense = mask
             for dim in range(value.dim() - 2):

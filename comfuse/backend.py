@@ -30,7 +30,7 @@ import torch.fx as fx
 
 from . import settings as settings_mod
 from . import verdicts
-from .attention_masks import dense_attention_masks
+from .attention_masks import with_dense_attention_masks
 from .errors import fallback, notice_once
 from .graph_check import GRAPH_CHECKS, backward_checked, faster_graph, later_compilation  # noqa: F401  (GRAPH_CHECKS: for inspection)
 from .inductor_pass import REPORTS, RegionPass, settings_text, symbolic  # noqa: F401  (REPORTS: for inspection)
@@ -87,8 +87,9 @@ def comfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = N
     dynamic shapes adds none)."""
     opts = _options(options, mode)
     quiet_library_logging()  # (for the graphs Dynamo traces from now on)
-    try:  # (a mask laid out so that PyTorch's fused attention kernels may take it)
-        dense_attention_masks(gm)
+    given, masks = gm, []  # (Dynamo's graph as given: Inductor's compilation of it is the baseline)
+    try:  # (masks laid out so that PyTorch's fused attention kernels may take them)
+        gm, masks = with_dense_attention_masks(gm)
     except Exception as e:
         fallback("backend: giving an attention mask a dense last dimension", e, "the mask is passed as it was")
     key = _graph_key(gm, opts)
@@ -99,10 +100,10 @@ def comfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = N
     record = verdicts.load(stored)
     if record is not None and record["kept"] == verdicts.INDUCTOR:
         _remember(key, verdicts.INDUCTOR)
-        return _inductor(gm, example_inputs, opts)  # (as the first call's check compiled it: caches answer)
+        return _inductor(given, example_inputs, opts)  # (as the first call's check compiled it: caches answer)
     compiled, regions = _compile_with_regions(gm, example_inputs, opts, passes=passes, cacheable=passes is None)
     if compiled is None:
-        return _inductor(gm, example_inputs, opts)
+        return _inductor(given, example_inputs, opts)
     if record is not None and (not regions.calls or regions.fused == record.get("forward_fused")):
         # as decided before, in this process or an earlier one (Inductor's caches may have
         # answered for the graph: the pass then lowered nothing)
@@ -110,12 +111,15 @@ def comfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = N
         return compiled
     on_choice = functools.partial(_decided, key, stored, regions.fused)
     # Inductor's compilation of the graph without regions, to time against the fused one
-    plain = later_compilation(lambda: _inductor(gm, list(example_inputs), opts))
+    plain = later_compilation(lambda: _inductor(given, list(example_inputs), opts))
     if not regions.calls and passes is None:
         # Inductor's caches answered for a graph whose verdict is not stored (lost, or
         # written by no process): what it fuses is not known here, so it is checked whole
         with settings_mod.override(**opts["settings"]):
             return faster_graph(gm, example_inputs, compiled, 1, False, plain, on_choice=on_choice)
+    if masks and not regions.fused:  # (the graph differs from Dynamo's in its masks alone: timed whole)
+        with settings_mod.override(**opts["settings"]):
+            return faster_graph(gm, example_inputs, compiled, 0, False, plain, on_choice=on_choice)
     if not regions.fused:  # (nothing fused in the forward: the graph is Inductor's, its backward aside)
         with settings_mod.override(**opts["settings"]):
             return backward_checked(gm, example_inputs, compiled, regions, plain, on_choice=on_choice)

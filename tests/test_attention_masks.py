@@ -91,3 +91,27 @@ def test_through_the_backend_the_rewritten_attention_trains_as_eager():
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(torch.cat([g.flatten() for g in grads]),
                                torch.cat([g.flatten() for g in want_grads]), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("faster", ["rewritten", "given"])
+def test_the_graph_with_dense_masks_is_timed_against_inductors_of_the_graph_as_given(monkeypatch, faster):
+    """With the whole-graph check on, a graph that differs from Dynamo's in its masks alone is
+    timed against Inductor's compilation of Dynamo's graph, and the faster is kept (here the
+    timings are stand-ins: which one wins is the test's choice)."""
+    import comfuse.graph_check as gc
+    from comfuse import settings
+
+    def times(calls, device):
+        return {n: (1.0 if (n == "fused") == (faster == "rewritten") else 2.0) for n in calls}
+    monkeypatch.setattr(gc, "_time_graphs", times)
+    gc.GRAPH_CHECKS.clear()
+    torch.manual_seed(2)
+    q, k, v = (torch.randn(2, 4, 32, 8, requires_grad=True) for _ in range(3))
+    keep = torch.rand(32) > 0.3
+    keep[0] = True
+    torch._dynamo.reset()
+    with settings.override(graph_check="1", autotune="0"):
+        out = torch.compile(attention, backend="comfuse")(q, k, v, keep)
+    torch.testing.assert_close(out, attention(q, k, v, keep), rtol=1e-4, atol=1e-5)
+    assert gc.GRAPH_CHECKS and gc.GRAPH_CHECKS[-1]["regions"] == 0
+    assert gc.GRAPH_CHECKS[-1]["kept"] == ("fused" if faster == "rewritten" else "inductor")
