@@ -23,6 +23,7 @@ Options (``torch.compile(..., options={...})``): ``mode`` (above), ``disable`` (
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 
 import torch
@@ -32,6 +33,7 @@ from . import settings as settings_mod
 from . import verdicts
 from .attention_masks import with_dense_attention_masks
 from .errors import fallback, notice_once
+from .report import Report
 from .graph_check import GRAPH_CHECKS, backward_checked, faster_graph, later_compilation  # noqa: F401  (GRAPH_CHECKS: for inspection)
 from .inductor_pass import REPORTS, RegionPass, settings_text, symbolic  # noqa: F401  (REPORTS: for inspection)
 
@@ -92,6 +94,8 @@ def comfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = N
         gm, masks = with_dense_attention_masks(gm)
     except Exception as e:
         fallback("backend: giving an attention mask a dense last dimension", e, "the mask is passed as it was")
+    if passes is not None and masks:  # (explain lists them)
+        passes.append(GraphRewrites([Report(function="Dynamo's graph", regions=[], notes=masks)]))
     key = _graph_key(gm, opts)
     if symbolic(example_inputs):
         return PerShape(gm, example_inputs, opts, settled=VERDICTS.get(key) is False)
@@ -126,6 +130,14 @@ def comfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = N
     with settings_mod.override(**opts["settings"]):
         return faster_graph(gm, example_inputs, compiled, regions.fused, regions.saves_memory, plain,
                             on_choice=on_choice)
+
+
+@dataclasses.dataclass
+class GraphRewrites:
+    """What the backend changed in Dynamo's graph before Inductor (attention masks), as a
+    report without regions, for the callers that collect the graphs' reports."""
+    reports: list
+    lowered: list = dataclasses.field(default_factory=list)  # (as a RegionPass's: no regions)
 
 
 # What the backend kept for a graph at its first, static sizes, by the graph's frame and

@@ -171,6 +171,7 @@ def merged_report(name: str, reports: list) -> Report:
             merged.regions.append(dataclasses.replace(region, index=len(merged.regions),
                                                       anchor=f"{report.function}: {region.anchor}"))
     merged.error = "; ".join(r.error for r in reports if r.error)
+    merged.notes = [f"{r.function}: {note}" for r in reports for note in r.notes]
     return merged
 
 

@@ -64,6 +64,7 @@ class Report:
     regions: list
     graph: str = ""  # the graph after fusion (fx code)
     error: str = ""  # why nothing could be captured, if so
+    notes: list = dataclasses.field(default_factory=list)  # what the backend changed besides regions
 
     @property
     def fused(self) -> list:
@@ -74,5 +75,6 @@ class Report:
                f"{len(self.fused)} fused"
         if self.error:
             head += f"\n  capture failed, runs eagerly: {self.error}"
+        head += "".join(f"\n  {note}" for note in self.notes)
         body = [str(r) for r in self.regions]
         return "\n\n".join([head] + body)

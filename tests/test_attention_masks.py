@@ -115,3 +115,14 @@ def test_the_graph_with_dense_masks_is_timed_against_inductors_of_the_graph_as_g
     torch.testing.assert_close(out, attention(q, k, v, keep), rtol=1e-4, atol=1e-5)
     assert gc.GRAPH_CHECKS and gc.GRAPH_CHECKS[-1]["regions"] == 0
     assert gc.GRAPH_CHECKS[-1]["kept"] == ("fused" if faster == "rewritten" else "inductor")
+
+
+def test_explain_lists_the_masks_the_backend_rewrote():
+    import comfuse
+    q, k, v = (torch.randn(2, 4, 16, 8, requires_grad=True) for _ in range(3))
+    keep = torch.ones(16, dtype=torch.bool)
+    torch._dynamo.reset()
+    report = comfuse.explain(attention, (q, k, v), {"keep": keep})
+    assert not report.error
+    assert any("dense last dimension" in note for note in report.notes)
+    assert "dense last dimension" in str(report)
