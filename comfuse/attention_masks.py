@@ -37,14 +37,18 @@ def _mask(node: fx.Node):
 
 def needs_dense_last_dim(value) -> bool:
     """A mask a fused attention kernel refuses for its layout: last dimension longer than 1
-    and not of stride 1. (Symbolic sizes or strides: left as they are, since deciding on
-    them would add guards after Dynamo's tracing.)"""
+    and not of stride 1. Decided on plain integers only, since a comparison of symbolic
+    sizes would add guards after Dynamo's tracing: a symbolic last stride is left as it is,
+    and a symbolic last size counts as longer than 1 (Dynamo gives sizes 0 and 1 their own
+    graphs)."""
     if not isinstance(value, torch.Tensor) or value.dim() < 2:
         return False
-    sizes, strides = tuple(value.shape), tuple(value.stride())
-    if not all(isinstance(x, int) for x in sizes + strides):
-        return False
-    return sizes[-1] > 1 and strides[-1] != 1
+    size, stride = value.shape[-1], value.stride(-1)
+    return isinstance(stride, int) and stride != 1 and (not isinstance(size, int) or size > 1)
+
+
+def _text(values) -> str:
+    return "(" + ", ".join(str(v) for v in values) + ")"
 
 
 def _found(gm: fx.GraphModule) -> list:
@@ -82,8 +86,8 @@ def dense_attention_masks(gm: fx.GraphModule) -> list:
     for node, where, mask, value in _found(gm):
         with graph.inserting_before(node):
             dense = mask
-            for dim in range(value.dim() - 2):
-                if value.stride(dim) == 0 and value.shape[dim] > 1:
+            for dim in range(value.dim() - 2):  # (a broadcast dimension: one index copied)
+                if isinstance(value.stride(dim), int) and value.stride(dim) == 0:
                     dense = graph.call_method("narrow", (dense, dim, 0, 1))
             dense = graph.call_method("contiguous", (dense,))
             dense = graph.call_method("expand_as", (dense, mask))
@@ -91,7 +95,7 @@ def dense_attention_masks(gm: fx.GraphModule) -> list:
             node.update_kwarg("attn_mask", dense)
         else:
             node.update_arg(where, dense)
-        notes.append(f"{node.name}: the attention mask {tuple(value.shape)} of strides {tuple(value.stride())} "
+        notes.append(f"{node.name}: the attention mask {_text(value.shape)} of strides {_text(value.stride())} "
                      "given a dense last dimension, so a fused attention kernel may take it")
     if notes:
         graph.lint()

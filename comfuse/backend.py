@@ -97,8 +97,9 @@ def comfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = N
     if passes is not None and masks:  # (explain lists them)
         passes.append(GraphRewrites([Report(function="Dynamo's graph", regions=[], notes=masks)]))
     key = _graph_key(gm, opts)
-    if symbolic(example_inputs):
-        return PerShape(gm, example_inputs, opts, settled=VERDICTS.get(key) is False)
+    if symbolic(example_inputs):  # (where the frame's static graph kept Inductor's code: the graph as given)
+        settled = VERDICTS.get(key) is False
+        return PerShape(given if settled else gm, example_inputs, opts, settled=settled)
     # (a caller that reads the regions' reports gets every graph lowered: no stored verdict)
     stored = _stored_key(gm, example_inputs, opts) if passes is None else None
     record = verdicts.load(stored)

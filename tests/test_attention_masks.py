@@ -126,3 +126,27 @@ def test_explain_lists_the_masks_the_backend_rewrote():
     assert not report.error
     assert any("dense last dimension" in note for note in report.notes)
     assert "dense last dimension" in str(report)
+
+
+def test_a_new_length_recompiled_with_dynamic_sizes_keeps_the_dense_mask(caplog):
+    """The second length makes Dynamo recompile with symbolic sizes; the mask's last stride is
+    still a plain 0, so that graph is rewritten too, and every length trains as eager."""
+    import logging
+    torch._dynamo.reset()
+    compiled = torch.compile(attention, backend="comfuse")
+    with caplog.at_level(logging.INFO, logger="comfuse.backend"):
+        for length in (32, 48, 40):
+            torch.manual_seed(length)
+            q, k, v = (torch.randn(2, 4, length, 8, requires_grad=True) for _ in range(3))
+            keep = torch.rand(length) > 0.3
+            keep[0] = True
+            out = compiled(q, k, v, keep)
+            grads = torch.autograd.grad((out * out).sum(), (q, k, v))
+            want = attention(q, k, v, keep)
+            want_grads = torch.autograd.grad((want * want).sum(), (q, k, v))
+            torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(torch.cat([g.flatten() for g in grads]),
+                                       torch.cat([g.flatten() for g in want_grads]), rtol=1e-4, atol=1e-5)
+    rewrites = [r.getMessage() for r in caplog.records if "dense last dimension" in r.getMessage()]
+    assert len(rewrites) >= 2 and any("(0, 32, 1, 0)" in m for m in rewrites)
+    assert any("(0, 32, 1, 0)" not in m for m in rewrites)  # (the dynamic graph's, of symbolic strides)
