@@ -29,6 +29,22 @@ def attention(q, k, v, keep):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+def trains_as_eager(compiled, length: int, seed: int) -> None:
+    """``compiled`` (``attention`` compiled) on random inputs of ``length`` keys: its output,
+    and the inputs' gradients as one vector, against eager's."""
+    torch.manual_seed(seed)
+    q, k, v = (torch.randn(2, 4, length, 8, requires_grad=True) for _ in range(3))
+    keep = torch.rand(length) > 0.3
+    keep[0] = True
+    out = compiled(q, k, v, keep)
+    grads = torch.autograd.grad((out * out).sum(), (q, k, v))
+    want = attention(q, k, v, keep)
+    want_grads = torch.autograd.grad((want * want).sum(), (q, k, v))
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(torch.cat([g.flatten() for g in grads]),
+                               torch.cat([g.flatten() for g in want_grads]), rtol=1e-4, atol=1e-5)
+
+
 def test_a_mask_with_a_broadcast_last_dimension_is_given_a_dense_one():
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 4, 16, 8, requires_grad=True) for _ in range(3))
@@ -79,18 +95,8 @@ def test_which_layouts_need_a_dense_last_dimension():
 
 
 def test_through_the_backend_the_rewritten_attention_trains_as_eager():
-    torch.manual_seed(1)
-    q, k, v = (torch.randn(2, 4, 32, 8, requires_grad=True) for _ in range(3))
-    keep = torch.rand(32) > 0.3
-    keep[0] = True
     torch._dynamo.reset()
-    out = torch.compile(attention, backend="comfuse")(q, k, v, keep)
-    grads = torch.autograd.grad((out * out).sum(), (q, k, v))
-    want = attention(q, k, v, keep)
-    want_grads = torch.autograd.grad((want * want).sum(), (q, k, v))
-    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(torch.cat([g.flatten() for g in grads]),
-                               torch.cat([g.flatten() for g in want_grads]), rtol=1e-4, atol=1e-5)
+    trains_as_eager(torch.compile(attention, backend="comfuse"), 32, seed=1)
 
 
 @pytest.mark.parametrize("faster", ["rewritten", "given"])
@@ -136,17 +142,7 @@ def test_a_new_length_recompiled_with_dynamic_sizes_keeps_the_dense_mask(caplog)
     compiled = torch.compile(attention, backend="comfuse")
     with caplog.at_level(logging.INFO, logger="comfuse.backend"):
         for length in (32, 48, 40):
-            torch.manual_seed(length)
-            q, k, v = (torch.randn(2, 4, length, 8, requires_grad=True) for _ in range(3))
-            keep = torch.rand(length) > 0.3
-            keep[0] = True
-            out = compiled(q, k, v, keep)
-            grads = torch.autograd.grad((out * out).sum(), (q, k, v))
-            want = attention(q, k, v, keep)
-            want_grads = torch.autograd.grad((want * want).sum(), (q, k, v))
-            torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(torch.cat([g.flatten() for g in grads]),
-                                       torch.cat([g.flatten() for g in want_grads]), rtol=1e-4, atol=1e-5)
+            trains_as_eager(compiled, length, seed=length)
     rewrites = [r.getMessage() for r in caplog.records if "dense last dimension" in r.getMessage()]
     assert len(rewrites) >= 2 and any("(0, 32, 1, 0)" in m for m in rewrites)
     assert any("(0, 32, 1, 0)" not in m for m in rewrites)  # (the dynamic graph's, of symbolic strides)
