@@ -503,10 +503,12 @@ def test_classification_head_softmax_and_lm_head_cross_entropy():
     torch.testing.assert_close(gx, x.grad, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("schedule", ["", "split"], ids=["planned", "split"])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_cross_entropy_after_a_gemm_trains_like_eager(reduction):
+def test_cross_entropy_after_a_gemm_trains_like_eager(reduction, schedule):
     """Linear + cross-entropy over the vocabulary in the forward graph: the region writes what
-    Inductor's backward saves (the logits and their row statistics); the gradients equal
+    Inductor's backward saves (the logits and their row statistics; as a split region, the
+    logits from the slices and the statistics from the combine); the gradients equal
     eager's, ignore_index included."""
     torch.manual_seed(0)
     lm = torch.nn.Linear(64, 1000, bias=False).to(DEVICE)
@@ -516,8 +518,10 @@ def test_cross_entropy_after_a_gemm_trains_like_eager(reduction):
 
     def fn(x, t):
         return F.cross_entropy(lm(x), t, reduction=reduction)
-    loss = compiled(fn)(x, t)
+    loss = compiled(fn, options={"schedule": schedule} if schedule else None)(x, t)
     assert ("gemm_epilogue", True) in kinds(last_report())
+    if schedule:
+        assert "split" in [r.schedule for r in last_report().regions if r.fused]
     loss.sum().backward()
     gx, gw = x.grad.clone(), lm.weight.grad.clone()
     x.grad = None

@@ -571,6 +571,9 @@ SPLIT_CASES = {
     # variance far from zero mean: E[x^2] - E[x]^2 would lose the digits; moments do not
     "var_mean_offset": lambda x, w, t: torch.var_mean(x @ w + 300.0, -1),
     "std_keepdim": lambda x, w, t: torch.std(x @ w, -1, keepdim=True),
+    # an LM head's logits, which the model returns, beside the loss: the slices write the tile
+    "logits_and_ce": lambda x, w, t: ((x @ w), F.cross_entropy((x @ w).float(), t, reduction="none")),
+    "scaled_logits_and_lse": lambda x, w, t: ((x @ w) * 0.5, torch.logsumexp(x @ w, -1)),
 }
 
 
@@ -590,7 +593,7 @@ def test_split_schedule_for_per_row_outputs(name, dtype):
 
 @pytest.mark.filterwarnings("ignore::comfuse.ComfuseWarning")
 @pytest.mark.parametrize("per", [1, 2, 3])
-@pytest.mark.parametrize("name", ["ce_none_ignore", "var_mean_offset"])
+@pytest.mark.parametrize("name", ["ce_none_ignore", "var_mean_offset", "logits_and_ce"])
 @pytest.mark.parametrize("N", [100, 96], ids=["N100", "N96"])
 def test_split_slices_agree(monkeypatch, name, per, N):
     """Every split variant the autotuner may time (tiles per slice, groups of 2 row blocks)
@@ -648,10 +651,27 @@ def test_split_column_test_is_exact_for_targets_beyond_32_bits(monkeypatch):
     torch.testing.assert_close(got[[0, 3, 7]].double(), picked[[0, 3, 7], [5, 3, 99]], rtol=1e-4, atol=1e-4)
 
 
-def test_split_is_refused_for_full_tile_outputs():
+def test_split_is_refused_for_full_tile_outputs_that_need_a_reduction():
     with settings.override(schedule="split"):
         report = comfuse.explain(SUITE["softmax"].fn, SUITE["softmax"].inputs(8, 16, 40, device=DEVICE))
     assert not report.regions[0].fused and "not one pass" in report.regions[0].reason
+    assert "needs a reduction" in report.regions[0].reason
+
+
+def test_split_writes_a_full_tile_that_needs_no_reduction_once_in_the_slices():
+    """The LM head's logits beside its loss: the slice kernel stores the logits tile by tile
+    as it reduces them; the combine kernel writes only the per-row loss."""
+    wl = SUITE["lm_head_loss"]
+    args = wl.inputs(37, 24, 100, dtype=torch.bfloat16, device=DEVICE)
+    with settings.override(schedule="split"):
+        compiled, out = compile_and_run(wl.fn, args)
+    (r,) = compiled.report.regions
+    assert r.fused and r.schedule == "split", str(compiled.report)
+    source = open(r.kernel_path).read()
+    first, combine = source.split("_combine(", 1)
+    assert first.count("tl.store(out0_ptr") == 1 and "tl.store(out1_ptr" not in first
+    assert "tl.store(out0_ptr" not in combine and combine.count("tl.store(out1_ptr") == 1
+    assert_matches_reference(wl.fn, args, out)
 
 
 def test_chained_gemms_fuse_into_one_chain():

@@ -207,3 +207,39 @@ def test_autotuning_candidates_add_persistent_plans_to_tma_tile_plans_only():
     with settings.override(plan="tail=96"):  # not a field of a tile plan
         refused = plan(tile.region, target="cuda")
     assert isinstance(refused, NotFused) and "tail" in refused.reason
+
+
+def test_the_one_pass_form_keeps_a_full_tile_that_needs_no_reduction_as_a_slice_output():
+    """An LM head's logits beside its loss: the logits are a tile output (written by the
+    slices), the loss a combine output; float64 evaluation of the form equals the region's
+    on random inputs. The Gluon template's log-sum-exp kind, which writes no [M, N] output,
+    is not offered."""
+    from comfuse.planner.onepass import evaluate_one_pass, one_pass
+    from comfuse.planner.template import match_lse
+    F = torch.nn.functional
+    g = torch.Generator().manual_seed(0)
+    M, K, N = 16, 8, 40
+    x, w, t = torch.randn(M, K, generator=g), torch.randn(K, N, generator=g), torch.randint(0, N, (M,), generator=g)
+
+    def head(x, w, t):
+        y = x @ w
+        return y * 2.0, F.cross_entropy(y, t, reduction="none")
+    (found,) = find_regions(capture(head, (x, w, t)))
+    region = one_hot_counts(cse(dce(found.region)))
+    op = one_pass(region)
+    assert op.tile_outputs == (0,) and len(op.outputs) == 2
+    ins = []
+    for inp in region.inputs:  # [M] each: targets (one outside [0, N)), weights, a mask
+        shape = (1, M, 1)
+        ins.append(torch.randint(-1, N, shape, generator=g) if inp.dtype == torch.int64 else
+                   torch.rand(shape, generator=g) > 0.2 if inp.dtype == torch.bool else
+                   torch.rand(shape, generator=g, dtype=torch.float64))
+    a, b = x.double().view(1, M, K), w.double().view(1, K, N)
+    want = evaluate(region, a, b, ins)
+    got = evaluate_one_pass(op, a, b, ins)
+    for u, v in zip(got, want):
+        torch.testing.assert_close(u.double(), v.double(), rtol=1e-9, atol=1e-9, equal_nan=True)
+    (bf,) = find_regions(capture(head, (x.bfloat16(), w.bfloat16(), t)))
+    assert match_lse(bf.region)[0] is None and "no [M, N] output" in match_lse(bf.region)[1]
+    with settings.override(schedule="split"):
+        assert plan(bf.region, target="cuda").schedule == "split"

@@ -83,6 +83,17 @@ def linear_cross_entropy(x, w, t):
     return ep_cross_entropy(x @ w, t)
 
 
+def lm_head_loss(x, w, t):
+    """LM head + cross-entropy as a language model computes them: the logits, which it
+    returns, and the loss."""
+    y = x @ w
+    return y, ep_cross_entropy(y, t)
+
+
+def ep_lm_head_loss(y, t):
+    return y, ep_cross_entropy(y, t)
+
+
 def dlrm_bottom_mlp(x, w1, w2, w3):
     return torch.relu(torch.relu(torch.relu(x @ w1) @ w2) @ w3)
 
@@ -144,6 +155,9 @@ SUITE = {
                             ((8192, 1024, 1024), (8192, 4096, 4096)), ep_multi_stage),
     "linear_ce": Workload("linear_ce", linear_cross_entropy, ("target",), ((8192, 4096, 32768),),
                           ep_cross_entropy),
+    # GPT-2 small's head (vocabulary 50257) and a Llama head of width 2048 (vocabulary 32000)
+    "lm_head_loss": Workload("lm_head_loss", lm_head_loss, ("target",), ((8192, 768, 50257), (8192, 2048, 32000)),
+                             ep_lm_head_loss),
 }
 
 
@@ -179,7 +193,7 @@ def paper_program(name: str, shape: tuple, dtype, device, seed=0) -> Program:
     args = wl.inputs(M, K, N, dtype=dtype, device=device, seed=seed)
     x, w, side = args[0], args[1], args[2:]
     y = x @ w
-    out_numel = 1 if name == "linear_ce" else M * N
+    out_numel = 1 if name == "linear_ce" else M * N  # (lm_head_loss: the logits; its loss is M floats)
     return Program("paper", name, shape, dtype, wl.fn, args, 2.0 * M * N * K,
                    _bytes(args, out_numel, dtype.itemsize if name != "linear_ce" else 4),
                    gemm=lambda: x @ w, epilogue=wl.epilogue, epilogue_args=(y, *side))

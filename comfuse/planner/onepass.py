@@ -1,5 +1,8 @@
-"""One-pass form: a region whose outputs are all per-row values, rewritten so that every
+"""One-pass form: a region whose outputs are per-row values, rewritten so that every
 reduction along N becomes a mergeable statistic of values that need no earlier reduction.
+An output may also be a full tile that needs no reduction (the logits a language model
+returns beside its loss): the slices write it as they pass, and the combine step never
+sees it.
 
 This is what lets a loss over a vocabulary-wide row (cross-entropy at N = 128k) run
 without the row ever being resident at once: each program reduces its slice of N to a
@@ -51,8 +54,9 @@ class OnePass:
     tile: Region  # the row-form region, extended with the tile values the statistics reduce
     stats: tuple[Statistic, ...]
     combine: tuple[Node, ...]  # per-row SSA: leaves are STAT (arg: statistic), INPUT, CONST
-    outputs: tuple[Output, ...]  # nodes of ``combine``
+    outputs: tuple[Output, ...]  # nodes of ``combine``, except those of ``tile_outputs``
     link: object = None  # back-to-back chains: the form of the value the next GEMM reads
+    tile_outputs: tuple[int, ...] = ()  # indices into outputs whose node is in ``tile`` (full tiles)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -237,14 +241,20 @@ class _Rewriter:
             else:
                 a = self.affine(form)
                 link_form = AffineLink(a.terms, a.const)
-        outputs = []
+        outputs, tile_outputs = [], []
         for k, out in enumerate(r.outputs):
             if k == link:
                 outputs.append(out)  # read by the next GEMM, never stored
                 continue
             form = forms[out.node]
-            if "N" in out.axes or (isinstance(form, tuple) and form[0] == "tile" and "N" in r.nodes[out.node].axes):
-                raise NotOnePass(f"output {out.name or out.node} is a full tile, not a per-row value")
+            full = "N" in out.axes or (isinstance(form, tuple) and form[0] == "tile" and "N" in r.nodes[out.node].axes)
+            if full and link is None and form == ("tile", out.node) and {"M", "N"} <= set(r.nodes[out.node].axes):
+                tile_outputs.append(k)  # needs no reduction: the slices store it as they pass
+                outputs.append(out)
+                continue
+            if full:
+                raise NotOnePass(f"output {out.name or out.node} is a full tile that needs a reduction, "
+                                 "not a per-row value")
             if isinstance(form, tuple) and form[0] == "row":
                 node = form[1]
             elif isinstance(form, tuple) and form[0] == "tile":
@@ -253,7 +263,8 @@ class _Rewriter:
                 raise NotOnePass(f"output {out.name or out.node} is a full tile, not a per-row value")
             outputs.append(dataclasses.replace(out, node=node))
         tile = r.replace(nodes=tuple(self.tile))
-        return OnePass(tile, tuple(self.stats), tuple(self.combine), tuple(outputs), link_form)
+        return OnePass(tile, tuple(self.stats), tuple(self.combine), tuple(outputs), link_form,
+                       tuple(tile_outputs))
 
     def rewrite(self, i: int, node: Node, src: list):
         op = node.op
@@ -413,13 +424,18 @@ def evaluate_one_pass(op: OnePass, a, b, inputs) -> list:
             merged[(i, "mean")], merged[(i, "m2")] = mean, ((v - mean) ** 2).sum(2, keepdim=True)
         else:
             merged[(i, "")] = torch.logsumexp(v, 2, keepdim=True)
-    inputs = [t.double() if t.dtype.is_floating_point else t for t in inputs]
-    return evaluate_combine(op, merged, inputs, a.device)
+    doubled = [t.double() if t.dtype.is_floating_point else t for t in inputs]
+    outs = evaluate_combine(op, merged, doubled, a.device)
+    if op.tile_outputs:
+        full = op.tile.replace(outputs=tuple(op.outputs[k] for k in op.tile_outputs))
+        for k, v in zip(op.tile_outputs, run_nodes(full, a, b, inputs, torch.float64)[0]):
+            outs[k] = v
+    return outs
 
 
 def evaluate_combine(op: OnePass, merged: dict, inputs, device) -> list:
     """The combine step on merged statistics ({(index, part): [B, M, 1] tensor}); plain torch
-    ops, so autograd can run through it (the chunked backward does)."""
+    ops. None in the places of ``op.tile_outputs`` (the slices write those)."""
     vals = []
     for node in op.combine:
         x = [vals[s] for s in node.src]
@@ -442,4 +458,4 @@ def evaluate_combine(op: OnePass, merged: dict, inputs, device) -> list:
         else:  # pragma: no cover
             raise NotImplementedError(f"the combine step cannot evaluate {node.op}")
         vals.append(v)
-    return [vals[o.node] for o in op.outputs]
+    return [None if k in op.tile_outputs else vals[o.node] for k, o in enumerate(op.outputs)]

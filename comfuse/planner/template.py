@@ -208,6 +208,8 @@ def match_lse(region: Region) -> tuple[LseTemplate | None, str]:
         op = one_pass(region)
     except NotOnePass as e:
         return None, f"not a terminal reduction (one pass: {e})"
+    if op.tile_outputs:
+        return None, "the log-sum-exp kind writes no [M, N] output; the region writes a full tile"
     nodes = op.tile.nodes
     lse, shifts, picks = [], [], []
     for k, st in enumerate(op.stats):

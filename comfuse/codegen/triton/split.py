@@ -4,7 +4,8 @@ Kernel 1 (``{name}``): each program reduces one slice of N for a block of rows, 
 order (GROUP_M row blocks at a time, as a plain GEMM takes its tiles, so a slice's B columns
 are shared by the programs in flight). A tile's work is ``{name}_tile``, inlined into the
 loop over the slice's tiles: it takes the running statistics and returns them, so they stay
-in registers and are stored once a slice. Kernel 2 (``{name}_combine``) merges each row's
+in registers and are stored once a slice; an output that needs no reduction (the logits a
+model returns beside its loss) is stored by the tile as it passes. Kernel 2 (``{name}_combine``) merges each row's
 statistics over the slices (Chan's formula for moments, rescaled sums for log-sum-exps) and
 runs the region's per-row combine step (planner/onepass.py). A ws_split plan's combine
 (``emit_lse_combine``) reads the Gluon template's per-tile log-sum-exps instead.
@@ -46,6 +47,16 @@ class SplitEmitter(Emitter):
         super().__init__(plan, name)
         self.template = template  # a ws_split plan's (planner.template.LseTemplate)
 
+    def closure(self, roots) -> set:
+        """The tile nodes ``roots`` need, themselves included."""
+        seen, todo = set(), list(roots)
+        while todo:
+            i = todo.pop()
+            if i not in seen:
+                seen.add(i)
+                todo += list(self.region.nodes[i].src)
+        return seen
+
     def row_block(self) -> None:
         """A combine kernel's rows: program pid_m's BLOCK_M of them, and their mask."""
         self.line("pid_m = tl.program_id(0)")
@@ -70,21 +81,21 @@ class SplitEmitter(Emitter):
                       "(passed in and returned).", "pid_m, chunk, t, " + ", ".join(names) + ",")
         self.line("pid_n = chunk * TILES_PER_CHUNK + t")
         self.mainloop()
-        needed = set()
-        todo = [st.node for st in op.stats]
-        while todo:
-            i = todo.pop()
-            if i not in needed:
-                needed.add(i)
-                todo += list(self.region.nodes[i].src)
+        stored = [(k, op.outputs[k]) for k in op.tile_outputs]  # full tiles the slices write
+        needed, for_stores = self.closure([st.node for st in op.stats]), self.closure([o.node for _, o in stored])
         self.line()
-        picks = self.column_picks(op.stats, needed)
+        picks = {k: pick for k, pick in self.column_picks(op.stats, needed | for_stores).items()
+                 if not pick[0] & for_stores}
         inside = set().union(*(pick[0] for pick in picks.values()))  # computed in the pick's branch only
-        self.line("# ---- tile values the statistics reduce ----")
-        for i in sorted(needed - inside):
+        self.line("# ---- tile values the statistics reduce" + (" and the full tiles this slice writes ----"
+                                                                 if stored else " ----"))
+        for i in sorted((needed | for_stores) - inside):
             line = self.value_line(i)
             if line and i not in self.prefetched:
                 self.line(line)
+        for k, out in stored:
+            self.line(f"tl.store({self.offsets(f'out{k}', out.axes)}, {self.store_value(out)}, "
+                      f"mask={self.mask(out.axes)})  # {out.name}: needs no reduction, written once here")
         self.line("# ---- this tile's partials, merged into the slice's statistics ----")
         for i, (_, value, column) in picks.items():
             self.line(f"# stat{i} picks one column per row (cross-entropy's target): only a tile holding")
@@ -186,6 +197,8 @@ class SplitEmitter(Emitter):
             if line:
                 self.line(line)
         for k, out in enumerate(op.outputs):
+            if k in op.tile_outputs:  # written by the slices
+                continue
             mask = self.mask(out.axes)
             mask_arg = f", mask={mask}" if mask else ""
             self.line(f"tl.store({self.offsets(f'out{k}', out.axes)}, {self.store_value(out)}{mask_arg})"
