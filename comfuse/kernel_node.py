@@ -15,10 +15,14 @@ uninitialised, its arrival counters zero (the strip barrier counts generations, 
 start like any multiple of the members); its grid, capped at the strips that can be resident
 at once, is fixed when the region is tuned.
 
+A split plan is two kernel nodes: the slices' kernel, writing the outputs over the whole
+width and per-slice statistics into a buffer of the graph, then the combine kernel, which
+reads them (each node's written tensors are the next one's inputs).
+
 Not launched this way (``why_not_launched`` says why; the region op runs them): the Gluon
-kernels (Inductor compiles user kernels as Triton), plans of several launches (split
-reductions) or persistent grids, TMA plans, chains, COMFUSE_CHECK (every launch compared in
-Python), and regions not yet checked on the GPU.
+kernels (Inductor compiles user kernels as Triton), plans on persistent grids, TMA plans,
+chains, COMFUSE_CHECK (every launch compared in Python), and regions not yet checked on the
+GPU.
 """
 from __future__ import annotations
 
@@ -35,7 +39,10 @@ from .runtime import tuning
 from .runtime.operands import operand3, prepare
 from .runtime.region import FusedRegion
 
-ONE_LAUNCH = ("tile", "row_in_cta", "cooperative")  # the Triton schedules whose kernel is one launch
+# the Triton schedules Inductor's wrapper launches: one kernel, or (split) the slices' kernel
+# then the combine kernel, each a kernel node of the graph, the second reading what the first
+# wrote
+LAUNCHED = ("tile", "row_in_cta", "cooperative", "split")
 
 
 def why_plan_not_launched(plan) -> str:
@@ -43,8 +50,8 @@ def why_plan_not_launched(plan) -> str:
     else the reason it could not."""
     if plan.schedule in GLUON_SCHEDULES:
         return "a Gluon kernel (Inductor compiles user kernels as Triton)"
-    if plan.schedule not in ONE_LAUNCH or getattr(plan.form, "persistent", False):
-        return f"a {plan.schedule} plan launches more than once or on a persistent grid"
+    if plan.schedule not in LAUNCHED or getattr(plan.form, "persistent", False):
+        return f"a {plan.schedule} plan runs on a persistent grid"
     if plan.mainloop == "tma":
         return "the plan's kernel takes TMA descriptors"
     return ""
@@ -222,11 +229,13 @@ def launch_from_inductor(graph: fx.Graph, call: fx.Node, module, ext_nodes: list
         a3, b3, ins, outs = (b3.transpose(1, 2), a3.transpose(1, 2), [t.transpose(1, 2) for t in ins],
                              [t.transpose(1, 2) for t in outs])
     launches = kernel.launches(a3, b3, ins, outs)
-    if len(launches) != 1:
-        return "the plan launches more than one kernel"
-    fn, grid, args, options = launches[0]
-    names = fn.arg_names
-    tensors, constants, written = {}, {}, []
+    roles = {p.name: p.role for p in kernel.source.params}
+    made = []  # every node added, erased (newest first) if a launch cannot be made
+
+    def give_up(why: str) -> str:
+        for node in reversed(made):
+            graph.erase_node(node)
+        return why
     with graph.inserting_before(call):
         empties = []
         for r in results:
@@ -234,56 +243,68 @@ def launch_from_inductor(graph: fx.Graph, call: fx.Node, module, ext_nodes: list
                                        {"dtype": r.dtype, "device": device})
             node.meta["val"] = r
             empties.append(node)
-        roles = {p.name: p.role for p in kernel.source.params}
-        for name, value in zip(names, args):
-            if not isinstance(value, torch.Tensor):
-                constants[name] = value
-                continue
-            if roles.get(name) in ("workspace", "counters"):
-                # a cooperative strip's scratch, fresh each call: the workspace uninitialised, the
-                # arrival counters zero (its barrier counts generations, so any multiple of the
-                # members is a start, zero among them)
-                node = _scratch_node(graph, value, roles[name] == "counters", a.fake_mode)
-                empties.append(node)  # (erased with the outputs' buffers if the launch is not made)
+            made.append(node)
+        latest = {}  # a written argument's name -> the node holding its contents so far
+        output_of = {}  # an output's index -> the name it is written under
+        for fn, grid, args, options in launches:
+            tensors, constants, written = {}, {}, []
+            for name, value in zip(fn.arg_names, args):
+                if not isinstance(value, torch.Tensor):
+                    constants[name] = value
+                    continue
+                scratch = roles.get(name) in ("workspace", "counters")
+                out = None if scratch else next((j for j, r in enumerate(results) if _pointer(value, r)), None)
+                if scratch or out is not None:
+                    if name not in latest:
+                        # a cooperative strip's scratch, fresh each call: the workspace
+                        # uninitialised, the arrival counters zero (its barrier counts
+                        # generations, so any multiple of the members is a start, zero among
+                        # them); a split plan's statistics, written by its first launch
+                        latest[name] = _scratch_node(graph, value, roles[name] == "counters", a.fake_mode) \
+                            if scratch else empties[out]
+                        if scratch:
+                            made.append(latest[name])
+                    tensors[name] = latest[name]
+                    written.append((name, out))
+                    if out is not None:
+                        output_of[out] = name
+                    continue
+                node = next((n for v, n in bases if _pointer(value, v)), None)
+                if node is None:  # (a side input made anew, not a view: the region op passes it)
+                    return give_up("a kernel argument is not a view of a graph tensor")
                 tensors[name] = node
-                written.append((name, None))
-                continue
-            out = next((j for j, r in enumerate(results) if _pointer(value, r)), None)
-            if out is not None:
-                tensors[name] = empties[out]
-                written.append((name, out))
-                continue
-            node = next((n for v, n in bases if _pointer(value, v)), None)
-            if node is None:  # (a side input made anew, not a view: the region op passes it)
-                for e in empties:
-                    graph.erase_node(e)
-                return "a kernel argument is not a view of a graph tensor"
-            tensors[name] = node
-        constants.update({n: options[n] for n in names[len(args):]})
-        launch = graph.call_function(triton_kernel_wrapper_functional, (), dict(
-            kernel_idx=kernel_side_table.add_kernel(
-                _with_launch_options(fn, options["num_warps"], options["num_stages"])),
-            constant_args_idx=kernel_side_table.add_constant_args(constants),
-            grid=[tuple((*grid, 1, 1)[:3])], tma_descriptor_metadata={}, kwargs=tensors,
-            tensors_to_clone=[name for name, _ in written]))
-        launch.meta["val"] = {name: (results[j] if j is not None else tensors[name].meta["val"])
-                              for name, j in written}
-        # the kernel takes its tensors' strides as constants: Inductor must hand it buffers
-        # with exactly these strides (copying one it laid out otherwise, rows padded for
-        # alignment, say), not only in this order, as it does for a traced user kernel
-        # (recorded as Dynamo records it for a traced kernel: the node's arguments, each node its
-        # value and anything else None, in fx's immutable containers, which Inductor's own
-        # rewrites of the node compare structure with; plain dicts there fail its lowering)
-        launch.meta["eager_input_vals"] = fx.node.map_aggregate(
-            (launch.args, launch.kwargs), lambda v: v.meta.get("val") if isinstance(v, fx.Node) else None)
-        by_output = {j: name for name, j in written if j is not None}
+            constants.update({n: options[n] for n in fn.arg_names[len(args):]})
+            launch = graph.call_function(triton_kernel_wrapper_functional, (), dict(
+                kernel_idx=kernel_side_table.add_kernel(
+                    _with_launch_options(fn, options["num_warps"], options["num_stages"])),
+                constant_args_idx=kernel_side_table.add_constant_args(constants),
+                grid=[tuple((*grid, 1, 1)[:3])], tma_descriptor_metadata={}, kwargs=tensors,
+                tensors_to_clone=[name for name, _ in written]))
+            made.append(launch)
+            launch.meta["val"] = {name: (results[j] if j is not None else tensors[name].meta["val"])
+                                  for name, j in written}
+            # the kernel takes its tensors' strides as constants: Inductor must hand it buffers
+            # with exactly these strides (copying one it laid out otherwise, rows padded for
+            # alignment, say), not only in this order, as it does for a traced user kernel
+            # (recorded as Dynamo records it for a traced kernel: the node's arguments, each node
+            # its value and anything else None, in fx's immutable containers, which Inductor's
+            # own rewrites of the node compare structure with; plain dicts there fail its lowering)
+            launch.meta["eager_input_vals"] = fx.node.map_aggregate(
+                (launch.args, launch.kwargs), lambda v: v.meta.get("val") if isinstance(v, fx.Node) else None)
+            for name, _ in written:  # (what a later launch, or the region's reader, takes)
+                got = graph.call_function(operator.getitem, (launch, name))
+                got.meta["val"] = launch.meta["val"][name]
+                made.append(got)
+                latest[name] = got
         for user in list(call.users):
             if user.op != "call_function" or user.target is not operator.getitem:
-                raise RuntimeError("a region call's outputs are read other than by index")
-            got = graph.call_function(operator.getitem, (launch, by_output[user.args[1]]))
-            got.meta["val"] = results[user.args[1]]
-            user.replace_all_uses_with(got)
+                return give_up("a region call's outputs are read other than by index")
+        for user in list(call.users):
+            user.replace_all_uses_with(latest[output_of[user.args[1]]])
             graph.erase_node(user)
+    for node in reversed(made):  # (scratch read by no later launch)
+        if node.target is operator.getitem and not node.users:
+            graph.erase_node(node)
     graph.erase_node(call)
     return ""
 

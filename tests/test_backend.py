@@ -1041,8 +1041,8 @@ def test_an_rmsnorm_written_with_mean_fuses_after_its_gemm():
 
 
 def test_inside_inductor_only_plans_its_wrapper_launches_are_timed(monkeypatch):
-    """Of a region's candidates for the GPU, the backend times only the one-launch Triton
-    plans Inductor launches itself (no Gluon, TMA or persistent plan), unless none is, or the
+    """Of a region's candidates for the GPU, the backend times only the Triton plans
+    Inductor launches itself (no Gluon, TMA or persistent plan), unless none is, or the
     region is kept fused for memory (a loss over a vocabulary)."""
     from comfuse.frontend import capture, find_regions
     from comfuse.kernel_node import launchable, why_plan_not_launched
@@ -1054,7 +1054,7 @@ def test_inside_inductor_only_plans_its_wrapper_launches_are_timed(monkeypatch):
     plans = candidates(region.region, target="cuda")
     kept = launchable(plans, region.region)
     assert kept and len(kept) < len(plans)
-    assert all(p.schedule in ("tile", "row_in_cta", "cooperative") and p.mainloop == "pointer" for p in kept)
+    assert all(p.schedule in ("tile", "row_in_cta", "cooperative", "split") and p.mainloop == "pointer" for p in kept)
     dropped = [p for p in plans if p not in kept]
     assert {p.schedule for p in dropped} & {"ws_stages", "ws_strip"} and any(p.mainloop == "tma" for p in dropped)
     assert all(why_plan_not_launched(p) for p in dropped)
@@ -1065,6 +1065,10 @@ def test_inside_inductor_only_plans_its_wrapper_launches_are_timed(monkeypatch):
     (ce,) = find_regions(capture(lambda x, w, t: F.cross_entropy(x @ w, t), (x, w, t)))
     ce_plans = candidates(ce.region, target="cuda")
     assert launchable(ce_plans, ce.region) == ce_plans
+    # a split plan (the slices' kernel, then the combine kernel) is two kernel nodes Inductor launches
+    monkeypatch.setattr(tuning, "MEMORY_FIRST_BYTES", 1 << 40)
+    split = [p for p in launchable(ce_plans, ce.region) if p.schedule == "split"]
+    assert split and all(p.mainloop == "pointer" for p in split)
 
 
 @pytest.mark.gpu

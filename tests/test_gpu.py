@@ -654,6 +654,30 @@ def test_a_region_reads_an_operand_inductor_pads(tmp_path):
         torch.testing.assert_close(g.double(), e, rtol=2e-2, atol=2e-2)
 
 
+def test_a_split_plan_is_launched_by_inductor_as_its_two_kernels(tmp_path):
+    """A loss over rows of 8192 (cross-entropy of a GEMM's logits, the logits not returned)
+    with the split schedule inside the backend: Inductor's wrapper launches the slices'
+    kernel and then the combine kernel, which reads the statistics the first wrote; the loss
+    matches eager's in float64."""
+    from comfuse import backend
+    torch.manual_seed(0)
+    x = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(256, 8192, device="cuda", dtype=torch.bfloat16) / 16
+    t = torch.randint(0, 8192, (1024,), device="cuda")
+
+    def f(x, w, t):
+        return torch.nn.functional.cross_entropy((x @ w).float(), t)
+    torch._dynamo.reset()
+    with comfuse.settings.override(cache_dir=tmp_path, check=False, autotune="0", graph_check="0",
+                                   schedule="split"), torch.no_grad():
+        got = torch.compile(f, backend="comfuse", dynamic=False)(x, w, t)
+    regions = [r for r in backend.REPORTS[-1].regions if r.fused]
+    assert [(r.schedule, r.launch) for r in regions] == [("split", "Inductor's wrapper launches the kernel")], \
+        str(backend.REPORTS[-1])
+    want = f(x.double(), w.double(), t)
+    torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2)
+
+
 def test_inside_the_backend_candidates_compile_in_workers_and_are_timed_by_graph_replays(tmp_path, caplog):
     """Inside the backend's pass a region whose candidates Inductor launches is timed by
     CUDA-graph replays, its candidates compiled by the compile workers (Triton's cache then
