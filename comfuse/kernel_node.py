@@ -34,6 +34,7 @@ import torch.fx as fx
 import triton
 
 from . import settings as settings_mod
+from .planner.cost import GEMM_TFLOPS
 from .planner.gluon import GLUON_SCHEDULES
 from .runtime import tuning
 from .runtime.operands import operand3, prepare
@@ -57,15 +58,29 @@ def why_plan_not_launched(plan) -> str:
     return ""
 
 
+# a region whose GEMM alone takes at least this long (at the H200's bf16 rate) keeps every
+# candidate inside Inductor's compilation: the operator's host time (tens of microseconds a
+# call) is then a few percent of the kernel's and overlaps it, while the warp-specialised and
+# TMA plans it would drop are the fast ones at such sizes (an LM head with its loss: the
+# pointer-loaded split plans ran 2.63 ms where the unfused ops took 1.76, H100, 2026-12-05)
+HEAVY_MS = 0.5
+
+
+def heavy(region) -> bool:
+    """Whether ``region``'s GEMM is long enough that how its kernel is launched does not matter."""
+    s = region.sizes
+    return 2.0 * s.B * s.M * s.N * s.K / (GEMM_TFLOPS[2] * 1e12) * 1e3 >= HEAVY_MS
+
+
 def launchable(plans: list, region) -> list:
     """``plans`` (a fused region's candidates) narrowed to those Inductor's wrapper can launch,
     for autotuning inside Inductor's compilation: a plan launched through the
     ``comfuse::region`` operator costs Python and dispatcher time at each call, which a
     region's saving (microseconds) does not pay for, and the Gluon plans take the longest to
-    compile. All of ``plans`` where none is launchable, and for a region that saves a
+    compile. All of ``plans`` where none is launchable, for a region that saves a
     vocabulary-sized intermediate (kept fused for memory, where the fastest plan matters more
-    than its launch)."""
-    if tuning.saves_memory(region):
+    than its launch), and for a ``heavy`` one."""
+    if tuning.saves_memory(region) or heavy(region):
         return list(plans)
     kept = [p for p in plans if not why_plan_not_launched(p)]
     return kept or list(plans)

@@ -1042,8 +1042,9 @@ def test_an_rmsnorm_written_with_mean_fuses_after_its_gemm():
 
 def test_inside_inductor_only_plans_its_wrapper_launches_are_timed(monkeypatch):
     """Of a region's candidates for the GPU, the backend times only the Triton plans
-    Inductor launches itself (no Gluon, TMA or persistent plan), unless none is, or the
-    region is kept fused for memory (a loss over a vocabulary)."""
+    Inductor launches itself (no Gluon, TMA or persistent plan), unless none is, the
+    region is kept fused for memory (a loss over a vocabulary), or its GEMM is long enough
+    that the operator's host time does not count (an LM head)."""
     from comfuse.frontend import capture, find_regions
     from comfuse.kernel_node import launchable, why_plan_not_launched
     from comfuse.planner import candidates
@@ -1069,6 +1070,9 @@ def test_inside_inductor_only_plans_its_wrapper_launches_are_timed(monkeypatch):
     monkeypatch.setattr(tuning, "MEMORY_FIRST_BYTES", 1 << 40)
     split = [p for p in launchable(ce_plans, ce.region) if p.schedule == "split"]
     assert split and all(p.mainloop == "pointer" for p in split)
+    from comfuse import kernel_node
+    monkeypatch.setattr(kernel_node, "HEAVY_MS", 1e-6)  # this small head counts as an 8192 x 32000 one
+    assert launchable(ce_plans, ce.region) == ce_plans and launchable(plans, region.region) == plans
 
 
 @pytest.mark.gpu

@@ -156,20 +156,26 @@ def test_the_template_computes_the_region(name, N, residual_tma):
 
 @needs_interpreter
 @pytest.mark.parametrize("N", [1024, 2560])
-@pytest.mark.parametrize("name", ["linear_ce", "lse"])
+@pytest.mark.parametrize("name", ["linear_ce", "lse", "logits_and_ce"])
 def test_the_terminal_template_and_its_combine_compute_the_loss(name, N):
     """The template's terminal kind (ws_split: each tile's log-sum-exp per row and the logit at
     the row's target, in grouped tile order) and the combine kernel after it (Triton's
-    interpreter), for cross-entropy (ignored targets included) and the log-sum-exp."""
+    interpreter), for cross-entropy (ignored targets included) and the log-sum-exp; and with
+    the logits as an output beside the loss (a language model returns both), which the
+    template then writes too."""
     import torch.nn.functional as F
     fns = {"linear_ce": lambda x, w, t: F.cross_entropy(x @ w, t, reduction="none"),
-           "lse": lambda x, w, t: torch.logsumexp(x @ w, -1)}
+           "lse": lambda x, w, t: torch.logsumexp(x @ w, -1),
+           "logits_and_ce": lambda x, w, t: (x @ w, F.cross_entropy((x @ w).float(), t, reduction="none"))}
     args = (torch.randn(256, 64).to(bf), torch.randn(64, N).to(bf), torch.randint(0, N, (256, )))
     region = region_of(fns[name], args)
     with settings.override(schedule="ws_split"):
         p = plan(region, target="cuda")
     assert not isinstance(p, NotFused), p.reason
-    for c in emulate.check(p, *operands(region), programs=7):
+    assert (p.form.template.logits is not None) == (name == "logits_and_ce")
+    checks = emulate.check(p, *operands(region), programs=7)
+    assert len(checks) == len(region.outputs)
+    for c in checks:
         assert c.ok, f"{name} N={N}: {c}"
 
 

@@ -104,7 +104,8 @@ def test_every_variant_compiles_for_sm90_without_spilling_much():
                 "mblr": (S.StripConfig(kind=1, has_bias=True, residual=0, has_gamma=True, has_beta=True,
                                        relu=True), 2048),
                 "softmax": (S.StripConfig(kind=3, residual=0), 1024),
-                "lse_kmajor": (S.StripConfig(kind=4, residual=0, group_m=8, b_kmajor=True), 32768)}
+                "lse_kmajor": (S.StripConfig(kind=4, residual=0, group_m=8, b_kmajor=True), 32768),
+                "lse_logits": (S.StripConfig(kind=4, residual=0, group_m=8, b_kmajor=True, lse_out=True), 32768)}
         out = {}
         for name, (cfg, n) in cfgs.items():
             k = S.compile_sm90(cfg, N=n)
@@ -186,6 +187,15 @@ def test_the_terminal_kind_matches_cross_entropy_and_log_sum_exp(name):
     t, why = match_lse(ce_region(CE_FORMS[name]))
     assert why == "", why
     assert t.lse and (t.pick is None) == (name == "logsumexp")
+
+
+def test_the_terminal_kind_writes_the_logits_beside_the_loss_and_nothing_else():
+    """A language model's head returns x @ W (bf16) and the loss: the kind writes both. A
+    full tile other than x @ W itself (scaled logits) is refused."""
+    t, why = match_lse(ce_region(lambda x, w, t: (x @ w, F.cross_entropy((x @ w).float(), t))))
+    assert why == "" and t.logits == 0 and "x @ W itself" in t.describe()
+    t, why = match_lse(ce_region(lambda x, w, t: ((x @ w) * 2, F.cross_entropy((x @ w).float(), t))))
+    assert t is None and "x @ W itself" in why
 
 
 @pytest.mark.parametrize("fn, why", [

@@ -23,6 +23,7 @@ import comfuse
 
 from .. import settings
 from ..planner import SCHEDULES
+from ..planner.gluon import GLUON_SCHEDULES
 from ..runtime import tuning
 from ..runtime.check import compare, tolerance
 from ..runtime.timing import graphed, measure, measure_rounds
@@ -36,7 +37,9 @@ BASELINES = ("eager", "inductor", "inductor-max-autotune")
 GRAPH_MODE_CANDIDATES = ("inductor-reduce-overhead", "comfuse-backend-reduce-overhead")
 DEFAULT_CANDIDATES = ("comfuse", "comfuse-graph", "comfuse-backend") + tuple(f"comfuse[{s}]" for s in SCHEDULES) + \
     BASELINES + ("gemm", "epilogue", "sdpa", "tensorrt")
-ALL_CANDIDATES = DEFAULT_CANDIDATES + GRAPH_MODE_CANDIDATES
+# the warp-specialised Gluon schedules forced (sm_90 GPUs), run when named
+GLUON_CANDIDATES = tuple(f"comfuse[{s}]" for s in GLUON_SCHEDULES)
+ALL_CANDIDATES = DEFAULT_CANDIDATES + GRAPH_MODE_CANDIDATES + GLUON_CANDIDATES
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 

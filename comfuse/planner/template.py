@@ -159,10 +159,13 @@ class LseTemplate:
     shifts: tuple
     pick: int | None
     target: int | None  # index into Region.inputs: the int64 [M] targets
+    logits: int | None = None  # index into Region.outputs: x @ W in bf16, written by the template too
 
     def describe(self) -> str:
         return ("per-row log-sum-exp of x @ W" + (" and its value at a target column" if self.pick is not None
-                                                  else "") + " (a loss's statistics; no [M, N] output)")
+                                                  else "") +
+                (" (a loss's statistics), and x @ W itself" if self.logits is not None else
+                 " (a loss's statistics; no [M, N] output)"))
 
 
 def _value(nodes, i: int) -> bool:
@@ -208,9 +211,16 @@ def match_lse(region: Region) -> tuple[LseTemplate | None, str]:
         op = one_pass(region)
     except NotOnePass as e:
         return None, f"not a terminal reduction (one pass: {e})"
-    if op.tile_outputs:
-        return None, "the log-sum-exp kind writes no [M, N] output; the region writes a full tile"
     nodes = op.tile.nodes
+    logits = None
+    if op.tile_outputs:  # the one full tile it writes: x @ W rounded to bf16 (the model's logits)
+        k = op.tile_outputs[0]
+        out = region.outputs[k]
+        if len(op.tile_outputs) > 1 or out.dtype != torch.bfloat16 or not _value(nodes, out.node):
+            return None, "the log-sum-exp kind writes no [M, N] output but x @ W itself, in bf16"
+        if region.sizes.M * region.sizes.N >= 2 ** 31:
+            return None, "the log-sum-exp kind writes x @ W with 32-bit offsets (M * N < 2^31)"
+        logits = k
     lse, shifts, picks = [], [], []
     for k, st in enumerate(op.stats):
         if st.kind in ("lse", "max") and _value(nodes, st.node):
@@ -247,7 +257,7 @@ def match_lse(region: Region) -> tuple[LseTemplate | None, str]:
             exact[(k, "")] = standin[(k, "")] = torch.where(
                 inside, v.gather(2, t.clamp(0, N - 1)), torch.zeros((), dtype=torch.float64))
     for a, b in zip(evaluate_combine(op, exact, inputs, v.device), evaluate_combine(op, standin, inputs, v.device)):
-        if not torch.allclose(a.double(), b.double(), rtol=1e-9, atol=1e-9, equal_nan=True):
+        if a is not None and not torch.allclose(a.double(), b.double(), rtol=1e-9, atol=1e-9, equal_nan=True):
             return None, "a max statistic is used for more than a shift (the log-sum-exp cannot stand in)"
     pick, target = picks[0] if picks else (None, None)
-    return LseTemplate(tuple(lse), tuple(shifts), pick, target), ""
+    return LseTemplate(tuple(lse), tuple(shifts), pick, target, logits), ""

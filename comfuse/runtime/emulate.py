@@ -116,7 +116,8 @@ def _split(plan, em, a3, b3, ins, outs, name, source):
     """The same for a ws_split plan: the template's terminal kind (KIND_LSE, grouped tile
     order) leaves each tile's log-sum-exp per row and the logits at the targets in the
     workspace (NaN where it writes nothing), then the generated Triton combine kernel (Triton's
-    interpreter on the CPU) turns them into the outputs, as runtime/strip_kernel.LseKernel does."""
+    interpreter on the CPU) turns them into the outputs, as runtime/strip_kernel.LseKernel does;
+    where the region returns the logits, the template writes them too."""
     if source is not None:
         raise ValueError("emulate.run: the template's source is strip.py's")
     lse = build(plan)
@@ -128,8 +129,9 @@ def _split(plan, em, a3, b3, ins, outs, name, source):
     dummy = torch.empty(BM, BN, dtype=torch.bfloat16)
     ws = torch.full((strip.workspace_numel(M, N, strip.KIND_LSE), ), float("nan"))
     counters = torch.zeros(M // BM, dtype=torch.int64)
+    logits = lse.logits(outs, dummy)  # (the dummy where the region has no logits output)
     args = [Desc(a, (BM, 64)), Desc(b, (BN, 64) if cfg.b_kmajor else (64, BN)), Desc(dummy, (BM, BN)),
-            *[Ptr(dummy.view(-1))] * 5, Ptr(targets), Ptr(ws), Ptr(counters), M, N, K, 1e-5]
+            *[Ptr(dummy.view(-1))] * 4, Ptr(logits.view(-1)), Ptr(targets), Ptr(ws), Ptr(counters), M, N, K, 1e-5]
     options = dict(cfg.constexprs(N // BN), num_warps=8)
     return kernel, args, options, counters, 0, lambda: lse.combine(a3, b3, ins, outs, ws)
 

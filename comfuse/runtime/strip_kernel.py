@@ -126,7 +126,18 @@ class LseKernel:
 
     def config(self):
         return strip.StripConfig(kind=strip.KIND_LSE, residual=0, b_kmajor=self.plan.region.gemm.b.major == "K",
-                                 group_m=strip.GROUP_M)
+                                 group_m=strip.GROUP_M, lse_out=self.plan.form.template.logits is not None)
+
+    def logits(self, outs, dummy):
+        """What the template writes its tile to: the region's logits output ([M, N], rows
+        contiguous and N apart) where it has one, else the dummy tile it never writes."""
+        k = self.plan.form.template.logits
+        if k is None:
+            return dummy
+        out = outs[k][0]
+        if out.stride() != (out.shape[1], 1):
+            raise ValueError(f"ws_split writes the logits [M, N] contiguous; got strides {out.stride()}")
+        return out
 
     def operands(self, a3, b3, ins):
         t = self.plan.form.template
@@ -153,25 +164,26 @@ class LseKernel:
         args = helper.arguments(a3, b3, ins, outs, ws, None, 0)
         self.combine_fn[(-(-M // self.plan.block_m), )](*args, **helper.options(a3, b3, ins, outs, on_cpu))
 
-    def statistics(self, a3, b3, ins) -> torch.Tensor:
-        """Run the template alone; its workspace (a view, valid until the next launch)."""
+    def statistics(self, a3, b3, ins, outs) -> torch.Tensor:
+        """Run the template alone (writing the logits where the region has them); its workspace
+        (a view, valid until the next launch)."""
         a, b, targets = self.operands(a3, b3, ins)
-        layout = layout_key((a3, b3, *ins))
+        ws, dummy = self.workspace(a.device, a.shape[0], b3.shape[2])
+        out = self.logits(outs, dummy)
+        layout = layout_key((a3, b3, *ins, out))
         bound = self._bound.get(("stats", layout))
         if bound is None:
-            self._bound[("stats", layout)] = self.bind(a, b, targets)
-            ws, dummy = self.workspace(a.device, a.shape[0], b3.shape[2])
+            self._bound[("stats", layout)] = self.bind(a, b, targets, out)
             return ws
         run, statics, cfg = bound
-        ws, dummy = self.workspace(a.device, a.shape[0], b3.shape[2])
-        run(*strip.call_arguments(cfg, a, b, dummy, targets=targets), *statics[strip.PER_CALL:])
+        run(*strip.call_arguments(cfg, a, b, out, targets=targets), *statics[strip.PER_CALL:])
         return ws
 
     def launch(self, a3: torch.Tensor, b3: torch.Tensor, ins: list, outs: list) -> None:
-        ws = self.statistics(a3, b3, ins)
+        ws = self.statistics(a3, b3, ins, outs)
         self.combine(a3, b3, ins, outs, ws)
 
-    def bind(self, a, b, targets):
+    def bind(self, a, b, targets, out):
         """Check a layout's tensors, launch the template once through the JIT; return (run,
         statics, config)."""
         dev = a.device
@@ -181,8 +193,8 @@ class LseKernel:
         cfg = self.config()
         M = a.shape[0]
         N = b.shape[0] if cfg.b_kmajor else b.shape[1]
-        ws, dummy = self.workspace(dev, M, N)
-        grid, args, options = strip.arguments(cfg, a, b, dummy, ws=ws, targets=targets, num_sms=sm_count(dev))
+        ws, _ = self.workspace(dev, M, N)
+        grid, args, options = strip.arguments(cfg, a, b, out, ws=ws, targets=targets, num_sms=sm_count(dev))
         if len(self._bound) > 64:
             self._bound.clear()
         return (*launch_direct(strip.strip_kernel, grid, args, options, set(range(strip.PER_CALL))), cfg)

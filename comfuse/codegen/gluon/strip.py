@@ -5,8 +5,9 @@ strip spans several tiles, the epilogue in warps of its own beside the next tile
     out = LayerNorm(v) (* gamma) (+ beta) (ReLU)          KIND_LAYERNORM
     out = v * rsqrt(mean(v^2) + eps) (* gamma)            KIND_RMSNORM
     out = softmax(v) along N                              KIND_SOFTMAX
-    ws  = per tile and row: log-sum-exp of its 256 columns, KIND_LSE (terminal: no [M, N] output;
-          and the row's logit at a target column)           cross-entropy's statistics
+    ws  = per tile and row: log-sum-exp of its 256 columns, KIND_LSE (terminal: no [M, N] output,
+          and the row's logit at a target column)           cross-entropy's statistics;
+    out = v                                               with LSE_OUT (the logits beside them)
 
 KIND_LSE is the terminal reduction (a loss over a vocabulary-wide row): each tile leaves one
 fp32 number per row, its columns' log-sum-exp (1/512 of the bf16 logits it replaces), and the
@@ -76,12 +77,13 @@ class StripConfig:
     epi_regs: int = 152
     maxnreg: int = 168
     group_m: int = 0  # 0: tiles in row-strip order (the strip kinds need it); else grouped, GROUP_M row blocks
+    lse_out: bool = False  # KIND_LSE: also write the bf16 tile (the logits) to ``out``, [M, N] contiguous
 
     def constexprs(self, tiles_n: int) -> dict:
         return dict(KIND=self.kind, HAS_BIAS=self.has_bias, RES=self.residual, HAS_GAMMA=self.has_gamma,
                     HAS_BETA=self.has_beta, RELU=self.relu, B_KMAJOR=self.b_kmajor, TILES_N=tiles_n,
                     TILES_P2=pow2(tiles_n), STAGES=self.stages, CHUNK=CHUNK, EPI_WARPS=self.epi_warps,
-                    EPI_REGS=self.epi_regs, GROUP_M=self.group_m)
+                    EPI_REGS=self.epi_regs, GROUP_M=self.group_m, LSE_OUT=self.lse_out)
 
 
 @gluon.jit
@@ -90,10 +92,11 @@ def _epilogue_partition(tile_smem, mean_smem, rstd_smem, tile_ready, tile_free, 
                         KIND: gl.constexpr, HAS_BIAS: gl.constexpr, RES: gl.constexpr,
                         HAS_GAMMA: gl.constexpr, HAS_BETA: gl.constexpr, RELU: gl.constexpr,
                         TILES_N: gl.constexpr, TILES_P2: gl.constexpr, GROUP_M: gl.constexpr, BM: gl.constexpr,
-                        BN: gl.constexpr, CHUNK: gl.constexpr, EPI_WARPS: gl.constexpr):
+                        BN: gl.constexpr, CHUNK: gl.constexpr, EPI_WARPS: gl.constexpr, LSE_OUT: gl.constexpr):
     """The epilogue (see the module's docstring). Workspace: [strips, 2, TILES_N, BM] fp32; for
     KIND_LSE [TILES_N, M] (each tile's log-sum-exp per row), then [M] (the target's logit,
-    written by the tile holding the row's target; ``aux_ptr``: the targets, int64 [M])."""
+    written by the tile holding the row's target; ``aux_ptr``: the targets, int64 [M]); with
+    LSE_OUT the tile itself too, to ``out_ptr`` (the logits a model returns beside its loss)."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [EPI_WARPS, 1], [1, 0])
     row_l: gl.constexpr = gl.SliceLayout(1, layout)
     rows = gl.arange(0, CHUNK, layout=row_l)
@@ -130,6 +133,9 @@ def _epilogue_partition(tile_smem, mean_smem, rstd_smem, tile_ready, tile_free, 
             v = v.to(gl.float32)
             slot = ws_ptr + (strip * 2 * TILES_N + tn) * BM + c * CHUNK + rows
             if KIND == 4:  # this tile's log-sum-exp per row; the logit at the row's target, if here
+                if LSE_OUT:  # (the epilogue warps' stores overlap the next tile's mainloop)
+                    gl.store(out_ptr + (off_m + c * CHUNK + rows)[:, None] * N + (off_n + cols)[None, :],
+                             v.to(gl.bfloat16))
                 mx = gl.max(v, axis=1)
                 total = gl.sum(exp2_fast((v - mx[:, None]) * LOG2E), axis=1)
                 row = off_m + c * CHUNK + rows
@@ -215,7 +221,7 @@ def strip_kernel(a_desc, b_desc, r_desc, bias_ptr, res_ptr, gamma_ptr, beta_ptr,
                  KIND: gl.constexpr, HAS_BIAS: gl.constexpr, RES: gl.constexpr, HAS_GAMMA: gl.constexpr,
                  HAS_BETA: gl.constexpr, RELU: gl.constexpr, B_KMAJOR: gl.constexpr, TILES_N: gl.constexpr, TILES_P2: gl.constexpr, STAGES: gl.constexpr,
                  CHUNK: gl.constexpr, EPI_WARPS: gl.constexpr, EPI_REGS: gl.constexpr, GROUP_M: gl.constexpr,
-                 num_warps: gl.constexpr):
+                 LSE_OUT: gl.constexpr, num_warps: gl.constexpr):
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = r_desc.block_type.shape[1]
@@ -241,7 +247,7 @@ def strip_kernel(a_desc, b_desc, r_desc, bias_ptr, res_ptr, gamma_ptr, beta_ptr,
         (_epilogue_partition, (tile_smem, mean_smem, rstd_smem, tile_ready, tile_free, r_desc, bias_ptr, res_ptr,
                                gamma_ptr, beta_ptr, out_ptr, aux_ptr, ws_ptr, counter_ptr, num_tiles, M, N, eps,
                                KIND, HAS_BIAS, RES, HAS_GAMMA, HAS_BETA, RELU, TILES_N, TILES_P2, GROUP_M, BM, BN,
-                               CHUNK, EPI_WARPS)),
+                               CHUNK, EPI_WARPS, LSE_OUT)),
     ], [EPI_WARPS], [EPI_REGS])
 
 
@@ -250,7 +256,8 @@ def call_arguments(cfg: StripConfig, a, b, out, bias=None, residual=None, gamma=
     """strip_kernel's first ``PER_CALL`` arguments, those that hold a call's data pointers: the
     three TMA descriptors (A, B, and the residual's, or the output's where there is no residual:
     it only gives the tile's shape and layout then) and the tensors (the output standing in for
-    an absent one; KIND_LSE writes no output, ``out`` is any bf16 [BM, BN] tensor then). The rest
+    an absent one; KIND_LSE writes no output unless ``lse_out``, ``out`` is any bf16 [BM, BN] tensor
+    then). The rest
     depend only on the layout."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     la, lb, lt = layouts(cfg.b_kmajor)
@@ -298,7 +305,7 @@ def launch(cfg: StripConfig, a, b, out, **kw) -> int:
     beta [N]; residual [M, N] contiguous; ``ws`` (float32, at least workspace_numel) and
     ``counters`` (int64, M / 128 entries, zero before the first launch, never reset). KIND_LSE:
     ``targets`` int64 [M] and ``out`` any bf16 [BM, BN] tensor (nothing is written to it; the
-    results are in ``ws``). Returns the grid size. (runtime/gluon_kernels.py launches the
+    results are in ``ws``), or with ``lse_out`` the [M, N] logits, contiguous. Returns the grid size. (runtime/gluon_kernels.py launches the
     compiled kernel directly after its first call per layout.)"""
     grid, args, options = arguments(cfg, a, b, out, **kw)
     strip_kernel[grid](*args, **options)
