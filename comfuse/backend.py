@@ -201,6 +201,8 @@ def _compile_with_regions(gm: fx.GraphModule, example_inputs, opts: dict, shapes
     if passes is not None:
         passes.append(regions)
     patches = dict(opts.get("inductor") or {}, post_grad_custom_post_pass=regions)
+    if hasattr(torch._inductor.config, "static_launch_user_defined_triton_kernels"):
+        patches["static_launch_user_defined_triton_kernels"] = True  # (a region's kernel: Inductor's own launcher)
     try:
         with (torch._guards.tracing(None) if own else contextlib.nullcontext()):
             from torch._inductor.compile_fx import compile_fx

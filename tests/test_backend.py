@@ -303,8 +303,10 @@ def test_torch_compile_modes_reach_inductor_and_the_tuning(mode, monkeypatch):
     with torch.no_grad():
         out = compiled(model, mode=mode)(x, r)
         torch.testing.assert_close(out, model(x, r), rtol=1e-4, atol=1e-5)
-    assert seen and {k: v for k, v in seen[0].items() if k != "post_grad_custom_post_pass"} == \
+    ours = ("post_grad_custom_post_pass", "static_launch_user_defined_triton_kernels")
+    assert seen and {k: v for k, v in seen[0].items() if k not in ours} == \
         dict(torch._inductor.list_mode_options(mode))
+    assert seen[0].get("static_launch_user_defined_triton_kernels", True)  # (where torch has the option)
     assert isinstance(seen[0]["post_grad_custom_post_pass"], pass_mod.RegionPass)
     assert timings == ["graph" if mode == "reduce-overhead" else "launch"]
     # the option form (torch.compile takes a mode or options, not both), with other options
