@@ -21,9 +21,9 @@ from .emulate_gluon import BM, BN, Desc, Emulation, Ptr, launch, module_env
 
 
 def _grid(M: int, N: int, programs: int, strips: bool = True) -> int:
-    if M % BM or N % BN:
+    if M % BM or (N % BN and strips):
         raise ValueError(f"emulate.run: M a multiple of {BM}, N of {BN} (got {M}x{N})")
-    tiles_n = N // BN
+    tiles_n = -(-N // BN)
     programs = min(programs, (M // BM) * tiles_n)
     if strips and programs < tiles_n:
         raise ValueError(f"emulate.run: {programs} programs cannot hold a strip of {tiles_n} tiles at once")
@@ -132,7 +132,7 @@ def _split(plan, em, a3, b3, ins, outs, name, source):
     logits = lse.logits(outs, dummy)  # (the dummy where the region has no logits output)
     args = [Desc(a, (BM, 64)), Desc(b, (BN, 64) if cfg.b_kmajor else (64, BN)), Desc(dummy, (BM, BN)),
             *[Ptr(dummy.view(-1))] * 4, Ptr(logits.view(-1)), Ptr(targets), Ptr(ws), Ptr(counters), M, N, K, 1e-5]
-    options = dict(cfg.constexprs(N // BN), num_warps=8)
+    options = dict(cfg.constexprs(-(-N // BN), N % BN == 0), num_warps=8)
     return kernel, args, options, counters, 0, lambda: lse.combine(a3, b3, ins, outs, ws)
 
 

@@ -323,6 +323,7 @@ def module_env(module, em: Emulation):
         for n, t in enumerate(mine):
             pid_m, pid_n = _tile_coords(t, int(num_tiles), TILES_N, GROUP_M)
             tile = acc[pid_m * BM:(pid_m + 1) * BM, pid_n * BN:(pid_n + 1) * BN]
+            tile = torch.nn.functional.pad(tile, (0, BN - tile.shape[1]))  # (TMA: zeros past the edge)
             if SPARE and n == len(mine) - 1:  # the last tile into the ring, the buffer not waited for
                 spare_smem.store(tile.to(torch.bfloat16))
                 bars.arrive(spare_ready)

@@ -176,7 +176,7 @@ class LseKernel:
             self._bound[("stats", layout)] = self.bind(a, b, targets, out)
             return ws
         run, statics, cfg = bound
-        run(*strip.call_arguments(cfg, a, b, out, targets=targets), *statics[strip.PER_CALL:])
+        run(*strip.call_arguments(cfg, a, b, out, targets=targets, tile=dummy), *statics[strip.PER_CALL:])
         return ws
 
     def launch(self, a3: torch.Tensor, b3: torch.Tensor, ins: list, outs: list) -> None:
@@ -193,8 +193,9 @@ class LseKernel:
         cfg = self.config()
         M = a.shape[0]
         N = b.shape[0] if cfg.b_kmajor else b.shape[1]
-        ws, _ = self.workspace(dev, M, N)
-        grid, args, options = strip.arguments(cfg, a, b, out, ws=ws, targets=targets, num_sms=sm_count(dev))
+        ws, dummy = self.workspace(dev, M, N)
+        grid, args, options = strip.arguments(cfg, a, b, out, ws=ws, targets=targets, num_sms=sm_count(dev),
+                                              tile=dummy)
         if len(self._bound) > 64:
             self._bound.clear()
         return (*launch_direct(strip.strip_kernel, grid, args, options, set(range(strip.PER_CALL))), cfg)

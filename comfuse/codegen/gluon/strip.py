@@ -79,11 +79,13 @@ class StripConfig:
     group_m: int = 0  # 0: tiles in row-strip order (the strip kinds need it); else grouped, GROUP_M row blocks
     lse_out: bool = False  # KIND_LSE: also write the bf16 tile (the logits) to ``out``, [M, N] contiguous
 
-    def constexprs(self, tiles_n: int) -> dict:
+    def constexprs(self, tiles_n: int, even_n: bool = True) -> dict:
+        """``even_n``: N is whole tiles (KIND_LSE may take a last partial tile: its columns past N,
+        zeros from TMA, are masked out of the statistics and the logits' store)."""
         return dict(KIND=self.kind, HAS_BIAS=self.has_bias, RES=self.residual, HAS_GAMMA=self.has_gamma,
                     HAS_BETA=self.has_beta, RELU=self.relu, B_KMAJOR=self.b_kmajor, TILES_N=tiles_n,
                     TILES_P2=pow2(tiles_n), STAGES=self.stages, CHUNK=CHUNK, EPI_WARPS=self.epi_warps,
-                    EPI_REGS=self.epi_regs, GROUP_M=self.group_m, LSE_OUT=self.lse_out)
+                    EPI_REGS=self.epi_regs, GROUP_M=self.group_m, LSE_OUT=self.lse_out, EVEN_N=even_n)
 
 
 @gluon.jit
@@ -92,7 +94,8 @@ def _epilogue_partition(tile_smem, mean_smem, rstd_smem, tile_ready, tile_free, 
                         KIND: gl.constexpr, HAS_BIAS: gl.constexpr, RES: gl.constexpr,
                         HAS_GAMMA: gl.constexpr, HAS_BETA: gl.constexpr, RELU: gl.constexpr,
                         TILES_N: gl.constexpr, TILES_P2: gl.constexpr, GROUP_M: gl.constexpr, BM: gl.constexpr,
-                        BN: gl.constexpr, CHUNK: gl.constexpr, EPI_WARPS: gl.constexpr, LSE_OUT: gl.constexpr):
+                        BN: gl.constexpr, CHUNK: gl.constexpr, EPI_WARPS: gl.constexpr, LSE_OUT: gl.constexpr,
+                        EVEN_N: gl.constexpr):
     """The epilogue (see the module's docstring). Workspace: [strips, 2, TILES_N, BM] fp32; for
     KIND_LSE [TILES_N, M] (each tile's log-sum-exp per row), then [M] (the target's logit,
     written by the tile holding the row's target; ``aux_ptr``: the targets, int64 [M]); with
@@ -134,8 +137,14 @@ def _epilogue_partition(tile_smem, mean_smem, rstd_smem, tile_ready, tile_free, 
             slot = ws_ptr + (strip * 2 * TILES_N + tn) * BM + c * CHUNK + rows
             if KIND == 4:  # this tile's log-sum-exp per row; the logit at the row's target, if here
                 if LSE_OUT:  # (the epilogue warps' stores overlap the next tile's mainloop)
-                    gl.store(out_ptr + (off_m + c * CHUNK + rows)[:, None] * N + (off_n + cols)[None, :],
-                             v.to(gl.bfloat16))
+                    if EVEN_N:
+                        gl.store(out_ptr + (off_m + c * CHUNK + rows)[:, None] * N + (off_n + cols)[None, :],
+                                 v.to(gl.bfloat16))
+                    else:
+                        gl.store(out_ptr + (off_m + c * CHUNK + rows)[:, None] * N + (off_n + cols)[None, :],
+                                 v.to(gl.bfloat16), mask=((off_n + cols) < N)[None, :] & (rows < CHUNK)[:, None])
+                if not EVEN_N:  # the last tile's columns past N: no part of any row
+                    v = gl.where(((off_n + cols) < N)[None, :], v, -float("inf"))
                 mx = gl.max(v, axis=1)
                 total = gl.sum(exp2_fast((v - mx[:, None]) * LOG2E), axis=1)
                 row = off_m + c * CHUNK + rows
@@ -221,7 +230,7 @@ def strip_kernel(a_desc, b_desc, r_desc, bias_ptr, res_ptr, gamma_ptr, beta_ptr,
                  KIND: gl.constexpr, HAS_BIAS: gl.constexpr, RES: gl.constexpr, HAS_GAMMA: gl.constexpr,
                  HAS_BETA: gl.constexpr, RELU: gl.constexpr, B_KMAJOR: gl.constexpr, TILES_N: gl.constexpr, TILES_P2: gl.constexpr, STAGES: gl.constexpr,
                  CHUNK: gl.constexpr, EPI_WARPS: gl.constexpr, EPI_REGS: gl.constexpr, GROUP_M: gl.constexpr,
-                 LSE_OUT: gl.constexpr, num_warps: gl.constexpr):
+                 LSE_OUT: gl.constexpr, EVEN_N: gl.constexpr, num_warps: gl.constexpr):
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = r_desc.block_type.shape[1]
@@ -247,23 +256,23 @@ def strip_kernel(a_desc, b_desc, r_desc, bias_ptr, res_ptr, gamma_ptr, beta_ptr,
         (_epilogue_partition, (tile_smem, mean_smem, rstd_smem, tile_ready, tile_free, r_desc, bias_ptr, res_ptr,
                                gamma_ptr, beta_ptr, out_ptr, aux_ptr, ws_ptr, counter_ptr, num_tiles, M, N, eps,
                                KIND, HAS_BIAS, RES, HAS_GAMMA, HAS_BETA, RELU, TILES_N, TILES_P2, GROUP_M, BM, BN,
-                               CHUNK, EPI_WARPS, LSE_OUT)),
+                               CHUNK, EPI_WARPS, LSE_OUT, EVEN_N)),
     ], [EPI_WARPS], [EPI_REGS])
 
 
 def call_arguments(cfg: StripConfig, a, b, out, bias=None, residual=None, gamma=None, beta=None,
-                   targets=None) -> list:
+                   targets=None, tile=None) -> list:
     """strip_kernel's first ``PER_CALL`` arguments, those that hold a call's data pointers: the
-    three TMA descriptors (A, B, and the residual's, or the output's where there is no residual:
-    it only gives the tile's shape and layout then) and the tensors (the output standing in for
-    an absent one; KIND_LSE writes no output unless ``lse_out``, ``out`` is any bf16 [BM, BN] tensor
-    then). The rest
-    depend only on the layout."""
+    three TMA descriptors (A, B, and the residual's, or else ``tile``'s or the output's: it only
+    gives the tile's shape and layout then) and the tensors (the output standing in for an
+    absent one; KIND_LSE writes no output unless ``lse_out``, ``out`` is any bf16 [BM, BN]
+    tensor then). The rest depend only on the layout."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     la, lb, lt = layouts(cfg.b_kmajor)
     return [TensorDescriptor.from_tensor(a, [BM, BK], la),
             TensorDescriptor.from_tensor(b, [BN, BK] if cfg.b_kmajor else [BK, BN], lb),
-            TensorDescriptor.from_tensor(residual if residual is not None else out, [BM, BN], lt),
+            TensorDescriptor.from_tensor(residual if residual is not None else tile if tile is not None else out,
+                                         [BM, BN], lt),
             *(out if t is None else t for t in (bias, residual, gamma, beta)), out,
             out if targets is None else targets]
 
@@ -273,7 +282,7 @@ GROUP_M = 8  # KIND_LSE's grouped order: row blocks of A in flight together (a p
 
 
 def arguments(cfg: StripConfig, a, b, out, *, bias=None, residual=None, gamma=None, beta=None, eps=1e-5,
-              ws=None, counters=None, num_sms: int = 132, targets=None) -> tuple:
+              ws=None, counters=None, num_sms: int = 132, targets=None, tile=None) -> tuple:
     """(grid, positional arguments, options) of one launch: see ``launch``."""
     import torch
     M, K = a.shape
@@ -289,14 +298,14 @@ def arguments(cfg: StripConfig, a, b, out, *, bias=None, residual=None, gamma=No
         why = fits(M, N, K)
     if why:
         raise ValueError(why)
-    tiles_n = N // BN
+    tiles_n = -(-N // BN)
     if cfg.kind != KIND_LSE and tiles_n > num_sms:
         raise ValueError(f"a strip of {tiles_n} tiles cannot be resident at once on {num_sms} SMs")
     grid = (min(num_sms, (M // BM) * tiles_n), )
-    args = [*call_arguments(cfg, a, b, out, bias, residual, gamma, beta, targets), ws if ws is not None else out,
+    args = [*call_arguments(cfg, a, b, out, bias, residual, gamma, beta, targets, tile), ws if ws is not None else out,
             counters if counters is not None else torch.zeros(1, dtype=torch.int64, device=out.device),
             M, N, K, eps]
-    return grid, args, dict(cfg.constexprs(tiles_n), num_warps=8, maxnreg=cfg.maxnreg)
+    return grid, args, dict(cfg.constexprs(tiles_n, N % BN == 0), num_warps=8, maxnreg=cfg.maxnreg)
 
 
 def launch(cfg: StripConfig, a, b, out, **kw) -> int:
@@ -314,7 +323,7 @@ def launch(cfg: StripConfig, a, b, out, **kw) -> int:
 
 def workspace_numel(M: int, N: int, kind: int = KIND_LAYERNORM) -> int:
     if kind == KIND_LSE:  # [TILES_N, M] log-sum-exps, then [M] target logits
-        return (N // BN + 1) * M
+        return (-(-N // BN) + 1) * M
     return (M // BM) * 2 * (N // BN) * BM
 
 
@@ -334,7 +343,7 @@ def compile_sm90(cfg: StripConfig, M: int = 8192, N: int = 1024, K: int = 1024):
            "out_ptr": "*bf16", "aux_ptr": "*i64" if cfg.kind == KIND_LSE else "*bf16", "ws_ptr": "*fp32",
            "counter_ptr": "*i64", "M": "i32", "N": "i32", "K": "i32",
            "eps": "fp32"}
-    constexprs = dict(cfg.constexprs(N // BN), num_warps=8)
+    constexprs = dict(cfg.constexprs(-(-N // BN), N % BN == 0), num_warps=8)
     sig.update({k: "constexpr" for k in constexprs})
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(3, 14)}
     return triton.compile(GluonASTSource(strip_kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
