@@ -84,9 +84,9 @@ def linear_cross_entropy(x, w, t):
 
 
 def lm_head_loss(x, w, t):
-    """LM head + cross-entropy as a language model computes them: the logits, which it
-    returns, and the loss."""
-    y = x @ w
+    """LM head + cross-entropy as a language model computes them, with nn.Linear's [N, K]
+    weight: the logits, which it returns, and the loss."""
+    y = F.linear(x, w)
     return y, ep_cross_entropy(y, t)
 
 
@@ -121,6 +121,7 @@ class Workload:
     cpu_shape: tuple = (96, 64, 96)
     sweep: tuple = ()  # extra (M, K, N) shapes for `comfuse bench --suite paper`
     paper: bool = True  # one of the paper's programs (else a model's, measured beside them)
+    linear: bool = False  # w is nn.Linear's [N, K] weight: fn(x, w, *side) == epilogue(F.linear(x, w), *side)
 
     def inputs(self, M: int, K: int, N: int, dtype=torch.bfloat16, device="cpu", seed=0):
         g = torch.Generator(device="cpu").manual_seed(seed)
@@ -129,6 +130,8 @@ class Workload:
             return torch.randn(*shape, generator=g).to(dtype=dtype, device=device)
         x = randn(M, K)
         w = (torch.randn(K, N, generator=g) / math.sqrt(K)).to(dtype=dtype, device=device)
+        if self.linear:
+            w = w.t().contiguous()
         side = []
         for kind in self.side:
             if kind == "row":
@@ -158,7 +161,7 @@ SUITE = {
                           ep_cross_entropy),
     # GPT-2 small's head (vocabulary 50257) and a Llama head of width 2048 (vocabulary 32000)
     "lm_head_loss": Workload("lm_head_loss", lm_head_loss, ("target",), ((8192, 768, 50257), (8192, 2048, 32000)),
-                             ep_lm_head_loss, paper=False),
+                             ep_lm_head_loss, paper=False, linear=True),
 }
 
 
@@ -193,11 +196,12 @@ def paper_program(name: str, shape: tuple, dtype, device, seed=0) -> Program:
     M, K, N = shape
     args = wl.inputs(M, K, N, dtype=dtype, device=device, seed=seed)
     x, w, side = args[0], args[1], args[2:]
-    y = x @ w
+    y = F.linear(x, w) if wl.linear else x @ w
     out_numel = 1 if name == "linear_ce" else M * N  # (lm_head_loss: the logits; its loss is M floats)
     return Program("paper", name, shape, dtype, wl.fn, args, 2.0 * M * N * K,
                    _bytes(args, out_numel, dtype.itemsize if name != "linear_ce" else 4),
-                   gemm=lambda: x @ w, epilogue=wl.epilogue, epilogue_args=(y, *side))
+                   gemm=(lambda: F.linear(x, w)) if wl.linear else (lambda: x @ w), epilogue=wl.epilogue,
+                   epilogue_args=(y, *side))
 
 
 def b2b_program(name: str, dtype, device, seed=0) -> Program:

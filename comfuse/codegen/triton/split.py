@@ -5,9 +5,10 @@ order (GROUP_M row blocks at a time, as a plain GEMM takes its tiles, so a slice
 are shared by the programs in flight). A tile's work is ``{name}_tile``, inlined into the
 loop over the slice's tiles: it takes the running statistics and returns them, so they stay
 in registers and are stored once a slice; an output that needs no reduction (the logits a
-model returns beside its loss) is stored by the tile as it passes. Kernel 2 (``{name}_combine``) merges each row's
-statistics over the slices (Chan's formula for moments, rescaled sums for log-sum-exps) and
-runs the region's per-row combine step (planner/onepass.py). A ws_split plan's combine
+model returns beside its loss) is stored by the tile as it passes. Kernel 2
+(``{name}_combine``) merges each row's statistics over the slices (Chan's formula for
+moments, rescaled sums for log-sum-exps) and runs the region's per-row combine step
+(planner/onepass.py). A ws_split plan's combine
 (``emit_lse_combine``) reads the Gluon template's per-tile log-sum-exps instead.
 """
 from __future__ import annotations
