@@ -201,6 +201,24 @@ def test_a_product_with_padded_columns_sliced_off_is_the_product_with_the_unpadd
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_padded_products_unfused_ops_pad_the_one_b_the_region_reads():
+    """The ops autotuning times against (``extract``) take the same arguments as the fused
+    region: B before padding, padded by the pad inside them, not a padded B of its own (a
+    separate random tensor would disagree with every plan)."""
+    import torch.fx as fx
+    from comfuse.rewrite import extract
+    head = _padded_head()
+    args = (randn(16, 32), randn(57, 32), torch.randint(0, 57, (16,)))
+    gm = capture(head, args)
+    (cand,) = find_regions(gm)
+    unfused = extract(gm, cand)
+    assert not any(e.target is torch.ops.aten.constant_pad_nd.default for e in cand.externals), cand.externals
+    run = fx.Interpreter(gm, garbage_collect_values=False)
+    run.run(*args)
+    for got, want in zip(unfused(*(run.env[e] for e in cand.externals)), head(*args)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_padding_that_is_not_only_zero_columns_sliced_off_stays_as_it_is():
     """A pad with another value, a slice that does not start at column 0, or one that keeps a
     padded column: the product is taken as written (the region stops at the slice)."""

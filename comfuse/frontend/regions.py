@@ -100,7 +100,7 @@ def _widening_tail(members: list, member_set: set) -> list:
 
 
 def _unpadded(anchor: fx.Node):
-    """(B before padding, N kept, the slices) where ``anchor`` is ``mm(A, constant_pad_nd(B,
+    """(B before padding, N kept, the slices, the pad) where ``anchor`` is ``mm(A, constant_pad_nd(B,
     [0, p]))`` read only by slices of its first N - p columns: Inductor's ``pad_mm`` (columns
     padded for cuBLAS's alignment, then sliced off). The padded columns are zeros that nothing
     reads, so the region is the product with B itself over N - p columns; else None."""
@@ -111,7 +111,8 @@ def _unpadded(anchor: fx.Node):
         return None
     widths = list(pad.args[1])
     value = pad.args[2] if len(pad.args) > 2 else pad.kwargs.get("value", 0)
-    if value != 0 or len(widths) not in (2, 4) or widths[0] != 0 or any(widths[2:]) or widths[1] <= 0:
+    if value != 0 or len(widths) not in (2, 4) or widths[0] != 0 or any(widths[2:]) or widths[1] <= 0 \
+            or set(pad.users) != {anchor}:
         return None
     padded = shape_of(anchor)[-1]
     keep = padded - widths[1]
@@ -124,7 +125,7 @@ def _unpadded(anchor: fx.Node):
         end = padded if end is None else end + padded if end < 0 else min(end, padded)
         if dim not in (1, -1) or start not in (0, None) or end != keep or step != 1:
             return None
-    return (pad.args[0], keep, slices) if slices else None
+    return (pad.args[0], keep, slices, pad) if slices else None
 
 
 def grow(anchor: fx.Node, order: dict, claimed: frozenset = frozenset()) -> Candidate:
@@ -136,7 +137,10 @@ def grow(anchor: fx.Node, order: dict, claimed: frozenset = frozenset()) -> Cand
     b = Builder(anchor, ANCHORS[anchor.target], unpadded[:2] if unpadded else None)
     members = [anchor]
     member_set = {anchor}
-    if unpadded:  # the slices of the padded product are the region's accumulator
+    if unpadded:  # the slices of the padded product are the region's accumulator; the pad is
+        # the region's too (its unfused ops pad B as the graph did, from the one B it reads)
+        members.insert(0, unpadded[3])
+        member_set.add(unpadded[3])
         for s in unpadded[2]:
             b.values[s] = b.values[anchor]
             members.append(s)
