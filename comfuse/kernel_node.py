@@ -34,7 +34,7 @@ import torch.fx as fx
 import triton
 
 from . import settings as settings_mod
-from .planner.cost import GEMM_TFLOPS
+from .planner.cost import gemm_ms
 from .planner.gluon import GLUON_SCHEDULES
 from .runtime import tuning
 from .runtime.operands import operand3, prepare
@@ -58,7 +58,7 @@ def why_plan_not_launched(plan) -> str:
     return ""
 
 
-# a region whose GEMM alone takes at least this long (at the H200's bf16 rate) keeps every
+# a region whose GEMM alone takes at least this long (at the H200's measured rate) keeps every
 # candidate inside Inductor's compilation: the operator's host time (tens of microseconds a
 # call) is then a few percent of the kernel's and overlaps it, while the warp-specialised and
 # TMA plans it would drop are the fast ones at such sizes (an LM head with its loss: the
@@ -68,8 +68,7 @@ HEAVY_MS = 0.5
 
 def heavy(region) -> bool:
     """Whether ``region``'s GEMM is long enough that how its kernel is launched does not matter."""
-    s = region.sizes
-    return 2.0 * s.B * s.M * s.N * s.K / (GEMM_TFLOPS[2] * 1e12) * 1e3 >= HEAVY_MS
+    return gemm_ms(region) >= HEAVY_MS
 
 
 def launchable(plans: list, region) -> list:

@@ -8,13 +8,14 @@ from .interpret import canonical_shape, evaluate, evaluate_with_scale
 from .key import structural_key, structural_text
 from .nodes import (AXES_ORDER, BINARY, COMPARE, ELEMENTWISE, FLOAT_DTYPES, GEMM_DTYPES, LEAF,
                     REDUCE, TERNARY, UNARY, Gemm, Input, Node, Op, Operand, Output, Region, Sizes,
-                    sort_axes)
+                    needed_by, sort_axes)
 from .printer import dtype_name, format_region
 from .verify import IRError, verify
 
 __all__ = [
     "AXES_ORDER", "BINARY", "COMPARE", "ELEMENTWISE", "FLOAT_DTYPES", "GEMM_DTYPES", "LEAF", "REDUCE",
     "TERNARY", "UNARY", "Gemm", "IRError", "Input", "Node", "Op", "Operand", "Output", "Region",
-    "Sizes", "canonical_shape", "dtype_name", "evaluate", "evaluate_with_scale", "format_region", "sort_axes",
+    "Sizes", "canonical_shape", "dtype_name", "evaluate", "evaluate_with_scale", "format_region", "needed_by",
+    "sort_axes",
     "structural_key", "structural_text", "verify",
 ]

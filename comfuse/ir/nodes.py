@@ -102,6 +102,17 @@ def sort_axes(axes) -> tuple[str, ...]:
     return tuple(a for a in AXES_ORDER if a in axes)
 
 
+def needed_by(nodes, roots) -> set:
+    """The indices of ``nodes`` (SSA) that ``roots`` need, themselves included."""
+    seen, todo = set(), list(roots)
+    while todo:
+        i = todo.pop()
+        if i not in seen:
+            seen.add(i)
+            todo += list(nodes[i].src)
+    return seen
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Node:
     op: Op

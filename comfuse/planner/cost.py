@@ -125,6 +125,13 @@ def moved_bytes(plan: Plan) -> int:
     return operands + sides + outs
 
 
+def gemm_ms(region) -> float:
+    """The region's GEMM alone at the measured rate for its operands' dtype, ms."""
+    s = region.sizes
+    rate = GEMM_TFLOPS.get(region.gemm.a.dtype.itemsize, GEMM_TFLOPS[4]) * 1e12
+    return 2.0 * s.B * s.M * s.N * s.K / rate * 1e3
+
+
 def estimate_ms(plan: Plan, sm_count: int = SM_COUNT) -> float:
     """A roofline time of ``plan``: its tile grid's waves over the SMs at the GEMM rate (each
     wave as long as one tile's mainloop on one SM), then its bytes at the copy bandwidth

@@ -16,6 +16,7 @@ from ..codegen.gluon import strip
 from ..codegen.source import KernelSource
 from ..codegen.triton import emit
 from ..codegen.triton.split import as_split
+from ..errors import UnsupportedLayout
 from ..planner import Plan
 from ..planner.onepass import parts
 from . import cache
@@ -136,7 +137,7 @@ class LseKernel:
             return dummy
         out = outs[k][0]
         if out.stride() != (out.shape[1], 1):
-            raise ValueError(f"ws_split writes the logits [M, N] contiguous; got strides {out.stride()}")
+            raise UnsupportedLayout(f"ws_split writes the logits [M, N] contiguous; got strides {out.stride()}")
         return out
 
     def operands(self, a3, b3, ins):

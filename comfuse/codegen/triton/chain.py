@@ -7,7 +7,7 @@ on. Each region's values and parameters carry a prefix (``r0_``, ``r1_``, ...).
 """
 from __future__ import annotations
 
-from ...ir import Op, format_region
+from ...ir import Op, format_region, needed_by
 from ..source import KernelSource, Param
 from .emit import module_header
 from .exprs import TL_DTYPE, Exprs
@@ -272,12 +272,7 @@ class _ChainEmitter:
                 self.line("g_ones = tl.zeros((WIDTH1,), dtype=tl.float32)  # column sums of W2")
             bases = [t for t, _ in link.terms]
         self.chunk_loop_head(a_base, batched)
-        needed, todo = set(), [st.node for st in op.stats] + bases
-        while todo:
-            i = todo.pop()
-            if i not in needed:
-                needed.add(i)
-                todo += list(op.tile.nodes[i].src)
+        needed = needed_by(op.tile.nodes, [st.node for st in op.stats] + bases)
         self.line("# F1's tile values on this chunk", 2)
         for i in sorted(needed):
             node = op.tile.nodes[i]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ...ir import Region, format_region
+from ...ir import Region, format_region, needed_by
 from ...planner import Plan
 from ...planner.onepass import parts
 from ...planner.records import SplitForm
@@ -48,16 +48,6 @@ class SplitEmitter(Emitter):
         super().__init__(plan, name)
         self.template = template  # a ws_split plan's (planner.template.LseTemplate)
 
-    def closure(self, roots) -> set:
-        """The tile nodes ``roots`` need, themselves included."""
-        seen, todo = set(), list(roots)
-        while todo:
-            i = todo.pop()
-            if i not in seen:
-                seen.add(i)
-                todo += list(self.region.nodes[i].src)
-        return seen
-
     def row_block(self) -> None:
         """A combine kernel's rows: program pid_m's BLOCK_M of them, and their mask."""
         self.line("pid_m = tl.program_id(0)")
@@ -83,7 +73,8 @@ class SplitEmitter(Emitter):
         self.line("pid_n = chunk * TILES_PER_CHUNK + t")
         self.mainloop()
         stored = [(k, op.outputs[k]) for k in op.tile_outputs]  # full tiles the slices write
-        needed, for_stores = self.closure([st.node for st in op.stats]), self.closure([o.node for _, o in stored])
+        needed = needed_by(self.region.nodes, [st.node for st in op.stats])
+        for_stores = needed_by(self.region.nodes, [o.node for _, o in stored])
         self.line()
         picks = {k: pick for k, pick in self.column_picks(op.stats, needed | for_stores).items()
                  if not pick[0] & for_stores}
