@@ -130,14 +130,16 @@ class LseKernel:
                                  group_m=strip.GROUP_M, lse_out=self.plan.form.template.logits is not None)
 
     def logits(self, outs, dummy):
-        """What the template writes its tile to: the region's logits output ([M, N], rows
-        contiguous and N apart) where it has one, else the dummy tile it never writes."""
+        """What the template writes its tile to: the region's logits output ([M, N], unit
+        column stride, rows 16-byte aligned for its TMA store) where it has one, else the dummy
+        tile it never writes."""
         k = self.plan.form.template.logits
         if k is None:
             return dummy
         out = outs[k][0]
-        if out.stride() != (out.shape[1], 1):
-            raise UnsupportedLayout(f"ws_split writes the logits [M, N] contiguous; got strides {out.stride()}")
+        if out.stride(1) != 1 or out.stride(0) * out.element_size() % 16 or out.data_ptr() % 16:
+            raise UnsupportedLayout("ws_split writes the logits by TMA: unit column stride, rows 16-byte "
+                                    f"aligned; got strides {out.stride()}")
         return out
 
     def operands(self, a3, b3, ins):

@@ -7,7 +7,7 @@ strip spans several tiles, the epilogue in warps of its own beside the next tile
     out = softmax(v) along N                              KIND_SOFTMAX
     ws  = per tile and row: log-sum-exp of its 256 columns, KIND_LSE (terminal: no [M, N] output,
           and the row's logit at a target column)           cross-entropy's statistics;
-    out = v                                               with LSE_OUT (the logits beside them)
+    out = v                                               with LSE_OUT (the logits beside them, by TMA)
 
 KIND_LSE is the terminal reduction (a loss over a vocabulary-wide row): each tile leaves one
 fp32 number per row, its columns' log-sum-exp (1/512 of the bf16 logits it replaces), and the
@@ -53,7 +53,7 @@ import dataclasses
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from ...planner.template import fits
 from .parts import BK, BM, BN, LOG2E, exp2_fast, layouts, load_residual, mma_partition, pow2, tile_coords
@@ -77,11 +77,11 @@ class StripConfig:
     epi_regs: int = 152
     maxnreg: int = 168
     group_m: int = 0  # 0: tiles in row-strip order (the strip kinds need it); else grouped, GROUP_M row blocks
-    lse_out: bool = False  # KIND_LSE: also write the bf16 tile (the logits) to ``out``, [M, N] contiguous
+    lse_out: bool = False  # KIND_LSE: also write the bf16 tile (the logits) by TMA through ``r_desc``
 
     def constexprs(self, tiles_n: int, even_n: bool = True) -> dict:
         """``even_n``: N is whole tiles (KIND_LSE may take a last partial tile: its columns past N,
-        zeros from TMA, are masked out of the statistics and the logits' store)."""
+        zeros from TMA, are masked out of the statistics; the logits' TMA store clips them)."""
         return dict(KIND=self.kind, HAS_BIAS=self.has_bias, RES=self.residual, HAS_GAMMA=self.has_gamma,
                     HAS_BETA=self.has_beta, RELU=self.relu, B_KMAJOR=self.b_kmajor, TILES_N=tiles_n,
                     TILES_P2=pow2(tiles_n), STAGES=self.stages, CHUNK=CHUNK, EPI_WARPS=self.epi_warps,
@@ -99,7 +99,7 @@ def _epilogue_partition(tile_smem, mean_smem, rstd_smem, tile_ready, tile_free, 
     """The epilogue (see the module's docstring). Workspace: [strips, 2, TILES_N, BM] fp32; for
     KIND_LSE [TILES_N, M] (each tile's log-sum-exp per row), then [M] (the target's logit,
     written by the tile holding the row's target; ``aux_ptr``: the targets, int64 [M]); with
-    LSE_OUT the tile itself too, to ``out_ptr`` (the logits a model returns beside its loss)."""
+    LSE_OUT the tile itself too, by TMA through ``r_desc`` (the logits a model returns beside its loss)."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [EPI_WARPS, 1], [1, 0])
     row_l: gl.constexpr = gl.SliceLayout(1, layout)
     rows = gl.arange(0, CHUNK, layout=row_l)
@@ -121,6 +121,9 @@ def _epilogue_partition(tile_smem, mean_smem, rstd_smem, tile_ready, tile_free, 
         if RES == 1:
             r_next = gl.load(res_ptr + (off_m + rows)[:, None] * N + (off_n + cols)[None, :])
         mbarrier.wait(tile_ready, n & 1)
+        if LSE_OUT:  # the logits by one TMA store of the tile (clipped at N), beside the statistics
+            fence_async_shared()
+            tma.async_copy_shared_to_global(r_desc, [off_m, off_n], tile_smem)
         for c in gl.static_range(BM // CHUNK):
             part = tile_smem.slice(c * CHUNK, CHUNK, dim=0)
             v = part.load(layout).to(gl.float32)
@@ -136,13 +139,6 @@ def _epilogue_partition(tile_smem, mean_smem, rstd_smem, tile_ready, tile_free, 
             v = v.to(gl.float32)
             slot = ws_ptr + (strip * 2 * TILES_N + tn) * BM + c * CHUNK + rows
             if KIND == 4:  # this tile's log-sum-exp per row; the logit at the row's target, if here
-                if LSE_OUT:  # (the epilogue warps' stores overlap the next tile's mainloop)
-                    if EVEN_N:
-                        gl.store(out_ptr + (off_m + c * CHUNK + rows)[:, None] * N + (off_n + cols)[None, :],
-                                 v.to(gl.bfloat16))
-                    else:
-                        gl.store(out_ptr + (off_m + c * CHUNK + rows)[:, None] * N + (off_n + cols)[None, :],
-                                 v.to(gl.bfloat16), mask=((off_n + cols) < N)[None, :] & (rows < CHUNK)[:, None])
                 if not EVEN_N:  # the last tile's columns past N: no part of any row
                     v = gl.where(((off_n + cols) < N)[None, :], v, -float("inf"))
                 mx = gl.max(v, axis=1)
@@ -215,6 +211,8 @@ def _epilogue_partition(tile_smem, mean_smem, rstd_smem, tile_ready, tile_free, 
                     o = gl.maximum(o, 0.0)
                 gl.store(out_ptr + (off_m + c * CHUNK + rows)[:, None] * N + (off_n + cols)[None, :],
                          o.to(gl.bfloat16))
+        if LSE_OUT:
+            tma.store_wait(0)  # the store has read the tile
         gl.thread_barrier()  # every warp has read the tile (and the statistics)
         if RES == 2:
             fence_async_shared()  # generic reads of the buffer before the TMA writes into it
@@ -263,16 +261,16 @@ def strip_kernel(a_desc, b_desc, r_desc, bias_ptr, res_ptr, gamma_ptr, beta_ptr,
 def call_arguments(cfg: StripConfig, a, b, out, bias=None, residual=None, gamma=None, beta=None,
                    targets=None, tile=None) -> list:
     """strip_kernel's first ``PER_CALL`` arguments, those that hold a call's data pointers: the
-    three TMA descriptors (A, B, and the residual's, or else ``tile``'s or the output's: it only
-    gives the tile's shape and layout then) and the tensors (the output standing in for an
+    three TMA descriptors (A, B, and the residual's, or with ``lse_out`` the logits' (``out``),
+    or else ``tile``'s or the output's: it only gives the tile's shape and layout then) and the tensors (the output standing in for an
     absent one; KIND_LSE writes no output unless ``lse_out``, ``out`` is any bf16 [BM, BN]
     tensor then). The rest depend only on the layout."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     la, lb, lt = layouts(cfg.b_kmajor)
     return [TensorDescriptor.from_tensor(a, [BM, BK], la),
             TensorDescriptor.from_tensor(b, [BN, BK] if cfg.b_kmajor else [BK, BN], lb),
-            TensorDescriptor.from_tensor(residual if residual is not None else tile if tile is not None else out,
-                                         [BM, BN], lt),
+            TensorDescriptor.from_tensor(residual if residual is not None else out if cfg.lse_out
+                                         else tile if tile is not None else out, [BM, BN], lt),
             *(out if t is None else t for t in (bias, residual, gamma, beta)), out,
             out if targets is None else targets]
 
@@ -314,7 +312,7 @@ def launch(cfg: StripConfig, a, b, out, **kw) -> int:
     beta [N]; residual [M, N] contiguous; ``ws`` (float32, at least workspace_numel) and
     ``counters`` (int64, M / 128 entries, zero before the first launch, never reset). KIND_LSE:
     ``targets`` int64 [M] and ``out`` any bf16 [BM, BN] tensor (nothing is written to it; the
-    results are in ``ws``), or with ``lse_out`` the [M, N] logits, contiguous. Returns the grid size. (runtime/gluon_kernels.py launches the
+    results are in ``ws``), or with ``lse_out`` the [M, N] logits (rows 16-byte aligned). Returns the grid size. (runtime/gluon_kernels.py launches the
     compiled kernel directly after its first call per layout.)"""
     grid, args, options = arguments(cfg, a, b, out, **kw)
     strip_kernel[grid](*args, **options)
