@@ -120,6 +120,13 @@ def _epilogue_partition(tile_smem, mean_smem, rstd_smem, tile_ready, tile_free, 
             bias = gl.load(bias_ptr + off_n + cols).to(gl.float32)
         if RES == 1:
             r_next = gl.load(res_ptr + (off_m + rows)[:, None] * N + (off_n + cols)[None, :])
+        if KIND == 4:  # where the rows' targets fall in this tile, read while the tile is computed:
+            # each warp holds all BM (its own test of whether any is here), the chunks read
+            # theirs from shared memory (mean_smem: this kind has no mean)
+            local = gl.load(aux_ptr + off_m + pcol) - off_n
+            found = gl.max(((local >= 0) & (local < BN)).to(gl.int32), axis=0)
+            mean_smem.store(local.to(gl.float32))  # (exact: |local| < 2^24)
+            gl.thread_barrier()
         mbarrier.wait(tile_ready, n & 1)
         if LSE_OUT:  # the logits by one TMA store of the tile (clipped at N), beside the statistics
             fence_async_shared()
@@ -145,10 +152,9 @@ def _epilogue_partition(tile_smem, mean_smem, rstd_smem, tile_ready, tile_free, 
                 total = gl.sum(exp2_fast((v - mx[:, None]) * LOG2E), axis=1)
                 row = off_m + c * CHUNK + rows
                 gl.store(ws_ptr + tn * M + row, mx + gl.log(total))
-                local = gl.load(aux_ptr + row) - off_n
-                here = (local >= 0) & (local < BN)
-                if gl.max(here.to(gl.int32), axis=0) > 0:  # (a tile of 256 columns holds few targets)
-                    col = gl.where(here, local, -1).to(gl.int32)
+                if found > 0:  # (a tile of 256 columns holds few targets)
+                    col = mean_smem.slice(c * CHUNK, CHUNK).load(row_l).to(gl.int32)
+                    here = (col >= 0) & (col < BN)
                     pick = gl.sum(gl.where(cols[None, :] == col[:, None], v, 0.0), axis=1)
                     gl.store(ws_ptr + TILES_N * M + row, pick, mask=here)
             elif KIND == 1:  # this tile's mean and M2 per row
