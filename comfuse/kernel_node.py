@@ -236,8 +236,7 @@ def launch_from_inductor(graph: fx.Graph, call: fx.Node, module, ext_nodes: list
     a3, b3 = operand3(a, region.gemm.batched), operand3(b, region.gemm.batched)
     ins = [prepare(vals[bind.ext], bind, device) for bind in module.cand_inputs]
     with a.fake_mode:
-        results = [torch.empty(shape, dtype=dtype, device=device)
-                   for (_, dtype), shape in zip(module.canon_outs, module.out_shapes)]
+        results = module.empty_outputs(device)
     outs = [r.view(canon) for r, (canon, _) in zip(results, module.canon_outs)]
     if kernel.plan.transposed:
         a3, b3, ins, outs = (b3.transpose(1, 2), a3.transpose(1, 2), [t.transpose(1, 2) for t in ins],

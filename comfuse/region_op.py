@@ -78,5 +78,5 @@ def _fresh(outs: list, tensors) -> list:
 def _region_fake(region_id: int, tensors: list[torch.Tensor], scalars: list[int]) -> list[torch.Tensor]:
     module = REGISTRY[region_id][0]
     device = tensors[0].device
-    return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in module.output_specs]
+    return module.empty_outputs(device)
 

@@ -533,6 +533,34 @@ def test_cross_entropy_after_a_gemm_trains_like_eager(reduction, schedule):
     torch.testing.assert_close(gw, lm.weight.grad, rtol=1e-4, atol=1e-6)
 
 
+def test_an_lm_head_inductor_padded_trains_as_one_region_over_the_vocabulary():
+    """GPT-2's head as Inductor's pad_mm leaves it (the weight's columns zero-padded for
+    alignment, the logits sliced back): the forward's region is the product with the weight
+    itself over the 57 columns and the loss, and the gradients are eager's."""
+    import comfuse.inductor_pass as pass_mod
+    aten = torch.ops.aten
+
+    def head(x, w, t):
+        y = aten.mm(x, aten.constant_pad_nd(w.t(), [0, 7]))[:, :-7]
+        return y, F.cross_entropy(y.float(), t)
+    torch.manual_seed(0)
+    x = torch.randn(64, 32, device=DEVICE)
+    w = torch.randn(57, 32, device=DEVICE, requires_grad=True)
+    t = torch.randint(0, 57, (64,), device=DEVICE)
+    y, loss = compiled(head, options={"schedule": "split", "autotune": "0"})(x, w, t)
+    forward = [r for r in pass_mod.REPORTS if r.function.startswith("forward")][-1]
+    assert [(r.fused, r.schedule) for r in forward.regions] == [(True, "split")], str(forward)
+    assert "N=57" in forward.regions[0].ir.splitlines()[0]
+    loss.backward()
+    got = w.grad.clone()
+    w.grad = None
+    y2, want = head(x, w, t)
+    want.backward()
+    torch.testing.assert_close(y, y2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    assert ((got - w.grad).norm() / w.grad.norm()).item() < 1e-5
+
+
 SPLIT_GRADS = {
     "ce_ignore": lambda x, w, t: F.cross_entropy(x @ w, t, ignore_index=3),
     "logsumexp": lambda x, w, t: torch.logsumexp(x @ w, -1).sum(),

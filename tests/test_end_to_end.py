@@ -90,6 +90,27 @@ def test_non_contiguous_and_transposed_inputs():
     assert_matches_reference(f, args, out)
 
 
+def test_wide_unaligned_rows_are_returned_aligned():
+    """An output whose rows are wide and not a whole number of 16-byte units (GPT-2's 50257
+    logits a row) is allocated with its rows padded to one, as Inductor's pad_mm lays them out,
+    so TMA and vectorised stores can write them; narrow rows stay packed; values are eager's."""
+    from comfuse.runtime.operands import output_strides
+    assert output_strides((8, 1024, 50257), torch.bfloat16) == (1024 * 50264, 50264, 1)
+    assert output_strides((4, 1025), torch.float32) == (1028, 1)
+    assert output_strides((16, 57), torch.bfloat16) == (57, 1)
+    assert output_strides((16, 1024), torch.bfloat16) == (1024, 1)
+    assert output_strides((1105, ), torch.bfloat16) == (1, )
+
+    def f(x, w, t):
+        y = x @ w
+        return y, F.cross_entropy(y, t, reduction="none")
+    args = (randn(32, 16), randn(16, 1105), torch.randint(0, 1105, (32, )))
+    compiled, out = compile_and_run(f, args)
+    assert compiled.report.regions[0].fused
+    assert out[0].stride() == (1108, 1), out[0].stride()
+    assert_matches_reference(f, args, out)
+
+
 def test_nan_and_inf_propagate_as_in_eager():
     def f(x, w, b):
         return torch.softmax(x @ w + b, -1), torch.relu(x @ w) + b

@@ -1,11 +1,12 @@
 """Capture and region finding."""
+import pytest
 import torch
 import torch.nn.functional as F
 
 import comfuse
 from comfuse.frontend.capture import capture
 from comfuse.frontend.regions import find_regions
-from comfuse.ir import Op, verify
+from comfuse.ir import REDUCE, Op, verify
 
 from helpers import randn
 
@@ -170,3 +171,58 @@ def test_inductors_online_softmax_prim_is_taken_apart_into_a_region():
     assert region.fused and "amax" in region.ops and "exp" in " ".join(region.ops), str(compiled.report)
     for got, want in zip(out, f(x.double(), w.double(), t)):
         torch.testing.assert_close(got.double(), want.double(), rtol=1e-5, atol=1e-5)
+
+
+def _padded_head(pad=(0, 7), value=0.0, start=0, keep=None):
+    """Inductor's pad_mm form of an LM head: B's columns zero-padded for alignment, the
+    product's extra columns sliced off; then the loss."""
+    aten = torch.ops.aten
+
+    def head(x, w, t):
+        b = aten.constant_pad_nd(w.t(), list(pad), value)
+        y = aten.mm(x, b)[:, start:keep or w.shape[0]]
+        return y, F.cross_entropy(y.float(), t, reduction="none")
+    return head
+
+
+@pytest.mark.parametrize("keep", [None, -7], ids=["end", "negative_end"])
+def test_a_product_with_padded_columns_sliced_off_is_the_product_with_the_unpadded_operand(keep):
+    """The region multiplies B itself over its own columns (the padded ones are zeros nobody
+    reads), so the loss joins it; its result matches the reference. (Inductor slices with a
+    negative end.)"""
+    head = _padded_head(keep=keep)
+    args = (randn(16, 32), randn(57, 32), torch.randint(0, 57, (16,)))
+    (cand,) = find_regions(capture(head, args))
+    assert cand.region is not None and cand.region.sizes.N == 57, cand.reason
+    assert cand.region.gemm.b.name == "t" and any("padded" in n for n in cand.notes), cand.notes
+    assert any(n.op in REDUCE for n in cand.region.nodes)  # (the loss joined the region)
+    compiled = comfuse.compile(head, args)
+    for got, want in zip(compiled(*args), head(*args)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_padded_products_unfused_ops_pad_the_one_b_the_region_reads():
+    """The ops autotuning times against (``extract``) take the same arguments as the fused
+    region: B before padding, padded by the pad inside them, not a padded B of its own (a
+    separate random tensor would disagree with every plan)."""
+    import torch.fx as fx
+    from comfuse.rewrite import extract
+    head = _padded_head()
+    args = (randn(16, 32), randn(57, 32), torch.randint(0, 57, (16,)))
+    gm = capture(head, args)
+    (cand,) = find_regions(gm)
+    unfused = extract(gm, cand)
+    assert not any(e.target is torch.ops.aten.constant_pad_nd.default for e in cand.externals), cand.externals
+    run = fx.Interpreter(gm, garbage_collect_values=False)
+    run.run(*args)
+    for got, want in zip(unfused(*(run.env[e] for e in cand.externals)), head(*args)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_padding_that_is_not_only_zero_columns_sliced_off_stays_as_it_is():
+    """A pad with another value, a slice that does not start at column 0, or one that keeps a
+    padded column: the product is taken as written (the region stops at the slice)."""
+    args = (randn(16, 32), randn(57, 32), torch.randint(0, 50, (16,)))
+    for head in (_padded_head(value=1.0), _padded_head(start=1), _padded_head(keep=60)):
+        (cand,) = find_regions(capture(head, args))
+        assert cand.region.sizes.N == 64 and not any("padded" in n for n in cand.notes), cand.notes

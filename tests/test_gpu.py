@@ -511,6 +511,34 @@ def test_the_terminal_template_writes_the_logits_beside_the_loss():
         torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
 
 
+def test_gpt2s_head_behind_inductors_padding_runs_on_the_template_with_a_partial_last_tile():
+    """GPT-2's LM head (vocabulary 50257) with its loss under the backend, inference: Inductor
+    pads the weight's columns to 50264 and slices the logits; the region is the product with
+    the weight itself over 50257 columns (196 whole tiles and one of 81), forced onto the
+    template, which writes the logits and the loss; both match eager."""
+    from comfuse import inductor_pass
+    F = torch.nn.functional
+    torch._dynamo.reset()
+    inductor_pass.REPORTS.clear()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(8192, 768, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(50257, 768, device="cuda", generator=g) / 768 ** 0.5).to(torch.bfloat16)
+    t = torch.randint(0, 50257, (8192, ), device="cuda", generator=g)
+
+    def head(x, w, t):
+        y = F.linear(x, w)
+        return y, F.cross_entropy(y.float(), t)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore", comfuse.ComfuseWarning)
+        y, loss = torch.compile(head, backend="comfuse", options={"schedule": "ws_split", "autotune": "0"})(x, w, t)
+    regions = [r for rep in inductor_pass.REPORTS for r in rep.regions if r.fused]
+    assert [r.schedule for r in regions] == ["ws_split"] and "N=50257" in regions[0].ir.splitlines()[0], \
+        inductor_pass.REPORTS
+    y2, want = head(x, w, t)
+    torch.testing.assert_close(y.float(), y2.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(loss.float(), want.float(), rtol=1e-3, atol=1e-3)
+
+
 def test_linear_cross_entropy_trains_through_the_backend_with_the_template_forced():
     """Linear + cross-entropy under torch.compile(backend="comfuse") with the template's
     log-sum-exp kind forced: Inductor's backward needs the logits and their statistics; the

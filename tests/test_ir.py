@@ -108,3 +108,31 @@ def test_reference_interpreter_faithful_mode_rounds_like_eager():
     faithful = evaluate(r, x[None], w[None], [b.view(1, 1, N), g.view(1, 1, N)], compute_dtype=None)[0]
     assert exact.dtype == torch.float64 and faithful.dtype == bf
     assert (faithful.double() - exact).abs().max() < 0.1
+
+
+def test_independent_rows_evaluate_a_slice_at_a_time_as_a_whole():
+    """A region with reductions along N only is evaluated the same a slice of rows at a time
+    (autotuning's float64 second opinion on an LM head's loss over a whole vocabulary); one
+    that reduces along M is not row-independent."""
+    from comfuse.ir import evaluate_by_rows, rows_independent
+    from comfuse.runtime import tuning
+    region = layer_norm_region(M=13, N=7, K=3)
+    assert rows_independent(region)
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(1, 13, 3, generator=gen)
+    b = torch.randn(1, 3, 7, generator=gen)
+    ins = [torch.randn(1, 1, 7, generator=gen), torch.randn(1, 1, 7, generator=gen)]
+    for got, want in zip(evaluate_by_rows(region, a, b, ins, rows=4), evaluate(region, a, b, ins)):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    column = dataclasses.replace(region, nodes=region.nodes[:3] + (Node(Op.SUM, (2,), torch.float32, N_, "M"),),
+                                 outputs=(Output(3, torch.float32, N_, "colsum"),))
+    assert not rows_independent(column)
+    with pytest.raises(ValueError):
+        evaluate_by_rows(column, a, b, ins, rows=4)
+    # GPT-2's head: a float64 [8192, 50257] is past the whole-evaluation limit, its slices are not
+    head = dataclasses.replace(region, sizes=Sizes(1, 8192, 50257, 768))
+    rows = tuning.exact_rows(head)
+    assert 1 <= rows < 8192 and rows * 50257 * 8 <= tuning.EXACT_SLICE_BYTES
+    with pytest.raises(MemoryError):
+        tuning.exact_rows(dataclasses.replace(column, sizes=Sizes(1, 8192, 50257, 768)))

@@ -155,7 +155,7 @@ def test_the_template_computes_the_region(name, N, residual_tma):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("N", [1024, 2560])
+@pytest.mark.parametrize("N", [1024, 2560, 1105])
 @pytest.mark.parametrize("name", ["linear_ce", "lse", "logits_and_ce"])
 def test_the_terminal_template_and_its_combine_compute_the_loss(name, N):
     """The template's terminal kind (ws_split: each tile's log-sum-exp per row and the logit at

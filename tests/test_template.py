@@ -105,7 +105,9 @@ def test_every_variant_compiles_for_sm90_without_spilling_much():
                                        relu=True), 2048),
                 "softmax": (S.StripConfig(kind=3, residual=0), 1024),
                 "lse_kmajor": (S.StripConfig(kind=4, residual=0, group_m=8, b_kmajor=True), 32768),
-                "lse_logits": (S.StripConfig(kind=4, residual=0, group_m=8, b_kmajor=True, lse_out=True), 32768)}
+                "lse_logits": (S.StripConfig(kind=4, residual=0, group_m=8, b_kmajor=True, lse_out=True), 32768),
+                "lse_logits_partial": (S.StripConfig(kind=4, residual=0, group_m=8, b_kmajor=True, lse_out=True),
+                                       50257)}
         out = {}
         for name, (cfg, n) in cfgs.items():
             k = S.compile_sm90(cfg, N=n)

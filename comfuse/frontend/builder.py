@@ -75,11 +75,17 @@ def fill_value(node: fx.Node):
 class Builder:
     """Lowers fx nodes into one region's IR, one node at a time."""
 
-    def __init__(self, anchor: fx.Node, batched: bool):
+    def __init__(self, anchor: fx.Node, batched: bool, unpadded=None):
+        """``unpadded``: (B's node before Inductor padded its columns, the columns kept) where
+        the anchor multiplies a zero-padded B and only its first columns are read (regions.py,
+        ``_unpadded``): the region then multiplies the unpadded B over those columns."""
         self.anchor = anchor
         self.batched = batched
         out = shape_of(anchor)
         a_node, b_node = anchor.args[0], anchor.args[1]
+        if unpadded is not None:
+            b_node, n = unpadded
+            out = out[:-1] + (n,)
         self.sizes = Sizes(B=out[0] if batched else 1, M=out[-2], N=out[-1], K=shape_of(a_node)[-1])
         self.axis_size = {"M": self.sizes.M, "N": self.sizes.N}
         if batched:

@@ -99,18 +99,58 @@ def _widening_tail(members: list, member_set: set) -> list:
     return dropped
 
 
+def _unpadded(anchor: fx.Node):
+    """(B before padding, N kept, the slices, the pad) where ``anchor`` is ``mm(A, constant_pad_nd(B,
+    [0, p]))`` read only by slices of its first N - p columns: Inductor's ``pad_mm`` (columns
+    padded for cuBLAS's alignment, then sliced off). The padded columns are zeros that nothing
+    reads, so the region is the product with B itself over N - p columns; else None."""
+    if anchor.target is not aten.mm.default:
+        return None
+    pad = anchor.args[1]
+    if not isinstance(pad, fx.Node) or pad.target is not aten.constant_pad_nd.default:
+        return None
+    widths = list(pad.args[1])
+    value = pad.args[2] if len(pad.args) > 2 else pad.kwargs.get("value", 0)
+    if value != 0 or len(widths) not in (2, 4) or widths[0] != 0 or any(widths[2:]) or widths[1] <= 0 \
+            or set(pad.users) != {anchor}:
+        return None
+    padded = shape_of(anchor)[-1]
+    keep = padded - widths[1]
+    slices = list(anchor.users)
+    for s in slices:
+        if s.target is not aten.slice.Tensor:
+            return None
+        dim, start, end = (list(s.args[1:4]) + [0, None, None])[:3]
+        step = s.args[4] if len(s.args) > 4 else 1
+        end = padded if end is None else end + padded if end < 0 else min(end, padded)
+        if dim not in (1, -1) or start not in (0, None) or end != keep or step != 1:
+            return None
+    return (pad.args[0], keep, slices, pad) if slices else None
+
+
 def grow(anchor: fx.Node, order: dict, claimed: frozenset = frozenset()) -> Candidate:
     cand = Candidate(anchor=anchor)
     cand.reason = _unfusible_anchor(anchor)
     if cand.reason:
         return cand
-    b = Builder(anchor, ANCHORS[anchor.target])
+    unpadded = _unpadded(anchor)
+    b = Builder(anchor, ANCHORS[anchor.target], unpadded[:2] if unpadded else None)
     members = [anchor]
     member_set = {anchor}
+    if unpadded:  # the slices of the padded product are the region's accumulator; the pad is
+        # the region's too (its unfused ops pad B as the graph did, from the one B it reads)
+        members.insert(0, unpadded[3])
+        member_set.add(unpadded[3])
+        for s in unpadded[2]:
+            b.values[s] = b.values[anchor]
+            members.append(s)
+            member_set.add(s)
+        cand.notes.append(f"{anchor.name}: the product with {unpadded[0].name} over its {unpadded[1]} columns "
+                          "(the columns Inductor padded for alignment are zeros, sliced off)")
     downstream = descendants([anchor])
     graph_nodes = list(anchor.graph.nodes)
     for node in graph_nodes[order[anchor] + 1:]:
-        if node not in downstream or node.op != "call_function" or node in claimed:
+        if node not in downstream or node.op != "call_function" or node in claimed or node in member_set:
             continue
         inputs = node.all_input_nodes
         if not any(i in member_set for i in inputs):
@@ -149,7 +189,7 @@ def grow(anchor: fx.Node, order: dict, claimed: frozenset = frozenset()) -> Cand
                 return cand
             outputs.append(Output(value.idx, dtype_of(m), frozenset(axes), m.name))
             cand.outputs.append(OutputBinding(m, shape_of(m)))
-    a_node, b_node = anchor.args[0], anchor.args[1]
+    a_node, b_node = anchor.args[0], (unpadded[0] if unpadded else anchor.args[1])
     gemm = Gemm(Operand(a_node.name, dtype_of(a_node), _major(a_node, "K", "M")),
                 Operand(b_node.name, dtype_of(b_node), _major(b_node, "N", "K")),
                 ANCHORS[anchor.target], dtype_of(anchor))

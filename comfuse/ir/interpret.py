@@ -46,6 +46,32 @@ def evaluate(region: Region, a: torch.Tensor, b: torch.Tensor, inputs: Sequence[
     return run_nodes(region, a, b, inputs, compute_dtype)[0]
 
 
+def rows_independent(region: Region) -> bool:
+    """Whether each row of ``region``'s outputs depends only on the same row of its inputs (no
+    reduction along M or B, no row index): it can then be evaluated a slice of rows at a time."""
+    return not any((n.op in (Op.SUM, Op.RMAX, Op.RMIN) and n.arg in ("M", "B")) or (n.op is Op.IOTA and n.arg == "M")
+                   for n in region.nodes)
+
+
+def evaluate_by_rows(region: Region, a: torch.Tensor, b: torch.Tensor, inputs: Sequence[torch.Tensor],
+                     rows: int) -> list[torch.Tensor]:
+    """``evaluate`` (float64), ``rows`` rows of A and of the side inputs at a time, for a region
+    whose rows are independent (``rows_independent``): a vocabulary-wide row's intermediates
+    held for a slice of the rows only. The outputs are whole."""
+    import dataclasses
+    if not rows_independent(region):
+        raise ValueError("evaluate_by_rows: the region's rows depend on one another")
+    M = region.sizes.M
+    parts = []
+    for m0 in range(0, M, rows):
+        m = min(rows, M - m0)
+        part = dataclasses.replace(region, sizes=dataclasses.replace(region.sizes, M=m))
+        ins = [t if t.shape[1] == 1 else t[:, m0:m0 + m] for t in inputs]
+        parts.append(evaluate(part, a[:, m0:m0 + m], b, ins))
+    return [torch.cat([p[k] for p in parts], 1) if region.outputs[k].axes & {"M"} else parts[0][k]
+            for k in range(len(region.outputs))]
+
+
 def evaluate_with_scale(region: Region, a: torch.Tensor, b: torch.Tensor,
                         inputs: Sequence[torch.Tensor]) -> tuple[list, list]:
     """Exact (float64) outputs and, for each, an error scale: a running forward-error

@@ -68,7 +68,7 @@ def lse_template_plan(region: Region, transposed: bool, stages, ir_forms: tuple,
     why = why or fits(s.M, s.N, s.K, terminal=True)
     if why:
         return NotFused(f"ws_split: {why}", ir_forms)
-    return Plan(region, False, "ws_split", stages, 128, 256, 64, 8, 8, 3, ir_forms, tiles_n=s.N // 256,
+    return Plan(region, False, "ws_split", stages, 128, 256, 64, 8, 8, 3, ir_forms, tiles_n=-(-s.N // 256),
                 mainloop="tma", form=LseForm(template, one_pass(region)))
 
 

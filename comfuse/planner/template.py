@@ -32,7 +32,7 @@ def fits(M: int, N: int, K: int, terminal: bool = False) -> str:
     """'' when the template takes these sizes (whole tiles, a strip the combine holds), else why
     not. ``terminal``: the log-sum-exp kind, whose rows may span any number of tiles."""
     bm, bn, bk = TILE
-    if M % bm or N % bn or K % bk:
+    if M % bm or (N % bn and not terminal) or K % bk:
         return f"the template takes whole {bm}x{bn}x{bk} tiles (M={M}, N={N}, K={K})"
     if not terminal and N // bn > MAX_TILES_N:
         return f"a strip of {N // bn} tiles is more than the template's combine holds ({MAX_TILES_N})"

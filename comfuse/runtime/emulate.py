@@ -18,12 +18,13 @@ from . import cache, stages_kernel, strip_kernel
 from .build import build
 from .check import compare, region_tolerance
 from .emulate_gluon import BM, BN, Desc, Emulation, Ptr, launch, module_env
+from .operands import empty_output
 
 
 def _grid(M: int, N: int, programs: int, strips: bool = True) -> int:
-    if M % BM or N % BN:
+    if M % BM or (N % BN and strips):
         raise ValueError(f"emulate.run: M a multiple of {BM}, N of {BN} (got {M}x{N})")
-    tiles_n = N // BN
+    tiles_n = -(-N // BN)
     programs = min(programs, (M // BM) * tiles_n)
     if strips and programs < tiles_n:
         raise ValueError(f"emulate.run: {programs} programs cannot hold a strip of {tiles_n} tiles at once")
@@ -54,7 +55,7 @@ def run(plan, a3: torch.Tensor, b3: torch.Tensor, ins, outs=None, programs: int 
     s = region.sizes
     programs = _grid(s.M, s.N, programs, strips=plan.schedule != "ws_split")
     if outs is None:
-        outs = [torch.empty(canonical_shape(region, o.axes), dtype=o.dtype) for o in region.outputs]
+        outs = [empty_output(canonical_shape(region, o.axes), o.dtype, "cpu") for o in region.outputs]
     em = Emulation()
     kernel, args, options, counters, arrivals, finish = builders[plan.schedule](plan, em, a3, b3, ins, outs, name,
                                                                                 source)
@@ -130,9 +131,9 @@ def _split(plan, em, a3, b3, ins, outs, name, source):
     ws = torch.full((strip.workspace_numel(M, N, strip.KIND_LSE), ), float("nan"))
     counters = torch.zeros(M // BM, dtype=torch.int64)
     logits = lse.logits(outs, dummy)  # (the dummy where the region has no logits output)
-    args = [Desc(a, (BM, 64)), Desc(b, (BN, 64) if cfg.b_kmajor else (64, BN)), Desc(dummy, (BM, BN)),
-            *[Ptr(dummy.view(-1))] * 4, Ptr(logits.view(-1)), Ptr(targets), Ptr(ws), Ptr(counters), M, N, K, 1e-5]
-    options = dict(cfg.constexprs(N // BN), num_warps=8)
+    args = [Desc(a, (BM, 64)), Desc(b, (BN, 64) if cfg.b_kmajor else (64, BN)), Desc(logits, (BM, BN)),
+            *[Ptr(dummy.view(-1))] * 5, Ptr(targets), Ptr(ws), Ptr(counters), M, N, K, 1e-5]
+    options = dict(cfg.constexprs(-(-N // BN), N % BN == 0), num_warps=8)
     return kernel, args, options, counters, 0, lambda: lse.combine(a3, b3, ins, outs, ws)
 
 

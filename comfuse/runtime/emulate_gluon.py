@@ -221,13 +221,14 @@ class _Gl:
 
 
 class _Tma:
-    """``tma.async_copy_shared_to_global`` (the output tile by one TMA store): the descriptor
-    is the [M, N] output itself."""
+    """``tma.async_copy_shared_to_global`` (the output tile by one TMA store, clipped at the
+    tensor's edges as TMA clips it): the descriptor is the [M, N] output itself."""
 
     @staticmethod
     def async_copy_shared_to_global(desc, coords, smem: _Smem):
         r, c = (int(v) for v in coords)
-        desc.t[r:r + smem.t.shape[0], c:c + smem.t.shape[1]] = smem.t.to(desc.t.dtype)
+        dst = desc.t[r:r + smem.t.shape[0], c:c + smem.t.shape[1]]  # (clipped at the tensor's edges)
+        dst.copy_(smem.t[:dst.shape[0], :dst.shape[1]].to(desc.t.dtype))
 
     @staticmethod
     def store_wait(n):
@@ -323,6 +324,7 @@ def module_env(module, em: Emulation):
         for n, t in enumerate(mine):
             pid_m, pid_n = _tile_coords(t, int(num_tiles), TILES_N, GROUP_M)
             tile = acc[pid_m * BM:(pid_m + 1) * BM, pid_n * BN:(pid_n + 1) * BN]
+            tile = torch.nn.functional.pad(tile, (0, BN - tile.shape[1]))  # (TMA: zeros past the edge)
             if SPARE and n == len(mine) - 1:  # the last tile into the ring, the buffer not waited for
                 spare_smem.store(tile.to(torch.bfloat16))
                 bars.arrive(spare_ready)

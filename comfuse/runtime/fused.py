@@ -38,6 +38,10 @@ class Fused(torch.nn.Module):
         self.separate = None  # the unfused ops as autotuning timed them (Inductor on a GPU)
         self.separate_form = None  # the form autotuning chose for them, when read from a decision
 
+    def empty_outputs(self, device) -> list:
+        """The outputs' tensors as a launch returns them (what a fake execution returns)."""
+        return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.output_specs]
+
     def forward(self, *ext):
         return self._call(ext)
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from ..ir import canonical_shape, evaluate, evaluate_with_scale
+from ..ir import canonical_shape, evaluate, evaluate_by_rows, evaluate_with_scale
 from ..planner.cost import estimate_ms
 from . import prediction, tuning
 from .build import build, kernel_name
 from ..errors import KernelMismatch
 from .check import agreement_tolerance, compare, region_tolerance
 from .fused import Fused
-from .operands import Views, operand3, prepare
+from .operands import Views, empty_output, operand3, prepare
 
 SPLIT_SCHEDULES = ("split", "ws_split")
 
@@ -39,6 +39,10 @@ class FusedRegion(Fused):
     def output_specs(self) -> list:
         """(shape, dtype) of each output: what a fake (meta) execution returns."""
         return [(shape, out.dtype) for shape, out in zip(self.out_shapes, self.region.outputs)]
+
+    def empty_outputs(self, device) -> list:
+        """The outputs' tensors as a launch returns them (``output_strides``: wide rows aligned)."""
+        return [empty_output(shape, dtype, device) for shape, dtype in self.output_specs]
 
     def tune(self, ext, device) -> None:
         """Pick the fastest of the candidate plans and the unfused ops (runtime/tuning.py),
@@ -101,8 +105,7 @@ class FusedRegion(Fused):
         ins = [self._views(j, ext[bind.ext], bind, device) for j, bind in enumerate(self.cand_inputs)]
         # each output allocated in its own shape, the kernel given its canonical view: the
         # tensors returned are bases of their own (no view of a temporary for a caller to inspect)
-        results = [torch.empty(shape, dtype=dtype, device=device)
-                   for shape, (_, dtype) in zip(self.out_shapes, self.canon_outs)]
+        results = self.empty_outputs(device)
         outs = [r.view(canon) for r, (canon, _) in zip(results, self.canon_outs)]
         if kernel.plan.transposed:
             kernel.launch(b3.transpose(1, 2), a3.transpose(1, 2), [t.transpose(1, 2) for t in ins],
@@ -131,10 +134,12 @@ class FusedRegion(Fused):
     def exact(self, ext) -> list:
         """The region's outputs in float64 (the IR's reference interpreter), shaped like a
         call's: the second opinion when a fused result and the unfused ops disagree."""
-        tuning.exact_fits([self.region])
+        rows = tuning.exact_rows(self.region)
         with torch.no_grad():
             a3, b3, ins = self.region_operands(ext)
-            refs = evaluate(self.region, a3.detach(), b3.detach(), [t.detach() for t in ins])
+            a3, b3, ins = a3.detach(), b3.detach(), [t.detach() for t in ins]
+            refs = evaluate(self.region, a3, b3, ins) if rows >= self.region.sizes.M else \
+                evaluate_by_rows(self.region, a3, b3, ins, rows)
         return [r.reshape(shape) for r, shape in zip(refs, self.out_shapes)]
 
     def canonical(self, ext):

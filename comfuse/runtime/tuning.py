@@ -26,7 +26,7 @@ import triton
 
 from .. import settings as settings_mod
 from ..errors import FallbackWarning, KernelMismatch
-from ..ir import structural_text
+from ..ir import rows_independent, structural_text
 from . import cache, workers
 from .check import compare, tolerance
 from .timing import graphed, heat, measure, measure_rounds
@@ -201,12 +201,32 @@ EXACT_LIMIT_BYTES = 1 << 31  # a float64 [B, M, N] beyond this gets no second op
 # loss would hold several 8 GiB intermediates): the ops' judgment stands
 
 
+EXACT_OUTPUT_LIMIT_BYTES = 1 << 33  # the whole float64 outputs of an evaluation a slice of rows at a time
+EXACT_SLICE_BYTES = 1 << 29  # one [B, rows, N] float64 intermediate of such a slice
+
+
 def exact_fits(regions) -> None:
     """Raise when a float64 evaluation of ``regions`` would be too large to hold."""
     for r in regions:
         s = r.sizes
         if s.B * s.M * s.N * 8 > EXACT_LIMIT_BYTES:
             raise MemoryError(f"a float64 [{s.B}, {s.M}, {s.N}] exceeds {EXACT_LIMIT_BYTES >> 30} GiB")
+
+
+def exact_rows(region) -> int:
+    """How many rows of ``region`` a float64 evaluation takes at a time: all of them where
+    they fit (``exact_fits``); else, where its rows are independent (an LM head's loss over
+    GPT-2's vocabulary) and its float64 outputs fit EXACT_OUTPUT_LIMIT_BYTES, a slice whose
+    intermediates are EXACT_SLICE_BYTES each; else raises MemoryError."""
+    s = region.sizes
+    try:
+        exact_fits([region])
+        return s.M
+    except MemoryError:
+        outputs = sum(s.B * s.M * (s.N if "N" in o.axes else 1) * 8 for o in region.outputs)
+        if not rows_independent(region) or outputs > EXACT_OUTPUT_LIMIT_BYTES:
+            raise
+    return max(1, EXACT_SLICE_BYTES // (s.B * s.N * 8))
 
 
 def _disagreement(outs, refs, tol: float | None, exact=None) -> str:

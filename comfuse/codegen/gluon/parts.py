@@ -244,6 +244,7 @@ def hand_off(acc, tile_smem, tile_ready, tile_free, n, RES: gl.constexpr, acc_la
     else:
         mbarrier.wait(tile_free, (n & 1) ^ 1)  # the epilogue is done with the last tile
     tile_smem.store(acc.to(gl.bfloat16))
+    fence_async_shared()  # (these generic writes, before an epilogue's TMA store reads them)
     gl.thread_barrier()
     mbarrier.arrive(tile_ready)
 

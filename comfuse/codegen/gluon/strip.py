@@ -7,7 +7,7 @@ strip spans several tiles, the epilogue in warps of its own beside the next tile
     out = softmax(v) along N                              KIND_SOFTMAX
     ws  = per tile and row: log-sum-exp of its 256 columns, KIND_LSE (terminal: no [M, N] output,
           and the row's logit at a target column)           cross-entropy's statistics;
-    out = v                                               with LSE_OUT (the logits beside them)
+    out = v                                               with LSE_OUT (the logits beside them, by TMA)
 
 KIND_LSE is the terminal reduction (a loss over a vocabulary-wide row): each tile leaves one
 fp32 number per row, its columns' log-sum-exp (1/512 of the bf16 logits it replaces), and the
@@ -53,7 +53,7 @@ import dataclasses
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from ...planner.template import fits
 from .parts import BK, BM, BN, LOG2E, exp2_fast, layouts, load_residual, mma_partition, pow2, tile_coords
@@ -77,13 +77,15 @@ class StripConfig:
     epi_regs: int = 152
     maxnreg: int = 168
     group_m: int = 0  # 0: tiles in row-strip order (the strip kinds need it); else grouped, GROUP_M row blocks
-    lse_out: bool = False  # KIND_LSE: also write the bf16 tile (the logits) to ``out``, [M, N] contiguous
+    lse_out: bool = False  # KIND_LSE: also write the bf16 tile (the logits) by TMA through ``r_desc``
 
-    def constexprs(self, tiles_n: int) -> dict:
+    def constexprs(self, tiles_n: int, even_n: bool = True) -> dict:
+        """``even_n``: N is whole tiles (KIND_LSE may take a last partial tile: its columns past N,
+        zeros from TMA, are masked out of the statistics; the logits' TMA store clips them)."""
         return dict(KIND=self.kind, HAS_BIAS=self.has_bias, RES=self.residual, HAS_GAMMA=self.has_gamma,
                     HAS_BETA=self.has_beta, RELU=self.relu, B_KMAJOR=self.b_kmajor, TILES_N=tiles_n,
                     TILES_P2=pow2(tiles_n), STAGES=self.stages, CHUNK=CHUNK, EPI_WARPS=self.epi_warps,
-                    EPI_REGS=self.epi_regs, GROUP_M=self.group_m, LSE_OUT=self.lse_out)
+                    EPI_REGS=self.epi_regs, GROUP_M=self.group_m, LSE_OUT=self.lse_out, EVEN_N=even_n)
 
 
 @gluon.jit
@@ -92,11 +94,12 @@ def _epilogue_partition(tile_smem, mean_smem, rstd_smem, tile_ready, tile_free, 
                         KIND: gl.constexpr, HAS_BIAS: gl.constexpr, RES: gl.constexpr,
                         HAS_GAMMA: gl.constexpr, HAS_BETA: gl.constexpr, RELU: gl.constexpr,
                         TILES_N: gl.constexpr, TILES_P2: gl.constexpr, GROUP_M: gl.constexpr, BM: gl.constexpr,
-                        BN: gl.constexpr, CHUNK: gl.constexpr, EPI_WARPS: gl.constexpr, LSE_OUT: gl.constexpr):
+                        BN: gl.constexpr, CHUNK: gl.constexpr, EPI_WARPS: gl.constexpr, LSE_OUT: gl.constexpr,
+                        EVEN_N: gl.constexpr):
     """The epilogue (see the module's docstring). Workspace: [strips, 2, TILES_N, BM] fp32; for
     KIND_LSE [TILES_N, M] (each tile's log-sum-exp per row), then [M] (the target's logit,
     written by the tile holding the row's target; ``aux_ptr``: the targets, int64 [M]); with
-    LSE_OUT the tile itself too, to ``out_ptr`` (the logits a model returns beside its loss)."""
+    LSE_OUT the tile itself too, by TMA through ``r_desc`` (the logits a model returns beside its loss)."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [EPI_WARPS, 1], [1, 0])
     row_l: gl.constexpr = gl.SliceLayout(1, layout)
     rows = gl.arange(0, CHUNK, layout=row_l)
@@ -117,7 +120,17 @@ def _epilogue_partition(tile_smem, mean_smem, rstd_smem, tile_ready, tile_free, 
             bias = gl.load(bias_ptr + off_n + cols).to(gl.float32)
         if RES == 1:
             r_next = gl.load(res_ptr + (off_m + rows)[:, None] * N + (off_n + cols)[None, :])
+        if KIND == 4:  # where the rows' targets fall in this tile, read while the tile is computed:
+            # each warp holds all BM (its own test of whether any is here), the chunks read
+            # theirs from shared memory (mean_smem: this kind has no mean)
+            local = gl.load(aux_ptr + off_m + pcol) - off_n
+            found = gl.max(((local >= 0) & (local < BN)).to(gl.int32), axis=0)
+            mean_smem.store(local.to(gl.float32))  # (exact: |local| < 2^24)
+            gl.thread_barrier()
         mbarrier.wait(tile_ready, n & 1)
+        if LSE_OUT:  # the logits by one TMA store of the tile (clipped at N), beside the statistics
+            fence_async_shared()
+            tma.async_copy_shared_to_global(r_desc, [off_m, off_n], tile_smem)
         for c in gl.static_range(BM // CHUNK):
             part = tile_smem.slice(c * CHUNK, CHUNK, dim=0)
             v = part.load(layout).to(gl.float32)
@@ -133,17 +146,15 @@ def _epilogue_partition(tile_smem, mean_smem, rstd_smem, tile_ready, tile_free, 
             v = v.to(gl.float32)
             slot = ws_ptr + (strip * 2 * TILES_N + tn) * BM + c * CHUNK + rows
             if KIND == 4:  # this tile's log-sum-exp per row; the logit at the row's target, if here
-                if LSE_OUT:  # (the epilogue warps' stores overlap the next tile's mainloop)
-                    gl.store(out_ptr + (off_m + c * CHUNK + rows)[:, None] * N + (off_n + cols)[None, :],
-                             v.to(gl.bfloat16))
+                if not EVEN_N:  # the last tile's columns past N: no part of any row
+                    v = gl.where(((off_n + cols) < N)[None, :], v, -float("inf"))
                 mx = gl.max(v, axis=1)
                 total = gl.sum(exp2_fast((v - mx[:, None]) * LOG2E), axis=1)
                 row = off_m + c * CHUNK + rows
                 gl.store(ws_ptr + tn * M + row, mx + gl.log(total))
-                local = gl.load(aux_ptr + row) - off_n
-                here = (local >= 0) & (local < BN)
-                if gl.max(here.to(gl.int32), axis=0) > 0:  # (a tile of 256 columns holds few targets)
-                    col = gl.where(here, local, -1).to(gl.int32)
+                if found > 0:  # (a tile of 256 columns holds few targets)
+                    col = mean_smem.slice(c * CHUNK, CHUNK).load(row_l).to(gl.int32)
+                    here = (col >= 0) & (col < BN)
                     pick = gl.sum(gl.where(cols[None, :] == col[:, None], v, 0.0), axis=1)
                     gl.store(ws_ptr + TILES_N * M + row, pick, mask=here)
             elif KIND == 1:  # this tile's mean and M2 per row
@@ -206,6 +217,8 @@ def _epilogue_partition(tile_smem, mean_smem, rstd_smem, tile_ready, tile_free, 
                     o = gl.maximum(o, 0.0)
                 gl.store(out_ptr + (off_m + c * CHUNK + rows)[:, None] * N + (off_n + cols)[None, :],
                          o.to(gl.bfloat16))
+        if LSE_OUT:
+            tma.store_wait(0)  # the store has read the tile
         gl.thread_barrier()  # every warp has read the tile (and the statistics)
         if RES == 2:
             fence_async_shared()  # generic reads of the buffer before the TMA writes into it
@@ -221,7 +234,7 @@ def strip_kernel(a_desc, b_desc, r_desc, bias_ptr, res_ptr, gamma_ptr, beta_ptr,
                  KIND: gl.constexpr, HAS_BIAS: gl.constexpr, RES: gl.constexpr, HAS_GAMMA: gl.constexpr,
                  HAS_BETA: gl.constexpr, RELU: gl.constexpr, B_KMAJOR: gl.constexpr, TILES_N: gl.constexpr, TILES_P2: gl.constexpr, STAGES: gl.constexpr,
                  CHUNK: gl.constexpr, EPI_WARPS: gl.constexpr, EPI_REGS: gl.constexpr, GROUP_M: gl.constexpr,
-                 LSE_OUT: gl.constexpr, num_warps: gl.constexpr):
+                 LSE_OUT: gl.constexpr, EVEN_N: gl.constexpr, num_warps: gl.constexpr):
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = r_desc.block_type.shape[1]
@@ -247,23 +260,23 @@ def strip_kernel(a_desc, b_desc, r_desc, bias_ptr, res_ptr, gamma_ptr, beta_ptr,
         (_epilogue_partition, (tile_smem, mean_smem, rstd_smem, tile_ready, tile_free, r_desc, bias_ptr, res_ptr,
                                gamma_ptr, beta_ptr, out_ptr, aux_ptr, ws_ptr, counter_ptr, num_tiles, M, N, eps,
                                KIND, HAS_BIAS, RES, HAS_GAMMA, HAS_BETA, RELU, TILES_N, TILES_P2, GROUP_M, BM, BN,
-                               CHUNK, EPI_WARPS, LSE_OUT)),
+                               CHUNK, EPI_WARPS, LSE_OUT, EVEN_N)),
     ], [EPI_WARPS], [EPI_REGS])
 
 
 def call_arguments(cfg: StripConfig, a, b, out, bias=None, residual=None, gamma=None, beta=None,
-                   targets=None) -> list:
+                   targets=None, tile=None) -> list:
     """strip_kernel's first ``PER_CALL`` arguments, those that hold a call's data pointers: the
-    three TMA descriptors (A, B, and the residual's, or the output's where there is no residual:
-    it only gives the tile's shape and layout then) and the tensors (the output standing in for
-    an absent one; KIND_LSE writes no output unless ``lse_out``, ``out`` is any bf16 [BM, BN] tensor
-    then). The rest
-    depend only on the layout."""
+    three TMA descriptors (A, B, and the residual's, or with ``lse_out`` the logits' (``out``),
+    or else ``tile``'s or the output's: it only gives the tile's shape and layout then) and the tensors (the output standing in for an
+    absent one; KIND_LSE writes no output unless ``lse_out``, ``out`` is any bf16 [BM, BN]
+    tensor then). The rest depend only on the layout."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     la, lb, lt = layouts(cfg.b_kmajor)
     return [TensorDescriptor.from_tensor(a, [BM, BK], la),
             TensorDescriptor.from_tensor(b, [BN, BK] if cfg.b_kmajor else [BK, BN], lb),
-            TensorDescriptor.from_tensor(residual if residual is not None else out, [BM, BN], lt),
+            TensorDescriptor.from_tensor(residual if residual is not None else out if cfg.lse_out
+                                         else tile if tile is not None else out, [BM, BN], lt),
             *(out if t is None else t for t in (bias, residual, gamma, beta)), out,
             out if targets is None else targets]
 
@@ -273,7 +286,7 @@ GROUP_M = 8  # KIND_LSE's grouped order: row blocks of A in flight together (a p
 
 
 def arguments(cfg: StripConfig, a, b, out, *, bias=None, residual=None, gamma=None, beta=None, eps=1e-5,
-              ws=None, counters=None, num_sms: int = 132, targets=None) -> tuple:
+              ws=None, counters=None, num_sms: int = 132, targets=None, tile=None) -> tuple:
     """(grid, positional arguments, options) of one launch: see ``launch``."""
     import torch
     M, K = a.shape
@@ -289,14 +302,14 @@ def arguments(cfg: StripConfig, a, b, out, *, bias=None, residual=None, gamma=No
         why = fits(M, N, K)
     if why:
         raise ValueError(why)
-    tiles_n = N // BN
+    tiles_n = -(-N // BN)
     if cfg.kind != KIND_LSE and tiles_n > num_sms:
         raise ValueError(f"a strip of {tiles_n} tiles cannot be resident at once on {num_sms} SMs")
     grid = (min(num_sms, (M // BM) * tiles_n), )
-    args = [*call_arguments(cfg, a, b, out, bias, residual, gamma, beta, targets), ws if ws is not None else out,
+    args = [*call_arguments(cfg, a, b, out, bias, residual, gamma, beta, targets, tile), ws if ws is not None else out,
             counters if counters is not None else torch.zeros(1, dtype=torch.int64, device=out.device),
             M, N, K, eps]
-    return grid, args, dict(cfg.constexprs(tiles_n), num_warps=8, maxnreg=cfg.maxnreg)
+    return grid, args, dict(cfg.constexprs(tiles_n, N % BN == 0), num_warps=8, maxnreg=cfg.maxnreg)
 
 
 def launch(cfg: StripConfig, a, b, out, **kw) -> int:
@@ -305,7 +318,7 @@ def launch(cfg: StripConfig, a, b, out, **kw) -> int:
     beta [N]; residual [M, N] contiguous; ``ws`` (float32, at least workspace_numel) and
     ``counters`` (int64, M / 128 entries, zero before the first launch, never reset). KIND_LSE:
     ``targets`` int64 [M] and ``out`` any bf16 [BM, BN] tensor (nothing is written to it; the
-    results are in ``ws``), or with ``lse_out`` the [M, N] logits, contiguous. Returns the grid size. (runtime/gluon_kernels.py launches the
+    results are in ``ws``), or with ``lse_out`` the [M, N] logits (rows 16-byte aligned). Returns the grid size. (runtime/gluon_kernels.py launches the
     compiled kernel directly after its first call per layout.)"""
     grid, args, options = arguments(cfg, a, b, out, **kw)
     strip_kernel[grid](*args, **options)
@@ -314,7 +327,7 @@ def launch(cfg: StripConfig, a, b, out, **kw) -> int:
 
 def workspace_numel(M: int, N: int, kind: int = KIND_LAYERNORM) -> int:
     if kind == KIND_LSE:  # [TILES_N, M] log-sum-exps, then [M] target logits
-        return (N // BN + 1) * M
+        return (-(-N // BN) + 1) * M
     return (M // BM) * 2 * (N // BN) * BM
 
 
@@ -334,7 +347,7 @@ def compile_sm90(cfg: StripConfig, M: int = 8192, N: int = 1024, K: int = 1024):
            "out_ptr": "*bf16", "aux_ptr": "*i64" if cfg.kind == KIND_LSE else "*bf16", "ws_ptr": "*fp32",
            "counter_ptr": "*i64", "M": "i32", "N": "i32", "K": "i32",
            "eps": "fp32"}
-    constexprs = dict(cfg.constexprs(N // BN), num_warps=8)
+    constexprs = dict(cfg.constexprs(-(-N // BN), N % BN == 0), num_warps=8)
     sig.update({k: "constexpr" for k in constexprs})
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(3, 14)}
     return triton.compile(GluonASTSource(strip_kernel, sig, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
