@@ -100,7 +100,7 @@ def region_report(index: int, cand: Candidate) -> RegionReport:
         reason=cand.reason, stages=0, schedule="",
         ir=format_region(cand.region) if cand.region is not None else "",
         ops=[m.name for m in cand.members], outputs=[ob.node.name for ob in cand.outputs],
-        notes=list(cand.notes), found=cand.region)
+        notes=list(cand.notes), through=list(cand.through), found=cand.region)
 
 
 def _device(cand: Candidate) -> torch.device:

@@ -18,6 +18,7 @@ class RegionReport:
     ops: list = dataclasses.field(default_factory=list)  # fx nodes in the region
     outputs: list = dataclasses.field(default_factory=list)  # fx nodes the kernel writes
     notes: list = dataclasses.field(default_factory=list)  # where growth stopped, and why
+    through: list = dataclasses.field(default_factory=list)  # what region finding read through
     kernel_path: str = ""  # generated source on disk
     launch: str = ""  # inside Inductor: who launches the kernel (or why comfuse's operator does)
     tuned_ms: tuple = ()  # autotuned: (the chosen plan's ms, the unfused ops' ms), alone on random inputs
@@ -47,6 +48,8 @@ class RegionReport:
         if self.templates:
             offers = "; ".join(f"{name}: {why[:160] if why else 'offered'}" for name, why in self.templates)
             parts.append(f"  warp-specialised kernels (sm_90): {offers}")
+        for note in self.through:
+            parts.append(f"  read through {note}")
         for note in self.notes:
             parts.append(f"  stopped at {note}")
         if self.kernel_path:

@@ -194,11 +194,13 @@ def test_a_product_with_padded_columns_sliced_off_is_the_product_with_the_unpadd
     args = (randn(16, 32), randn(57, 32), torch.randint(0, 57, (16,)))
     (cand,) = find_regions(capture(head, args))
     assert cand.region is not None and cand.region.sizes.N == 57, cand.reason
-    assert cand.region.gemm.b.name == "t" and any("padded" in n for n in cand.notes), cand.notes
+    assert cand.region.gemm.b.name == "t" and any("padded" in n for n in cand.through), cand.through
     assert any(n.op in REDUCE for n in cand.region.nodes)  # (the loss joined the region)
     compiled = comfuse.compile(head, args)
     for got, want in zip(compiled(*args), head(*args)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    text = str(compiled.report)
+    assert "read through mm: the product with" in text and "stopped at mm:" not in text, text
 
 
 def test_a_padded_products_unfused_ops_pad_the_one_b_the_region_reads():
@@ -225,4 +227,4 @@ def test_padding_that_is_not_only_zero_columns_sliced_off_stays_as_it_is():
     args = (randn(16, 32), randn(57, 32), torch.randint(0, 50, (16,)))
     for head in (_padded_head(value=1.0), _padded_head(start=1), _padded_head(keep=60)):
         (cand,) = find_regions(capture(head, args))
-        assert cand.region.sizes.N == 64 and not any("padded" in n for n in cand.notes), cand.notes
+        assert cand.region.sizes.N == 64 and not any("padded" in n for n in cand.through), cand.through

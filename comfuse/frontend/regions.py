@@ -42,7 +42,8 @@ class Candidate:
     outputs: list = dataclasses.field(default_factory=list)
     region: Region | None = None
     reason: str = ""
-    notes: list = dataclasses.field(default_factory=list)
+    notes: list = dataclasses.field(default_factory=list)  # where growth stopped, and why
+    through: list = dataclasses.field(default_factory=list)  # what it read through (Inductor's padding)
 
 
 def _unfusible_anchor(anchor: fx.Node) -> str:
@@ -145,7 +146,7 @@ def grow(anchor: fx.Node, order: dict, claimed: frozenset = frozenset()) -> Cand
             b.values[s] = b.values[anchor]
             members.append(s)
             member_set.add(s)
-        cand.notes.append(f"{anchor.name}: the product with {unpadded[0].name} over its {unpadded[1]} columns "
+        cand.through.append(f"{anchor.name}: the product with {unpadded[0].name} over its {unpadded[1]} columns "
                           "(the columns Inductor padded for alignment are zeros, sliced off)")
     downstream = descendants([anchor])
     graph_nodes = list(anchor.graph.nodes)
