@@ -100,6 +100,7 @@ def test_wide_unaligned_rows_are_returned_aligned():
     assert output_strides((16, 57), torch.bfloat16) == (57, 1)
     assert output_strides((16, 1024), torch.bfloat16) == (1024, 1)
     assert output_strides((1105, ), torch.bfloat16) == (1, )
+    assert output_strides((2, 1025), torch.float32, rows=False) == (1025, 1)  # (per-row: [batch, sequence])
 
     def f(x, w, t):
         y = x @ w
@@ -109,6 +110,14 @@ def test_wide_unaligned_rows_are_returned_aligned():
     assert compiled.report.regions[0].fused
     assert out[0].stride() == (1108, 1), out[0].stride()
     assert_matches_reference(f, args, out)
+
+    def per_row(x, w, t):  # a per-row output [batch, sequence] of 1025 stays packed
+        return F.cross_entropy((x @ w).flatten(0, 1), t.flatten(), reduction="none").view(t.shape)
+    args = (randn(2, 1025, 16), randn(16, 40), torch.randint(0, 40, (2, 1025)))
+    compiled, out = compile_and_run(per_row, args)
+    assert compiled.report.regions[0].fused, str(compiled.report)
+    assert out.stride() == (1025, 1), out.stride()
+    assert_matches_reference(per_row, args, out)
 
 
 def test_nan_and_inf_propagate_as_in_eager():

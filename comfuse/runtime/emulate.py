@@ -55,7 +55,7 @@ def run(plan, a3: torch.Tensor, b3: torch.Tensor, ins, outs=None, programs: int 
     s = region.sizes
     programs = _grid(s.M, s.N, programs, strips=plan.schedule != "ws_split")
     if outs is None:
-        outs = [empty_output(canonical_shape(region, o.axes), o.dtype, "cpu") for o in region.outputs]
+        outs = [empty_output(canonical_shape(region, o.axes), o.dtype, "cpu", "N" in o.axes) for o in region.outputs]
     em = Emulation()
     kernel, args, options, counters, arrivals, finish = builders[plan.schedule](plan, em, a3, b3, ins, outs, name,
                                                                                 source)

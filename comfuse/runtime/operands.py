@@ -9,24 +9,25 @@ ROW_ALIGN_BYTES = 16  # what a TMA store, and a vectorised store, needs of every
 WIDE_ROW = 1024  # (elements) rows at least this long are aligned; narrower ones stay packed
 
 
-def output_strides(shape, dtype: torch.dtype) -> tuple:
+def output_strides(shape, dtype: torch.dtype, rows: bool = True) -> tuple:
     """The strides a region's output is allocated with: contiguous, except that wide rows
     whose bytes are not a multiple of ROW_ALIGN_BYTES are padded to one (GPT-2's 50257
     logits a row: Inductor's pad_mm leaves them 50264 apart too). Stored unaligned, a tile's
-    rows could only be written element by element."""
+    rows could only be written element by element. ``rows``: the last dimension is the GEMM's
+    N (a per-row output shaped [batch, sequence] is not: its dimensions merge into M)."""
     shape = tuple(shape)
     strides, step = [], 1
     for d in reversed(range(len(shape))):
         strides.append(step)
         step *= shape[d]
-        if d == len(shape) - 1 and len(shape) > 1 and shape[d] >= WIDE_ROW:
+        if rows and d == len(shape) - 1 and len(shape) > 1 and shape[d] >= WIDE_ROW:
             per = ROW_ALIGN_BYTES // dtype.itemsize if ROW_ALIGN_BYTES % dtype.itemsize == 0 else 1
             step = -(-step // per) * per
     return tuple(reversed(strides))
 
 
-def empty_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
-    return torch.empty_strided(tuple(shape), output_strides(shape, dtype), dtype=dtype, device=device)
+def empty_output(shape, dtype: torch.dtype, device, rows: bool = True) -> torch.Tensor:
+    return torch.empty_strided(tuple(shape), output_strides(shape, dtype, rows), dtype=dtype, device=device)
 
 
 def operand3(t: torch.Tensor, batched: bool) -> torch.Tensor:

@@ -42,7 +42,9 @@ class FusedRegion(Fused):
 
     def empty_outputs(self, device) -> list:
         """The outputs' tensors as a launch returns them (``output_strides``: wide rows aligned)."""
-        return [empty_output(shape, dtype, device) for shape, dtype in self.output_specs]
+        n = self.region.sizes.N
+        return [empty_output(shape, out.dtype, device, "N" in out.axes and tuple(shape)[-1:] == (n, ))
+                for shape, out in zip(self.out_shapes, self.region.outputs)]
 
     def tune(self, ext, device) -> None:
         """Pick the fastest of the candidate plans and the unfused ops (runtime/tuning.py),
