@@ -201,7 +201,8 @@ EXACT_LIMIT_BYTES = 1 << 31  # a float64 [B, M, N] beyond this gets no second op
 # loss would hold several 8 GiB intermediates): the ops' judgment stands
 
 
-EXACT_OUTPUT_LIMIT_BYTES = 1 << 33  # the whole float64 outputs of an evaluation a slice of rows at a time
+EXACT_OUTPUT_LIMIT_BYTES = 1 << 32  # the whole float64 outputs of an evaluation a slice of rows at a time
+# (GPT-2's [8192, 50257] logits: 3.3 GB; the comparison holds a few more of their size)
 EXACT_SLICE_BYTES = 1 << 29  # one [B, rows, N] float64 intermediate of such a slice
 
 
