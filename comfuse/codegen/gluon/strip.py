@@ -232,7 +232,8 @@ def _epilogue_partition(tile_smem, mean_smem, rstd_smem, tile_ready, tile_free, 
 def strip_kernel(a_desc, b_desc, r_desc, bias_ptr, res_ptr, gamma_ptr, beta_ptr, out_ptr, aux_ptr, ws_ptr,
                  counter_ptr, M, N, K, eps,
                  KIND: gl.constexpr, HAS_BIAS: gl.constexpr, RES: gl.constexpr, HAS_GAMMA: gl.constexpr,
-                 HAS_BETA: gl.constexpr, RELU: gl.constexpr, B_KMAJOR: gl.constexpr, TILES_N: gl.constexpr, TILES_P2: gl.constexpr, STAGES: gl.constexpr,
+                 HAS_BETA: gl.constexpr, RELU: gl.constexpr, B_KMAJOR: gl.constexpr, TILES_N: gl.constexpr,
+                 TILES_P2: gl.constexpr, STAGES: gl.constexpr,
                  CHUNK: gl.constexpr, EPI_WARPS: gl.constexpr, EPI_REGS: gl.constexpr, GROUP_M: gl.constexpr,
                  LSE_OUT: gl.constexpr, EVEN_N: gl.constexpr, num_warps: gl.constexpr):
     BM: gl.constexpr = a_desc.block_type.shape[0]
@@ -268,9 +269,9 @@ def call_arguments(cfg: StripConfig, a, b, out, bias=None, residual=None, gamma=
                    targets=None, tile=None) -> list:
     """strip_kernel's first ``PER_CALL`` arguments, those that hold a call's data pointers: the
     three TMA descriptors (A, B, and the residual's, or with ``lse_out`` the logits' (``out``),
-    or else ``tile``'s or the output's: it only gives the tile's shape and layout then) and the tensors (the output standing in for an
-    absent one; KIND_LSE writes no output unless ``lse_out``, ``out`` is any bf16 [BM, BN]
-    tensor then). The rest depend only on the layout."""
+    or else ``tile``'s or the output's: it only gives the tile's shape and layout then) and the
+    tensors (the output standing in for an absent one; KIND_LSE writes no output unless
+    ``lse_out``, ``out`` is any bf16 [BM, BN] tensor then). The rest depend only on the layout."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     la, lb, lt = layouts(cfg.b_kmajor)
     return [TensorDescriptor.from_tensor(a, [BM, BK], la),
@@ -318,8 +319,9 @@ def launch(cfg: StripConfig, a, b, out, **kw) -> int:
     beta [N]; residual [M, N] contiguous; ``ws`` (float32, at least workspace_numel) and
     ``counters`` (int64, M / 128 entries, zero before the first launch, never reset). KIND_LSE:
     ``targets`` int64 [M] and ``out`` any bf16 [BM, BN] tensor (nothing is written to it; the
-    results are in ``ws``), or with ``lse_out`` the [M, N] logits (rows 16-byte aligned). Returns the grid size. (runtime/gluon_kernels.py launches the
-    compiled kernel directly after its first call per layout.)"""
+    results are in ``ws``), or with ``lse_out`` the [M, N] logits (rows 16-byte aligned).
+    Returns the grid size. (runtime/strip_kernel.py launches the compiled kernel directly after
+    its first call per layout.)"""
     grid, args, options = arguments(cfg, a, b, out, **kw)
     strip_kernel[grid](*args, **options)
     return grid[0]
