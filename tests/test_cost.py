@@ -171,3 +171,24 @@ def test_a_damaged_record_is_ignored(an_h200, monkeypatch):
     assert prediction.predicted_loss(plans, r, CUDA) == ""
     prediction.remember(plans, ["a"] * len(plans), {"times_ms": {tuning.UNFUSED: 1.0, "a": 1.5}}, "k", CUDA)
     assert prediction.measured(CUDA)
+
+
+def test_an_lm_heads_split_plans_are_not_timed_where_their_class_lost(an_h200):
+    """An LM head that returns its logits beside its loss (GPT-2's 8192 x 768 x 50257): the
+    Triton split plans of its class lost in every region measured (1.17-1.30x the ops' time),
+    so they are neither compiled nor timed; the template (ws_split) still is. Where they are
+    all there is (a training forward that also saves the row max, which the template does not
+    leave), the region is not tuned."""
+    def head(x, w, t):
+        y = x @ w
+        return y, F.cross_entropy(y.float(), t, reduction="none")
+    args = (torch.randn(8192, 768, dtype=BF), torch.randn(768, 50257, dtype=BF), torch.randint(0, 50257, (8192, )))
+    (cand,) = find_regions(capture(head, args))
+    plans = candidates(cand.region, target="cuda")
+    assert {p.schedule for p in plans} >= {"split", "ws_split"}
+    assert {cost.plan_class(p) for p in plans if p.schedule == "split"} == {"split/single/19"}
+    kept = prediction.shortlisted(plans, cand.region, CUDA)
+    assert kept and {p.schedule for p in kept} == {"ws_split"}
+    split_only = [p for p in plans if p.schedule == "split"]
+    why = prediction.predicted_loss(split_only, cand.region, CUDA)
+    assert "split 1.17 (6 regions of its class measured)" in why, why

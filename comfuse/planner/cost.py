@@ -58,6 +58,12 @@ MEASURED_CLASSES = {
     "tile/batched/16": {"7c36a48abb7806cf": 1.1014, "e39b553b2a8f0237": 1.3147},  # attention's bmm
     "tile/single/18": {"4c4e1e1e0cc31c05": 1.1825, "a02ebf9cd38d57be": 1.0256},  # GEMM + GELU
     "tile/single/19": {"1503987c2a4fc3e4": 0.8996},  # the decoder's weight gradient
+    # LM heads with their loss that return the logits (GPT-2's 8192 x 768 x 50257, Llama's
+    # 8192 x 2048 x 32000; training and inference graphs; H100 and H200, 2026-12-05:
+    # bench/results/2026-12-05-gpt2-head-padded/, 2026-12-05-h100-lm-head-logits/llama-run1/)
+    "split/single/19": {"gpt2-head-training-h100": 1.2163, "gpt2-head-h100": 1.1825,
+                        "gpt2-head-training-h200": 1.1737, "gpt2-head-h200": 1.1738,
+                        "llama-head-training-h100": 1.2589, "llama-head-h100": 1.2984},
 }
 MIN_GAIN = 0.02  # a schedule must have been at least this much faster than the ops to be tried
 # regions of a class (``plan_class``) measured (MEASURED_CLASSES and this GPU's record, which

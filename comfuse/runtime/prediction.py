@@ -51,13 +51,17 @@ def predicted_loss(plans: list, region, device: torch.device) -> str:
 
 
 def shortlisted(plans: list, region, device: torch.device) -> list:
-    """``plans`` narrowed on ``device`` to the Triton plans of the best-estimated tile shapes
-    (cost.SHORTLIST) and every Gluon plan (whose forms its roofline cannot tell apart); all
-    of them where the cost model does not predict."""
+    """``plans`` narrowed on ``device``: none of a class predicted to lose (``cost.may_win``:
+    the Triton split plans of an LM head that returns its logits, beside the template that may
+    win), then the Triton plans of the best-estimated tile shapes (cost.SHORTLIST) and every
+    Gluon plan (whose forms its roofline cannot tell apart); all of them where the cost model
+    does not predict."""
     if not _predicts(region, device):
         return list(plans)
-    kept = cost.shortlist([p for p in plans if p.schedule not in GLUON_SCHEDULES])
-    return [p for p in plans if p.schedule in GLUON_SCHEDULES or any(p is k for k in kept)]
+    mine = measured(device)
+    hopeful = [p for p in plans if cost.may_win([p], mine)]
+    kept = cost.shortlist([p for p in hopeful if p.schedule not in GLUON_SCHEDULES])
+    return [p for p in hopeful if p.schedule in GLUON_SCHEDULES or any(p is k for k in kept)]
 
 
 def remember(plans: list, names: list, decision: dict, key: str, device: torch.device) -> None:
