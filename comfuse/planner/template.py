@@ -218,8 +218,6 @@ def match_lse(region: Region) -> tuple[LseTemplate | None, str]:
         out = region.outputs[k]
         if len(op.tile_outputs) > 1 or out.dtype != torch.bfloat16 or not _value(nodes, out.node):
             return None, "the log-sum-exp kind writes no [M, N] output but x @ W itself, in bf16"
-        if region.sizes.M * region.sizes.N >= 2 ** 31:
-            return None, "the log-sum-exp kind writes x @ W with 32-bit offsets (M * N < 2^31)"
         logits = k
     lse, shifts, picks = [], [], []
     for k, st in enumerate(op.stats):
