@@ -102,14 +102,18 @@ def lower(gm: fx.GraphModule, example_inputs, disabled_kinds=frozenset(), tune=N
 
 def random_like(value, strides=None):
     """A real tensor shaped like the fake ``value`` (with ``strides`` where given): normal
-    floats, zero integers (valid as indices anywhere), or ``value`` itself when it is not a
-    tensor."""
+    floats, zero integers (valid as indices anywhere), booleans true and false at random (all
+    false, a mask such as cross-entropy's ``target != ignore_index`` would zero the loss in both
+    the kernel and the ops, and their comparison would check nothing), or ``value`` itself
+    when it is not a tensor."""
     if not isinstance(value, torch.Tensor):
         return value
     out = torch.empty_strided(tuple(value.shape), tuple(strides or value.stride()), dtype=value.dtype,
                               device=value.device)
     if out.is_floating_point():
         out.normal_()
+    elif out.dtype == torch.bool:
+        out.random_(0, 2)
     else:
         out.zero_()
     return out

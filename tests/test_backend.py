@@ -1248,3 +1248,19 @@ def test_only_whole_buffers_are_predicted_padded():
         assert inductor_strides(torch.empty_strided((64, 2000), (0, 1), device="cuda")) is None  # (a broadcast)
         assert inductor_strides(torch.empty(64, 2048, device="cuda", dtype=torch.bfloat16)) is None
         assert inductor_strides(torch.empty(64, 2000)) is None  # (Inductor pads on a GPU only)
+
+
+def test_autotunings_random_inputs_hold_masks_both_ways():
+    """The random tensors a region is tuned on inside the backend: normal floats, zero indices
+    (valid anywhere) and booleans of both values. An all-false mask (cross-entropy's
+    ``target != ignore_index``) zeroes the loss in kernel and ops alike, so comparing them
+    would check nothing."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from comfuse.inductor_pass import random_like
+    with FakeTensorMode():
+        fakes = (torch.empty(4096, dtype=torch.bool), torch.empty(64, 32), torch.empty(64, dtype=torch.int64))
+    mask, x, index = (random_like(v) for v in fakes)
+    assert 0 < int(mask.sum()) < mask.numel()
+    assert x.std() > 0.5 and not torch.equal(x, torch.zeros_like(x))
+    assert int(index.abs().sum()) == 0
+    assert random_like(3) == 3
