@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
@@ -100,11 +101,18 @@ def _widening_tail(members: list, member_set: set) -> list:
     return dropped
 
 
-def _unpadded(anchor: fx.Node):
-    """(B before padding, N kept, the slices, the pad) where ``anchor`` is ``mm(A, constant_pad_nd(B,
-    [0, p]))`` read only by slices of its first N - p columns: Inductor's ``pad_mm`` (columns
-    padded for cuBLAS's alignment, then sliced off). The padded columns are zeros that nothing
-    reads, so the region is the product with B itself over N - p columns; else None."""
+class Unpadded(NamedTuple):
+    b: fx.Node  # B before Inductor padded its columns
+    keep: int  # the columns read
+    slices: list  # the slices of the padded product that read them
+    pad: fx.Node  # the constant_pad_nd
+
+
+def _unpadded(anchor: fx.Node) -> Unpadded | None:
+    """Where ``anchor`` is ``mm(A, constant_pad_nd(B, [0, p]))`` read only by slices of its first
+    N - p columns: Inductor's ``pad_mm`` (columns padded for cuBLAS's alignment, then sliced
+    off). The padded columns are zeros that nothing reads, so the region is the product with B
+    itself over N - p columns; else None."""
     if anchor.target is not aten.mm.default:
         return None
     pad = anchor.args[1]
@@ -126,7 +134,7 @@ def _unpadded(anchor: fx.Node):
         end = padded if end is None else end + padded if end < 0 else min(end, padded)
         if dim not in (1, -1) or start not in (0, None) or end != keep or step != 1:
             return None
-    return (pad.args[0], keep, slices, pad) if slices else None
+    return Unpadded(pad.args[0], keep, slices, pad) if slices else None
 
 
 def grow(anchor: fx.Node, order: dict, claimed: frozenset = frozenset()) -> Candidate:
@@ -135,19 +143,17 @@ def grow(anchor: fx.Node, order: dict, claimed: frozenset = frozenset()) -> Cand
     if cand.reason:
         return cand
     unpadded = _unpadded(anchor)
-    b = Builder(anchor, ANCHORS[anchor.target], unpadded[:2] if unpadded else None)
+    b = Builder(anchor, ANCHORS[anchor.target], (unpadded.b, unpadded.keep) if unpadded else None)
     members = [anchor]
     member_set = {anchor}
     if unpadded:  # the slices of the padded product are the region's accumulator; the pad is
         # the region's too (its unfused ops pad B as the graph did, from the one B it reads)
-        members.insert(0, unpadded[3])
-        member_set.add(unpadded[3])
-        for s in unpadded[2]:
+        members = [unpadded.pad, anchor, *unpadded.slices]
+        member_set.update(members)
+        for s in unpadded.slices:
             b.values[s] = b.values[anchor]
-            members.append(s)
-            member_set.add(s)
-        cand.through.append(f"{anchor.name}: the product with {unpadded[0].name} over its {unpadded[1]} columns "
-                          "(the columns Inductor padded for alignment are zeros, sliced off)")
+        cand.through.append(f"{anchor.name}: the product with {unpadded.b.name} over its {unpadded.keep} columns "
+                            "(the columns Inductor padded for alignment are zeros, sliced off)")
     downstream = descendants([anchor])
     graph_nodes = list(anchor.graph.nodes)
     for node in graph_nodes[order[anchor] + 1:]:
@@ -190,7 +196,7 @@ def grow(anchor: fx.Node, order: dict, claimed: frozenset = frozenset()) -> Cand
                 return cand
             outputs.append(Output(value.idx, dtype_of(m), frozenset(axes), m.name))
             cand.outputs.append(OutputBinding(m, shape_of(m)))
-    a_node, b_node = anchor.args[0], (unpadded[0] if unpadded else anchor.args[1])
+    a_node, b_node = anchor.args[0], (unpadded.b if unpadded else anchor.args[1])
     gemm = Gemm(Operand(a_node.name, dtype_of(a_node), _major(a_node, "K", "M")),
                 Operand(b_node.name, dtype_of(b_node), _major(b_node, "N", "K")),
                 ANCHORS[anchor.target], dtype_of(anchor))

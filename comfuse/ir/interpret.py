@@ -11,11 +11,12 @@ eager PyTorch would use (rounding after every op), like the unfused program.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import torch
 
-from .nodes import Op, Region
+from .nodes import REDUCE, Op, Region
 
 _DIM = {"B": 0, "M": 1, "N": 2}
 
@@ -49,7 +50,7 @@ def evaluate(region: Region, a: torch.Tensor, b: torch.Tensor, inputs: Sequence[
 def rows_independent(region: Region) -> bool:
     """Whether each row of ``region``'s outputs depends only on the same row of its inputs (no
     reduction along M or B, no row index): it can then be evaluated a slice of rows at a time."""
-    return not any((n.op in (Op.SUM, Op.RMAX, Op.RMIN) and n.arg in ("M", "B")) or (n.op is Op.IOTA and n.arg == "M")
+    return not any((n.op in REDUCE and n.arg in ("M", "B")) or (n.op is Op.IOTA and n.arg == "M")
                    for n in region.nodes)
 
 
@@ -58,10 +59,11 @@ def evaluate_by_rows(region: Region, a: torch.Tensor, b: torch.Tensor, inputs: S
     """``evaluate`` (float64), ``rows`` rows of A and of the side inputs at a time, for a region
     whose rows are independent (``rows_independent``): a vocabulary-wide row's intermediates
     held for a slice of the rows only. The outputs are whole."""
-    import dataclasses
+    M = region.sizes.M
+    if rows >= M:
+        return evaluate(region, a, b, inputs)
     if not rows_independent(region):
         raise ValueError("evaluate_by_rows: the region's rows depend on one another")
-    M = region.sizes.M
     parts = []
     for m0 in range(0, M, rows):
         m = min(rows, M - m0)

@@ -18,7 +18,7 @@ from ..errors import UnsupportedLayout
 from ..planner import Plan
 from ..planner.onepass import parts
 from . import cache
-from .launch import interpreting, launch_direct, layout_key, wide_index
+from .launch import bind_tensors, filled, interpreting, layout_key, wide_index
 
 
 def even_n(plan: Plan, N: int) -> bool:
@@ -65,9 +65,7 @@ class Kernel:
             self._bound[layout] = self.bind(a3, b3, ins, outs)  # (launches once)
             return
         for run, statics, slots, descriptors in bound:
-            args = list(statics)
-            for j, i in slots:
-                args[j] = tensors[i]
+            args = filled(statics, slots, tensors)
             for j, i, major, row_major, block in descriptors:
                 args[j] = self.descriptor(tensors[i][0], major, row_major, block)
             run(*args)
@@ -78,7 +76,6 @@ class Kernel:
         the arguments: later calls with the same layout skip the JIT's argument binding and
         specialisation (about half the Python time of a launch, measured on the H200)."""
         tensors = (a3, b3, *ins, *outs)
-        ids = {id(t): i for i, t in enumerate(tensors)}
         gemm = self.plan.region.gemm
         desc_roles = {"a_desc": (0, gemm.a.major, "K", (self.plan.block_m, self.plan.block_k)),
                       "b_desc": (1, gemm.b.major, "N", (self.plan.block_k, self.plan.block_n))}
@@ -86,9 +83,8 @@ class Kernel:
         # every launch takes the arguments of ``arguments``, one per source parameter
         descriptors = [(j, *desc_roles[q.role]) for j, q in enumerate(self.source.params) if q.role in desc_roles]
         for fn, grid, args, options in self.launches(a3, b3, ins, outs):
-            slots = [(j, ids[id(v)]) for j, v in enumerate(args) if id(v) in ids]
-            run, statics = launch_direct(fn, grid, args, options, {j for j, _ in slots} | {d[0] for d in descriptors})
-            bound.append((run, statics, slots, descriptors))
+            bound.append((*bind_tensors(fn, grid, args, options, tensors, [d[0] for d in descriptors]),
+                          descriptors))
         return bound
 
     def launches(self, a3, b3, ins, outs) -> list:

@@ -76,6 +76,24 @@ def launch_direct(fn, grid, args: list, options: dict, fresh: set):
     return run, [None if j in fresh else v for j, v in enumerate(full)]  # scratch stays referenced
 
 
+def bind_tensors(fn, grid, args: list, options: dict, tensors, fresh=()) -> tuple:
+    """``launch_direct`` of a launch whose arguments include some of ``tensors`` (a call's own,
+    by identity): (run, statics, slots), ``slots`` the (argument, tensor) positions that
+    ``filled`` puts a later call's tensors at; ``fresh``: further per-call positions."""
+    ids = {id(t): i for i, t in enumerate(tensors)}
+    slots = [(j, ids[id(v)]) for j, v in enumerate(args) if id(v) in ids]
+    run, statics = launch_direct(fn, grid, args, options, {j for j, _ in slots} | set(fresh))
+    return run, statics, slots
+
+
+def filled(statics: list, slots: list, tensors) -> list:
+    """A bound launch's arguments with this call's ``tensors`` in their ``slots``."""
+    args = list(statics)
+    for j, i in slots:
+        args[j] = tensors[i]
+    return args
+
+
 def tma_ready(t: torch.Tensor, what: str, schedule: str = "ws_strip") -> torch.Tensor:
     """``t``, when a TMA descriptor can address it: unit inner stride and 16-byte aligned rows."""
     if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * t.element_size() % 16 for s in t.stride()[:-1]):

@@ -2,16 +2,18 @@
 kernel, autotuned among its candidate plans on a GPU, or its original ops."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from ..ir import canonical_shape, evaluate, evaluate_by_rows, evaluate_with_scale
+from ..ir import canonical_shape, evaluate_by_rows, evaluate_with_scale
 from ..planner.cost import estimate_ms
 from . import prediction, tuning
 from .build import build, kernel_name
 from ..errors import KernelMismatch
 from .check import agreement_tolerance, compare, region_tolerance
 from .fused import Fused
-from .operands import Views, empty_output, operand3, prepare
+from .operands import Views, operand3, output_strides, prepare
 
 SPLIT_SCHEDULES = ("split", "ws_split")
 
@@ -40,11 +42,17 @@ class FusedRegion(Fused):
         """(shape, dtype) of each output: what a fake (meta) execution returns."""
         return [(shape, out.dtype) for shape, out in zip(self.out_shapes, self.region.outputs)]
 
-    def empty_outputs(self, device) -> list:
-        """The outputs' tensors as a launch returns them (``output_strides``: wide rows aligned)."""
+    @functools.cached_property
+    def _out_layouts(self) -> list:
+        """(shape, strides, dtype) of each output (``output_strides``: wide rows along N aligned)."""
         n = self.region.sizes.N
-        return [empty_output(shape, out.dtype, device, "N" in out.axes and tuple(shape)[-1:] == (n, ))
-                for shape, out in zip(self.out_shapes, self.region.outputs)]
+        return [(tuple(shape), output_strides(shape, out.dtype, "N" in out.axes and tuple(shape)[-1:] == (n, )),
+                 out.dtype) for shape, out in zip(self.out_shapes, self.region.outputs)]
+
+    def empty_outputs(self, device) -> list:
+        """The outputs' tensors as a launch returns them."""
+        return [torch.empty_strided(shape, strides, dtype=dtype, device=device)
+                for shape, strides, dtype in self._out_layouts]
 
     def tune(self, ext, device) -> None:
         """Pick the fastest of the candidate plans and the unfused ops (runtime/tuning.py),
@@ -139,9 +147,7 @@ class FusedRegion(Fused):
         rows = tuning.exact_rows(self.region)
         with torch.no_grad():
             a3, b3, ins = self.region_operands(ext)
-            a3, b3, ins = a3.detach(), b3.detach(), [t.detach() for t in ins]
-            refs = evaluate(self.region, a3, b3, ins) if rows >= self.region.sizes.M else \
-                evaluate_by_rows(self.region, a3, b3, ins, rows)
+            refs = evaluate_by_rows(self.region, a3.detach(), b3.detach(), [t.detach() for t in ins], rows)
         return [r.reshape(shape) for r, shape in zip(refs, self.out_shapes)]
 
     def canonical(self, ext):

@@ -16,12 +16,11 @@ from ..codegen.gluon import strip
 from ..codegen.source import KernelSource
 from ..codegen.triton import emit
 from ..codegen.triton.split import as_split
-from ..errors import UnsupportedLayout
 from ..planner import Plan
 from ..planner.onepass import parts
 from . import cache
 from .kernel import Kernel
-from .launch import interpreting, launch_direct, layout_key, sm90_only, sm_count, tma_ready
+from .launch import bind_tensors, filled, interpreting, launch_direct, layout_key, sm90_only, sm_count, tma_ready
 
 
 def config(plan: Plan):
@@ -136,11 +135,7 @@ class LseKernel:
         k = self.plan.form.template.logits
         if k is None:
             return dummy
-        out = outs[k][0]
-        if out.stride(1) != 1 or out.stride(0) * out.element_size() % 16 or out.data_ptr() % 16:
-            raise UnsupportedLayout("ws_split writes the logits by TMA: unit column stride, rows 16-byte "
-                                    f"aligned; got strides {out.stride()}")
-        return out
+        return tma_ready(outs[k][0], "the logits (written by TMA)", "ws_split")
 
     def operands(self, a3, b3, ins):
         t = self.plan.form.template
@@ -170,10 +165,7 @@ class LseKernel:
         bound = None if on_cpu else self._bound.get(key)
         if bound is not None:  # a later call with the layout: the compiled kernel, this call's tensors
             run, statics, slots = bound
-            args = list(statics)
-            for j, i in slots:
-                args[j] = tensors[i]
-            run(*args)
+            run(*filled(statics, slots, tensors))
             return
         args = helper.arguments(a3, b3, ins, outs, ws, None, 0)
         options = helper.options(a3, b3, ins, outs, on_cpu)
@@ -182,10 +174,7 @@ class LseKernel:
             return
         # through Triton's JIT once per layout, as the Triton plans bind their launches
         # (kernel.py): the JIT's argument binding and specialisation cost tens of microseconds
-        ids = {id(t): i for i, t in enumerate(tensors)}
-        slots = [(j, ids[id(v)]) for j, v in enumerate(args) if id(v) in ids]
-        run, statics = launch_direct(self.combine_fn, grid, args, options, {j for j, _ in slots})
-        self._bound[key] = (run, statics, slots)
+        self._bound[key] = bind_tensors(self.combine_fn, grid, args, options, tensors)
 
     def statistics(self, a3, b3, ins, outs) -> torch.Tensor:
         """Run the template alone (writing the logits where the region has them); its workspace

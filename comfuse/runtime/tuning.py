@@ -220,13 +220,11 @@ def exact_rows(region) -> int:
     GPT-2's vocabulary) and its float64 outputs fit EXACT_OUTPUT_LIMIT_BYTES, a slice whose
     intermediates are EXACT_SLICE_BYTES each; else raises MemoryError."""
     s = region.sizes
-    try:
-        exact_fits([region])
+    if s.B * s.M * s.N * 8 <= EXACT_LIMIT_BYTES:
         return s.M
-    except MemoryError:
-        outputs = sum(s.B * s.M * (s.N if "N" in o.axes else 1) * 8 for o in region.outputs)
-        if not rows_independent(region) or outputs > EXACT_OUTPUT_LIMIT_BYTES:
-            raise
+    outputs = sum(s.B * s.M * (s.N if "N" in o.axes else 1) * 8 for o in region.outputs)
+    if not rows_independent(region) or outputs > EXACT_OUTPUT_LIMIT_BYTES:
+        exact_fits([region])  # (raises, saying why)
     return max(1, EXACT_SLICE_BYTES // (s.B * s.N * 8))
 
 
