@@ -127,7 +127,8 @@ class LseKernel:
     def config(self):
         t = self.plan.form.template
         return strip.StripConfig(kind=strip.KIND_LSE, residual=0, b_kmajor=self.plan.region.gemm.b.major == "K",
-                                 group_m=strip.GROUP_M, lse_out=t.logits is not None, exact_max=t.exact_max)
+                                 group_m=strip.GROUP_M, lse_out=t.logits is not None, exact_max=t.exact_max,
+                                 pick=t.pick is not None and t.logits is None)
 
     def logits(self, outs, dummy):
         """What the template writes its tile to: the region's logits output ([M, N], unit

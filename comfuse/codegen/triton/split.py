@@ -200,7 +200,8 @@ class SplitEmitter(Emitter):
     def emit_lse_combine(self, describe: str) -> KernelSource:
         """The combine kernel of a ws_split plan (the Gluon template's KIND_LSE, codegen/gluon/
         strip.py): its workspace holds [CHUNKS = tiles per row, M] per-tile log-sum-exps, then
-        [M] target logits, written only where a row's target is a column, then with the row
+        [M] target logits, written only where a row's target is a column (where the template
+        writes no logits; else they are read from the logits), then with the row
         maxima [CHUNKS, M] per-tile maxima. Merged per row, they stand in for the one-pass
         form's statistics (planner/template.py, ``match_lse``: the log-sum-exp for itself and
         for a max that only shifts, else the row max; the pick for the sum of
@@ -243,8 +244,13 @@ class SplitEmitter(Emitter):
             inp = op.tile.inputs[t.target]
             rows = self.offsets(f"in{t.target}", inp.axes).replace("offs_m[:, None]", "offs_m")
             self.line(f"target = tl.load({rows}, mask=mask_m, other=-1)")
-            self.line(f"stat{t.pick} = tl.load(ws_ptr + CHUNKS * M + offs_m, mask=mask_m & (target >= 0) & "
-                      f"(target < N), other=0.0)  # the logit at the target column")
+            inside = "mask=mask_m & (target >= 0) & (target < N), other=0.0"
+            if t.logits is None:
+                self.line(f"stat{t.pick} = tl.load(ws_ptr + CHUNKS * M + offs_m, {inside})  # the logit at the target")
+            else:  # the template wrote the logits: the one at the row's target, read from them
+                k = t.logits
+                self.line(f"stat{t.pick} = tl.load(out{k}_ptr + offs_m * stride_out{k}_m + target * stride_out{k}_n, "
+                          f"{inside}).to(tl.float32)  # the logit at the target")
         return self.combine_source(original, op, f"the combine of {describe}", "", 4, 1)
 
 
