@@ -69,3 +69,14 @@ def randn(*shape, dtype=torch.float32, device=None, scale=1.0, gen=None):
 def weight(K, N, dtype=torch.float32, device=None, gen=None):
     device = device or DEVICE
     return (torch.randn(K, N, generator=gen) / math.sqrt(max(K, 1))).to(dtype=dtype, device=device)
+
+
+def training_forward_head(logits, t):
+    """An LM head's training forward as AOTAutograd's partition leaves it (Inductor's
+    decomposition of log_softmax and nll_loss): the logits, the row max and the log-sum are
+    saved for the backward beside the loss."""
+    x = logits.float()
+    row_max = x.amax(-1, keepdim=True)
+    log_sum = torch.log(torch.exp(x - row_max).sum(-1, keepdim=True))
+    logp = x - row_max - log_sum
+    return logits, row_max, log_sum, -logp.gather(-1, t[:, None])[:, 0]

@@ -156,23 +156,27 @@ def test_the_template_computes_the_region(name, N, residual_tma):
 
 @needs_interpreter
 @pytest.mark.parametrize("N", [1024, 2560, 1105])
-@pytest.mark.parametrize("name", ["linear_ce", "lse", "logits_and_ce"])
+@pytest.mark.parametrize("name", ["linear_ce", "lse", "logits_and_ce", "training_forward"])
 def test_the_terminal_template_and_its_combine_compute_the_loss(name, N):
     """The template's terminal kind (ws_split: each tile's log-sum-exp per row and the logit at
     the row's target, in grouped tile order) and the combine kernel after it (Triton's
     interpreter), for cross-entropy (ignored targets included) and the log-sum-exp; and with
     the logits as an output beside the loss (a language model returns both), which the
-    template then writes too."""
+    template then writes too; and a training forward's head (the logits, the row max and the
+    log-sum saved for the backward, the loss), for which it stores each tile's row max."""
     import torch.nn.functional as F
+    from helpers import training_forward_head
     fns = {"linear_ce": lambda x, w, t: F.cross_entropy(x @ w, t, reduction="none"),
            "lse": lambda x, w, t: torch.logsumexp(x @ w, -1),
-           "logits_and_ce": lambda x, w, t: (x @ w, F.cross_entropy((x @ w).float(), t, reduction="none"))}
+           "logits_and_ce": lambda x, w, t: (x @ w, F.cross_entropy((x @ w).float(), t, reduction="none")),
+           "training_forward": lambda x, w, t: training_forward_head(x @ w, t)}
     args = (torch.randn(256, 64).to(bf), torch.randn(64, N).to(bf), torch.randint(0, N, (256, )))
     region = region_of(fns[name], args)
     with settings.override(schedule="ws_split"):
         p = plan(region, target="cuda")
     assert not isinstance(p, NotFused), p.reason
-    assert (p.form.template.logits is not None) == (name == "logits_and_ce")
+    assert (p.form.template.logits is not None) == (name in ("logits_and_ce", "training_forward"))
+    assert p.form.template.exact_max == (name == "training_forward")
     checks = emulate.check(p, *operands(region), programs=7)
     assert len(checks) == len(region.outputs)
     for c in checks:

@@ -15,6 +15,7 @@ from comfuse.planner import plan
 from comfuse.planner import NotFused, candidates
 from comfuse.planner.template import fits, match, match_lse
 
+from helpers import training_forward_head
 from test_codegen import run_compiler_script
 
 bf = torch.bfloat16
@@ -91,7 +92,7 @@ def test_the_planner_offers_the_template_on_cuda_only_and_at_whole_tiles():
 
 def test_every_variant_compiles_for_sm90_without_spilling_much():
     """LayerNorm (residual by TMA or by the epilogue, nn.Linear's B), RMSNorm, MBLR, softmax, a strip
-    of 12 tiles (not a power of two), and the terminal log-sum-exp kind at 128 tiles a row: 12 warps at <= 168 registers, <= 227 KB of shared memory,
+    of 12 tiles (not a power of two), and the terminal log-sum-exp kind at 128 tiles a row (with the logits, the row maxima): 12 warps at <= 168 registers, <= 227 KB of shared memory,
     the two partitions' register budgets (setmaxnreg) as planned."""
     script = textwrap.dedent("""
         import json, re
@@ -107,7 +108,9 @@ def test_every_variant_compiles_for_sm90_without_spilling_much():
                 "lse_kmajor": (S.StripConfig(kind=4, residual=0, group_m=8, b_kmajor=True), 32768),
                 "lse_logits": (S.StripConfig(kind=4, residual=0, group_m=8, b_kmajor=True, lse_out=True), 32768),
                 "lse_logits_partial": (S.StripConfig(kind=4, residual=0, group_m=8, b_kmajor=True, lse_out=True),
-                                       50257)}
+                                       50257),
+                "lse_logits_max": (S.StripConfig(kind=4, residual=0, group_m=8, b_kmajor=True, lse_out=True,
+                                                 exact_max=True), 50257)}
         out = {}
         for name, (cfg, n) in cfgs.items():
             k = S.compile_sm90(cfg, N=n)
@@ -176,7 +179,9 @@ CE_FORMS = {
     "ce_float_none_ignore": lambda x, w, t: F.cross_entropy((x @ w).float(), t, ignore_index=3, reduction="none"),
     "ce_sum_linear": lambda x, w, t: F.cross_entropy(F.linear(x, w.t().contiguous()), t, reduction="sum"),
     "logsumexp": lambda x, w, t: torch.logsumexp((x @ w).float(), -1),
+    "training_forward": lambda x, w, t: training_forward_head(x @ w, t),
 }
+
 
 
 def ce_region(fn, M=256, K=64, N=1024):
@@ -189,6 +194,7 @@ def test_the_terminal_kind_matches_cross_entropy_and_log_sum_exp(name):
     t, why = match_lse(ce_region(CE_FORMS[name]))
     assert why == "", why
     assert t.lse and (t.pick is None) == (name == "logsumexp")
+    assert t.exact_max == (name == "training_forward")
 
 
 def test_the_terminal_kind_writes_the_logits_beside_the_loss_and_nothing_else():
@@ -203,14 +209,24 @@ def test_the_terminal_kind_writes_the_logits_beside_the_loss_and_nothing_else():
 @pytest.mark.parametrize("fn, why", [
     (lambda x, w, t: F.cross_entropy((x @ w).float(), t, label_smoothing=0.1), "is not the log-sum-exp"),
     (lambda x, w, t: torch.logsumexp(torch.relu(x @ w).float(), -1), "is not the log-sum-exp"),
-    (lambda x, w, t: (x @ w).float().amax(-1) + torch.logsumexp((x @ w).float(), -1), "more than a shift"),
     (lambda x, w, t: (x @ w).float().amax(-1), "needs a log-sum-exp"),
-], ids=["label_smoothing", "lse_of_relu", "max_as_output", "max_alone"])
+], ids=["label_smoothing", "lse_of_relu", "max_alone"])
 def test_the_terminal_kind_refuses_other_statistics(fn, why):
     """Label smoothing (a plain sum of the logits), a log-sum-exp of something else, and a max
-    that is an output rather than a shift are not the kind's statistics."""
+    without a log-sum-exp are not the kind's statistics."""
     t, reason = match_lse(ce_region(fn))
     assert t is None and why in reason, reason
+
+
+def test_a_max_the_outputs_need_makes_the_template_store_the_row_maxima():
+    """A max used only as a shift (log_softmax's) has the log-sum-exp stand in; one the outputs
+    need (a training forward returns the row max for its backward) is the row max itself,
+    from per-tile maxima the template stores beside its log-sum-exps."""
+    t, why = match_lse(ce_region(lambda x, w, t: F.cross_entropy((x @ w).float(), t)))
+    assert why == "" and not t.shifts or not t.exact_max
+    t, why = match_lse(ce_region(lambda x, w, t: ((x @ w).float().amax(-1),
+                                                  torch.logsumexp((x @ w).float(), -1))))
+    assert why == "" and t.shifts and t.exact_max and "its max" in t.describe()
 
 
 def test_the_planner_offers_the_terminal_kind_for_losses_on_cuda_only():
@@ -227,8 +243,9 @@ def test_the_planner_offers_the_terminal_kind_for_losses_on_cuda_only():
 def lse_combine_against_reference(p, M: int, K: int, N: int, seed: int = 1) -> None:
     """Run a ws_split plan's combine kernel on the workspace its Gluon template would leave
     for random operands (each tile's log-sum-exp of x @ W per row, the logit at each row's
-    target where the target is a column, NaN elsewhere: never read) and compare the outputs
-    with the region's float64 reference; targets outside [0, N) (ignored rows) included."""
+    target where the target is a column, NaN elsewhere: never read; each tile's row max where
+    the plan stores them; the logits where it writes them) and compare the outputs with the
+    region's float64 reference; targets outside [0, N) (ignored rows) included."""
     from comfuse.ir.interpret import canonical_shape, evaluate
     from comfuse.runtime.build import build
     kernel = build(p)
@@ -251,23 +268,31 @@ def lse_combine_against_reference(p, M: int, K: int, N: int, seed: int = 1) -> N
     refs = evaluate(region, a3, b3, ins)
     v = a3[0].double() @ b3[0].double()
     tiles = N // 256
-    ws = torch.full(((tiles + 1) * M, ), float("nan"), dtype=torch.float32)
+    exact_max = p.form.template.exact_max
+    ws = torch.full((((2 if exact_max else 1) * tiles + 1) * M, ), float("nan"), dtype=torch.float32)
     ws[:tiles * M] = torch.logsumexp(v.view(M, tiles, 256), 2).t().reshape(-1).float()
+    if exact_max:
+        ws[(tiles + 1) * M:] = v.view(M, tiles, 256).amax(2).t().reshape(-1).float()
     if p.form.template.target is not None:
         target = ins[p.form.template.target].reshape(-1)
         inside = ((target >= 0) & (target < N)).nonzero()[:, 0]
         ws[tiles * M + inside] = v[inside, target[inside]].float()
     outs = [torch.full(canonical_shape(region, o.axes), float("nan"), dtype=o.dtype) for o in region.outputs]
+    if p.form.template.logits is not None:  # as the template leaves them (the combine reads the target's)
+        outs[p.form.template.logits].view(M, N).copy_(v)
     kernel.combine(a3, b3, ins, outs, ws)
-    for out, ref in zip(outs, refs):
+    for k, (out, ref) in enumerate(zip(outs, refs)):
+        if k == p.form.template.logits:  # (written by the template, not the combine)
+            continue
         assert torch.equal(torch.isnan(out), torch.isnan(ref))
         ok = ~torch.isnan(ref)
         err = (out.double()[ok] - ref[ok]).abs().max().item() if ok.any() else 0.0
-        tol = 1e-4 if out.dtype == torch.float32 else 2.0 ** -7  # (a bf16 loss: 1.5 of its ulps at most)
+        # (a bf16 loss: 1.5 of its ulps at most; a target's logit read from the bf16 logits: half an ulp)
+        tol = 1e-4 if out.dtype == torch.float32 and p.form.template.logits is None else 2.0 ** -7
         assert err <= tol * max(1.0, ref[ok].abs().max().item() if ok.any() else 1.0), err
 
 
-@pytest.mark.parametrize("name", ["ce_float_none_ignore", "ce_mean", "logsumexp"])
+@pytest.mark.parametrize("name", ["ce_float_none_ignore", "ce_mean", "logsumexp", "training_forward"])
 def test_the_terminal_combine_turns_the_templates_workspace_into_the_outputs(name):
     """The contract between the Gluon template's KIND_LSE (GPU only) and the generated combine
     kernel (run here by Triton's interpreter), at 5 tiles a row (not a power of two)."""

@@ -152,18 +152,21 @@ def match(region: Region, trials: int = 2) -> tuple[StripTemplate | None, str]:
 @dataclasses.dataclass(frozen=True)
 class LseTemplate:
     """The template's KIND_LSE reading of a region's one-pass form (planner/onepass.py): every
-    statistic is the log-sum-exp of the GEMM's value, its max (used only as a shift, so the
-    log-sum-exp stands in for it), or the sum of ``where(column == target, value, 0)``, the
-    value at the row's target column (the pick)."""
+    statistic is the log-sum-exp of the GEMM's value, its max, or the sum of
+    ``where(column == target, value, 0)``, the value at the row's target column (the pick). A
+    max used only as a shift has the log-sum-exp stand in for it; one the outputs need exactly
+    (a training forward saves the row max for its backward) makes the template store each
+    tile's row max too (``exact_max``)."""
     lse: tuple  # indices into OnePass.stats
-    shifts: tuple
+    shifts: tuple  # the max statistics
     pick: int | None
     target: int | None  # index into Region.inputs: the int64 [M] targets
     logits: int | None = None  # index into Region.outputs: x @ W in bf16, written by the template too
+    exact_max: bool = False  # the max statistics are the row max itself (per-tile maxima stored)
 
     def describe(self) -> str:
-        return ("per-row log-sum-exp of x @ W" + (" and its value at a target column" if self.pick is not None
-                                                  else "") +
+        return ("per-row log-sum-exp of x @ W" + (" and its max" if self.exact_max else "") +
+                (" and its value at a target column" if self.pick is not None else "") +
                 (" (a loss's statistics), and x @ W itself" if self.logits is not None else
                  " (a loss's statistics; no [M, N] output)"))
 
@@ -195,9 +198,10 @@ def _pick_target(region: Region, nodes, i: int) -> int | None:
 
 def match_lse(region: Region) -> tuple[LseTemplate | None, str]:
     """(template, '') when KIND_LSE computes ``region``'s statistics, else (None, why not). The
-    shape is read from the one-pass form; that each max statistic only shifts (the outputs do
+    shape is read from the one-pass form; whether each max statistic only shifts (the outputs do
     not change when the log-sum-exp replaces it) is checked by evaluating the combine step in
-    float64 on random statistics, to 1e-9."""
+    float64 on random statistics, to 1e-9; where one does more, the template stores the row
+    maxima (``exact_max``)."""
     g = region.gemm
     if region.kind != "gemm_epilogue" or g.batched:
         return None, "the template takes one unbatched GEMM and its epilogue"
@@ -230,6 +234,14 @@ def match_lse(region: Region) -> tuple[LseTemplate | None, str]:
                           "of x @ W")
     if not lse or len(picks) > 1:
         return None, "the log-sum-exp kind needs a log-sum-exp of x @ W and at most one target pick"
+    pick, target = picks[0] if picks else (None, None)
+    exact_max = bool(shifts) and not _lse_stands_in(region, op, picks)
+    return LseTemplate(tuple(lse), tuple(shifts), pick, target, logits, exact_max), ""
+
+
+def _lse_stands_in(region: Region, op, picks: list) -> bool:
+    """Whether the outputs stay the same when the log-sum-exp replaces each max statistic (the
+    combine step evaluated in float64 on random statistics, to 1e-9)."""
     gen = torch.Generator().manual_seed(0)
     M, N = 6, 8
     v = torch.randn(1, M, N, generator=gen, dtype=torch.float64) * 3
@@ -254,8 +266,6 @@ def match_lse(region: Region) -> tuple[LseTemplate | None, str]:
             inside = (t >= 0) & (t < N)
             exact[(k, "")] = standin[(k, "")] = torch.where(
                 inside, v.gather(2, t.clamp(0, N - 1)), torch.zeros((), dtype=torch.float64))
-    for a, b in zip(evaluate_combine(op, exact, inputs, v.device), evaluate_combine(op, standin, inputs, v.device)):
-        if a is not None and not torch.allclose(a.double(), b.double(), rtol=1e-9, atol=1e-9, equal_nan=True):
-            return None, "a max statistic is used for more than a shift (the log-sum-exp cannot stand in)"
-    pick, target = picks[0] if picks else (None, None)
-    return LseTemplate(tuple(lse), tuple(shifts), pick, target, logits), ""
+    return all(a is None or torch.allclose(a.double(), b.double(), rtol=1e-9, atol=1e-9, equal_nan=True)
+               for a, b in zip(evaluate_combine(op, exact, inputs, v.device),
+                               evaluate_combine(op, standin, inputs, v.device)))

@@ -128,7 +128,7 @@ def _split(plan, em, a3, b3, ins, outs, name, source):
     M, K = a.shape
     N = b.shape[0] if cfg.b_kmajor else b.shape[1]
     dummy = torch.empty(BM, BN, dtype=torch.bfloat16)
-    ws = torch.full((strip.workspace_numel(M, N, strip.KIND_LSE), ), float("nan"))
+    ws = torch.full((strip.workspace_numel(M, N, strip.KIND_LSE, cfg.exact_max), ), float("nan"))
     counters = torch.zeros(M // BM, dtype=torch.int64)
     logits = lse.logits(outs, dummy)  # (the dummy where the region has no logits output)
     args = [Desc(a, (BM, 64)), Desc(b, (BN, 64) if cfg.b_kmajor else (64, BN)), Desc(logits, (BM, BN)),

@@ -108,7 +108,7 @@ class LseKernel:
     log-sum-exp of its columns, and the logit at the row's target) and the generated Triton
     combine kernel that merges them and computes the outputs (codegen/triton/split.py,
     ``emit_lse_combine``). Memory besides inputs and outputs: (N / 256 + 1) fp32 per row, 0.8 %
-    of the bf16 logits."""
+    of the bf16 logits (with the row maxima, 2 N / 256 + 1)."""
     plan: Plan
     source: KernelSource  # the combine's
     combine_fn: object
@@ -125,8 +125,10 @@ class LseKernel:
         return Kernel(as_split(self.plan), self.source, self.combine_fn)
 
     def config(self):
+        t = self.plan.form.template
         return strip.StripConfig(kind=strip.KIND_LSE, residual=0, b_kmajor=self.plan.region.gemm.b.major == "K",
-                                 group_m=strip.GROUP_M, lse_out=self.plan.form.template.logits is not None)
+                                 group_m=strip.GROUP_M, lse_out=t.logits is not None, exact_max=t.exact_max,
+                                 pick=t.pick is not None and t.logits is None)
 
     def logits(self, outs, dummy):
         """What the template writes its tile to: the region's logits output ([M, N], unit
@@ -148,8 +150,8 @@ class LseKernel:
     def workspace(self, device, M: int, N: int):
         key = (str(device), M, N)
         if key not in self._scratch:
-            self._scratch[key] = (torch.empty(strip.workspace_numel(M, N, strip.KIND_LSE), dtype=torch.float32,
-                                              device=device),
+            numel = strip.workspace_numel(M, N, strip.KIND_LSE, self.plan.form.template.exact_max)
+            self._scratch[key] = (torch.empty(numel, dtype=torch.float32, device=device),
                                   torch.empty(strip.BM, strip.BN, dtype=torch.bfloat16, device=device))
         return self._scratch[key]
 

@@ -6,7 +6,8 @@ strip spans several tiles, the epilogue in warps of its own beside the next tile
     out = v * rsqrt(mean(v^2) + eps) (* gamma)            KIND_RMSNORM
     out = softmax(v) along N                              KIND_SOFTMAX
     ws  = per tile and row: log-sum-exp of its 256 columns, KIND_LSE (terminal: no [M, N] output,
-          and the row's logit at a target column)           cross-entropy's statistics;
+          the row's logit at a target column, and with      cross-entropy's statistics;
+          EXACT_MAX the tile's row max)
     out = v                                               with LSE_OUT (the logits beside them, by TMA)
 
 KIND_LSE is the terminal reduction (a loss over a vocabulary-wide row): each tile leaves one
@@ -78,6 +79,8 @@ class StripConfig:
     maxnreg: int = 168
     group_m: int = 0  # 0: tiles in row-strip order (the strip kinds need it); else grouped, GROUP_M row blocks
     lse_out: bool = False  # KIND_LSE: also write the bf16 tile (the logits) by TMA through ``r_desc``
+    exact_max: bool = False  # KIND_LSE: also store each tile's row max (a saved row max is then exact)
+    pick: bool = True  # KIND_LSE: store the logit at each row's target (else the combine reads it from the logits)
 
     def constexprs(self, tiles_n: int, even_n: bool = True) -> dict:
         """``even_n``: N is whole tiles (KIND_LSE may take a last partial tile: its columns past N,
@@ -85,7 +88,8 @@ class StripConfig:
         return dict(KIND=self.kind, HAS_BIAS=self.has_bias, RES=self.residual, HAS_GAMMA=self.has_gamma,
                     HAS_BETA=self.has_beta, RELU=self.relu, B_KMAJOR=self.b_kmajor, TILES_N=tiles_n,
                     TILES_P2=pow2(tiles_n), STAGES=self.stages, CHUNK=CHUNK, EPI_WARPS=self.epi_warps,
-                    EPI_REGS=self.epi_regs, GROUP_M=self.group_m, LSE_OUT=self.lse_out, EVEN_N=even_n)
+                    EPI_REGS=self.epi_regs, GROUP_M=self.group_m, LSE_OUT=self.lse_out, EVEN_N=even_n,
+                    EXACT_MAX=self.exact_max, PICK=self.pick)
 
 
 @gluon.jit
@@ -95,11 +99,12 @@ def _epilogue_partition(tile_smem, mean_smem, rstd_smem, tile_ready, tile_free, 
                         HAS_GAMMA: gl.constexpr, HAS_BETA: gl.constexpr, RELU: gl.constexpr,
                         TILES_N: gl.constexpr, TILES_P2: gl.constexpr, GROUP_M: gl.constexpr, BM: gl.constexpr,
                         BN: gl.constexpr, CHUNK: gl.constexpr, EPI_WARPS: gl.constexpr, LSE_OUT: gl.constexpr,
-                        EVEN_N: gl.constexpr):
+                        EVEN_N: gl.constexpr, EXACT_MAX: gl.constexpr, PICK: gl.constexpr):
     """The epilogue (see the module's docstring). Workspace: [strips, 2, TILES_N, BM] fp32; for
     KIND_LSE [TILES_N, M] (each tile's log-sum-exp per row), then [M] (the target's logit,
-    written by the tile holding the row's target; ``aux_ptr``: the targets, int64 [M]); with
-    LSE_OUT the tile itself too, by TMA through ``r_desc`` (the logits a model returns beside its loss)."""
+    written by the tile holding the row's target, with PICK; ``aux_ptr``: the targets, int64 [M]), with
+    EXACT_MAX then [TILES_N, M] (each tile's row max); with LSE_OUT the tile itself too, by TMA
+    through ``r_desc`` (the logits a model returns beside its loss)."""
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [EPI_WARPS, 1], [1, 0])
     row_l: gl.constexpr = gl.SliceLayout(1, layout)
     rows = gl.arange(0, CHUNK, layout=row_l)
@@ -120,7 +125,7 @@ def _epilogue_partition(tile_smem, mean_smem, rstd_smem, tile_ready, tile_free, 
             bias = gl.load(bias_ptr + off_n + cols).to(gl.float32)
         if RES == 1:
             r_next = gl.load(res_ptr + (off_m + rows)[:, None] * N + (off_n + cols)[None, :])
-        if KIND == 4:  # where the rows' targets fall in this tile, read while the tile is computed:
+        if KIND == 4 and PICK:  # where the rows' targets fall in this tile, read while the tile is computed:
             # each warp holds all BM (its own test of whether any is here), the chunks read
             # theirs from shared memory (mean_smem: this kind has no mean)
             local = gl.load(aux_ptr + off_m + pcol) - off_n
@@ -149,10 +154,14 @@ def _epilogue_partition(tile_smem, mean_smem, rstd_smem, tile_ready, tile_free, 
                 if not EVEN_N:  # the last tile's columns past N: no part of any row
                     v = gl.where(((off_n + cols) < N)[None, :], v, -float("inf"))
                 mx = gl.max(v, axis=1)
-                total = gl.sum(exp2_fast((v - mx[:, None]) * LOG2E), axis=1)
+                total = gl.sum(exp2_fast(v * LOG2E - (mx * LOG2E)[:, None]), axis=1)  # (one FFMA an element)
                 row = off_m + c * CHUNK + rows
                 gl.store(ws_ptr + tn * M + row, mx + gl.log(total))
-                if found > 0:  # (a tile of 256 columns holds few targets)
+                if EXACT_MAX:
+                    gl.store(ws_ptr + (TILES_N + 1 + tn) * M + row, mx)
+                if not PICK:
+                    pass
+                elif found > 0:  # (a tile of 256 columns holds few targets)
                     col = mean_smem.slice(c * CHUNK, CHUNK).load(row_l).to(gl.int32)
                     here = (col >= 0) & (col < BN)
                     pick = gl.sum(gl.where(cols[None, :] == col[:, None], v, 0.0), axis=1)
@@ -235,7 +244,8 @@ def strip_kernel(a_desc, b_desc, r_desc, bias_ptr, res_ptr, gamma_ptr, beta_ptr,
                  HAS_BETA: gl.constexpr, RELU: gl.constexpr, B_KMAJOR: gl.constexpr, TILES_N: gl.constexpr,
                  TILES_P2: gl.constexpr, STAGES: gl.constexpr,
                  CHUNK: gl.constexpr, EPI_WARPS: gl.constexpr, EPI_REGS: gl.constexpr, GROUP_M: gl.constexpr,
-                 LSE_OUT: gl.constexpr, EVEN_N: gl.constexpr, num_warps: gl.constexpr):
+                 LSE_OUT: gl.constexpr, EVEN_N: gl.constexpr, EXACT_MAX: gl.constexpr, PICK: gl.constexpr,
+                 num_warps: gl.constexpr):
     BM: gl.constexpr = a_desc.block_type.shape[0]
     BK: gl.constexpr = a_desc.block_type.shape[1]
     BN: gl.constexpr = r_desc.block_type.shape[1]
@@ -261,7 +271,7 @@ def strip_kernel(a_desc, b_desc, r_desc, bias_ptr, res_ptr, gamma_ptr, beta_ptr,
         (_epilogue_partition, (tile_smem, mean_smem, rstd_smem, tile_ready, tile_free, r_desc, bias_ptr, res_ptr,
                                gamma_ptr, beta_ptr, out_ptr, aux_ptr, ws_ptr, counter_ptr, num_tiles, M, N, eps,
                                KIND, HAS_BIAS, RES, HAS_GAMMA, HAS_BETA, RELU, TILES_N, TILES_P2, GROUP_M, BM, BN,
-                               CHUNK, EPI_WARPS, LSE_OUT, EVEN_N)),
+                               CHUNK, EPI_WARPS, LSE_OUT, EVEN_N, EXACT_MAX, PICK)),
     ], [EPI_WARPS], [EPI_REGS])
 
 
@@ -327,9 +337,9 @@ def launch(cfg: StripConfig, a, b, out, **kw) -> int:
     return grid[0]
 
 
-def workspace_numel(M: int, N: int, kind: int = KIND_LAYERNORM) -> int:
-    if kind == KIND_LSE:  # [TILES_N, M] log-sum-exps, then [M] target logits
-        return (-(-N // BN) + 1) * M
+def workspace_numel(M: int, N: int, kind: int = KIND_LAYERNORM, exact_max: bool = False) -> int:
+    if kind == KIND_LSE:  # [TILES_N, M] log-sum-exps, then [M] target logits (then [TILES_N, M] maxima)
+        return (-(-N // BN) * (2 if exact_max else 1) + 1) * M
     return (M // BM) * 2 * (N // BN) * BM
 
 

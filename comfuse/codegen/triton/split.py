@@ -200,9 +200,11 @@ class SplitEmitter(Emitter):
     def emit_lse_combine(self, describe: str) -> KernelSource:
         """The combine kernel of a ws_split plan (the Gluon template's KIND_LSE, codegen/gluon/
         strip.py): its workspace holds [CHUNKS = tiles per row, M] per-tile log-sum-exps, then
-        [M] target logits, written only where a row's target is a column. Merged per row, they
-        stand in for the one-pass form's statistics (planner/template.py, ``match_lse``: the
-        log-sum-exp for itself and for a max that only shifts; the pick for the sum of
+        [M] target logits, written only where a row's target is a column (where the template
+        writes no logits; else they are read from the logits), then with the row
+        maxima [CHUNKS, M] per-tile maxima. Merged per row, they stand in for the one-pass
+        form's statistics (planner/template.py, ``match_lse``: the log-sum-exp for itself and
+        for a max that only shifts, else the row max; the pick for the sum of
         where(column == target, x, 0), 0 for a target outside [0, N)); then the combine step."""
         t = self.template
         op = self.plan.form.onepass
@@ -226,14 +228,29 @@ class SplitEmitter(Emitter):
         self.line("lse = run_m + tl.log(run_s)")
         for k in t.lse:
             self.line(f"stat{k} = lse  # log-sum-exp of %{op.stats[k].node}")
+        if t.exact_max and t.shifts:  # the row max, over the tiles' maxima (after the pick: CHUNKS + 1)
+            self.line('row_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)')
+            self.line("for j0 in range(0, CHUNKS, 32):")
+            self.line("jj = j0 + tl.arange(0, 32)", 2)
+            self.line("part = tl.load(ws_ptr + (CHUNKS + 1 + jj[:, None]) * M + offs_m[None, :], "
+                      'mask=(jj < CHUNKS)[:, None] & mask_m[None, :], other=float("-inf"))', 2)
+            self.line("row_max = tl.maximum(row_max, tl.max(part, 0))", 2)
         for k in t.shifts:
-            self.line(f"stat{k} = lse  # max of %{op.stats[k].node}: only a shift, the log-sum-exp stands in")
+            if t.exact_max:
+                self.line(f"stat{k} = row_max  # max of %{op.stats[k].node}")
+            else:
+                self.line(f"stat{k} = lse  # max of %{op.stats[k].node}: only a shift, the log-sum-exp stands in")
         if t.pick is not None:
             inp = op.tile.inputs[t.target]
             rows = self.offsets(f"in{t.target}", inp.axes).replace("offs_m[:, None]", "offs_m")
             self.line(f"target = tl.load({rows}, mask=mask_m, other=-1)")
-            self.line(f"stat{t.pick} = tl.load(ws_ptr + CHUNKS * M + offs_m, mask=mask_m & (target >= 0) & "
-                      f"(target < N), other=0.0)  # the logit at the target column")
+            inside = "mask=mask_m & (target >= 0) & (target < N), other=0.0"
+            if t.logits is None:
+                self.line(f"stat{t.pick} = tl.load(ws_ptr + CHUNKS * M + offs_m, {inside})  # the logit at the target")
+            else:  # the template wrote the logits: the one at the row's target, read from them
+                k = t.logits
+                self.line(f"stat{t.pick} = tl.load(out{k}_ptr + offs_m * stride_out{k}_m + target * stride_out{k}_n, "
+                          f"{inside}).to(tl.float32)  # the logit at the target")
         return self.combine_source(original, op, f"the combine of {describe}", "", 4, 1)
 
 
