@@ -159,13 +159,12 @@ def _epilogue_partition(tile_smem, mean_smem, rstd_smem, tile_ready, tile_free, 
                 gl.store(ws_ptr + tn * M + row, mx + gl.log(total))
                 if EXACT_MAX:
                     gl.store(ws_ptr + (TILES_N + 1 + tn) * M + row, mx)
-                if not PICK:
-                    pass
-                elif found > 0:  # (a tile of 256 columns holds few targets)
-                    col = mean_smem.slice(c * CHUNK, CHUNK).load(row_l).to(gl.int32)
-                    here = (col >= 0) & (col < BN)
-                    pick = gl.sum(gl.where(cols[None, :] == col[:, None], v, 0.0), axis=1)
-                    gl.store(ws_ptr + TILES_N * M + row, pick, mask=here)
+                if PICK:
+                    if found > 0:  # (a tile of 256 columns holds few targets)
+                        col = mean_smem.slice(c * CHUNK, CHUNK).load(row_l).to(gl.int32)
+                        here = (col >= 0) & (col < BN)
+                        pick = gl.sum(gl.where(cols[None, :] == col[:, None], v, 0.0), axis=1)
+                        gl.store(ws_ptr + TILES_N * M + row, pick, mask=here)
             elif KIND == 1:  # this tile's mean and M2 per row
                 mean = gl.sum(v, axis=1) / BN
                 d = v - mean[:, None]
