@@ -61,6 +61,16 @@ def assert_matches_reference(fn, args, outs, tol=None):
         assert c.ok, f"fused result differs from the float64 reference: {c}"
 
 
+def assert_grads_close(got, want, tol: float = 1e-5) -> None:
+    """Gradients compared as one vector, norm-wise: fp32 sums reordered (a fused kernel's, or
+    Inductor's own vectorised CPU code) move a small element by more than an elementwise
+    tolerance allows."""
+    g = torch.cat([t.detach().reshape(-1).double() for t in got])
+    w = torch.cat([t.detach().reshape(-1).double() for t in want])
+    err = ((g - w).norm() / w.norm().clamp_min(1e-30)).item()
+    assert err <= tol, f"gradients differ: rel err {err:.3e} (tol {tol:.0e})"
+
+
 def randn(*shape, dtype=torch.float32, device=None, scale=1.0, gen=None):
     device = device or DEVICE
     return (torch.randn(*shape, generator=gen) * scale).to(dtype=dtype, device=device)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 import comfuse
 from comfuse import backend as backend_reports, settings
 
-from helpers import DEVICE
+from helpers import DEVICE, assert_grads_close
 
 pytestmark = pytest.mark.filterwarnings("ignore::comfuse.ComfuseWarning", "ignore::UserWarning")
 
@@ -768,8 +768,7 @@ def test_a_training_graph_keeps_the_fused_form_only_if_its_forward_and_step_both
         step = isinstance(outs["fused"], tuple)  # gradients
         timed.append(step)
         if step:
-            for a, b in zip(outs["fused"], outs["inductor"]):
-                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+            assert_grads_close(outs["fused"], outs["inductor"])
         return {"fused": 1.0, "inductor": 2.0 if step else 1.5}  # fused wins both
     monkeypatch.setattr(graph_check, "_time_graphs", time_graphs)
     model = PostNorm().to(DEVICE)
@@ -814,8 +813,7 @@ def test_a_backward_that_fuses_where_the_forward_did_not_is_timed_against_induct
         step = isinstance(outs["fused"], tuple)
         timed.append(step)
         if step:
-            for a, b in zip(outs["fused"], outs["inductor"]):
-                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+            assert_grads_close(outs["fused"], outs["inductor"])
         return {"fused": 1.0 if winner == "fused" else 3.0, "inductor": 2.0}
     monkeypatch.setattr(graph_check, "_time_graphs", time_graphs)
     torch.manual_seed(0)
@@ -832,7 +830,7 @@ def test_a_backward_that_fuses_where_the_forward_did_not_is_timed_against_induct
     got = (x.grad.clone(), model.w.grad.clone())
     x.grad = model.w.grad = None
     model(x).square().sum().backward()
-    torch.testing.assert_close(got, (x.grad, model.w.grad), rtol=1e-4, atol=1e-5)
+    assert_grads_close(got, (x.grad, model.w.grad))
 
 
 def test_a_backward_that_fails_to_lower_with_regions_runs_inductors_compilation(monkeypatch, fused_regions_win):
@@ -863,8 +861,8 @@ def test_a_backward_that_fails_to_lower_with_regions_runs_inductors_compilation(
     again = (x.grad.clone(), model.w.grad.clone())
     x.grad = model.w.grad = None
     model(x).square().sum().backward()
-    torch.testing.assert_close(got, (x.grad, model.w.grad), rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(again, got, rtol=1e-4, atol=1e-5)
+    assert_grads_close(got, (x.grad, model.w.grad))
+    assert_grads_close(again, got)
 
 
 @pytest.mark.parametrize("fuses", ["inference", "forward", "backward only"])

@@ -240,7 +240,7 @@ def losses(draw):
 @given(losses())
 def test_random_losses_the_terminal_template_accepts_are_what_it_computes(case):
     """The Gluon template's terminal kind (ws_split) on random losses (bf16, whole tiles): the
-    matcher accepts only regions whose statistics are the log-sum-exp, max (as a shift) and
+    matcher accepts only regions whose statistics are the log-sum-exp, max (a shift, or stored) and
     target pick of x @ W. Every accepted one must give the float64 reference from the
     workspace the template would leave (its combine kernel run by the interpreter); the
     others are refused with the reason. (The template itself runs on the H200 only.)"""
