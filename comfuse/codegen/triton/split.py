@@ -215,26 +215,26 @@ class SplitEmitter(Emitter):
         self.function(f"{self.name}_combine", sig, SPLIT_CONSTEXPRS,
                       "merge each row's per-tile log-sum-exps and its target logit; compute the outputs")
         self.row_block()
-        self.line("# log-sum-exp over the row's tiles, 32 tiles at a time (a running max and a rescaled sum)")
+        maxima = t.exact_max and t.shifts  # the tiles' row maxima, after the picks: from CHUNKS + 1
+        self.line("# log-sum-exp over the row's tiles, 32 tiles at a time (a running max and a rescaled sum)"
+                  + ("; the row max over the tiles' maxima" if maxima else ""))
         self.line('run_m = tl.full((BLOCK_M,), float("-inf"), tl.float32)')
         self.line("run_s = tl.zeros((BLOCK_M,), dtype=tl.float32)")
+        if maxima:
+            self.line('row_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)')
         self.line("for j0 in range(0, CHUNKS, 32):")
         self.line("jj = j0 + tl.arange(0, 32)", 2)
-        self.line("part = tl.load(ws_ptr + jj[:, None] * M + offs_m[None, :], "
-                  'mask=(jj < CHUNKS)[:, None] & mask_m[None, :], other=float("-inf"))', 2)
+        self.line('tiles = (jj < CHUNKS)[:, None] & mask_m[None, :]', 2)
+        self.line('part = tl.load(ws_ptr + jj[:, None] * M + offs_m[None, :], mask=tiles, other=float("-inf"))', 2)
         self.line("new_m = tl.maximum(run_m, tl.max(part, 0))", 2)
         self.line("run_s = run_s * tl.exp(run_m - new_m) + tl.sum(tl.exp(part - new_m[None, :]), 0)", 2)
         self.line("run_m = new_m", 2)
+        if maxima:
+            self.line("row_max = tl.maximum(row_max, tl.max(tl.load(ws_ptr + (CHUNKS + 1 + jj[:, None]) * M + "
+                      'offs_m[None, :], mask=tiles, other=float("-inf")), 0))', 2)
         self.line("lse = run_m + tl.log(run_s)")
         for k in t.lse:
             self.line(f"stat{k} = lse  # log-sum-exp of %{op.stats[k].node}")
-        if t.exact_max and t.shifts:  # the row max, over the tiles' maxima (after the pick: CHUNKS + 1)
-            self.line('row_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)')
-            self.line("for j0 in range(0, CHUNKS, 32):")
-            self.line("jj = j0 + tl.arange(0, 32)", 2)
-            self.line("part = tl.load(ws_ptr + (CHUNKS + 1 + jj[:, None]) * M + offs_m[None, :], "
-                      'mask=(jj < CHUNKS)[:, None] & mask_m[None, :], other=float("-inf"))', 2)
-            self.line("row_max = tl.maximum(row_max, tl.max(part, 0))", 2)
         for k in t.shifts:
             if t.exact_max:
                 self.line(f"stat{k} = row_max  # max of %{op.stats[k].node}")
