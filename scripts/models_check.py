@@ -153,7 +153,7 @@ def run(name: str, layers: int, rounds: int, out, forms, out_dir: Path) -> list:
                 loss = step(cm, model, kwargs).float()
                 torch.cuda.synchronize()
                 row["first_call_s"] = round(time.perf_counter() - t0, 1)
-                row["loss_rel_err"] = float((loss - ref_loss).abs() / ref_loss.abs())
+                row["loss_rel_err"] = float((loss.detach() - ref_loss).abs() / ref_loss.abs())
                 row["grads_rel_err"] = rel(grads(model), ref_grads)
                 with torch.no_grad():
                     cm(**kwargs)  # (the inference graph compiles here)
