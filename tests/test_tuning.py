@@ -653,3 +653,28 @@ def test_a_stored_unfused_decision_compiles_nothing_inside_the_backend(monkeypat
         standalone = comfuse.compile(wl.fn, args)
         standalone(*args)
     assert compiled_ops == ["ops"]
+
+
+def test_candidates_autotuning_did_not_choose_keep_no_workspace(monkeypatch, fresh_cache):
+    """Every candidate's first launch allocates the scratch it keeps (a strip's workspace and
+    arrival counters); once autotuning has chosen, the others drop theirs (an LM head's eight
+    or nine candidates held about 33 MB each for good), and the chosen kernel keeps its own."""
+    from comfuse.runtime import build as building
+    from comfuse.runtime.build import build
+    monkeypatch.setattr(building, "CHOSEN", set())  # (no kernel chosen by another test's region)
+    wl = SUITE["ln_postnorm"]
+    args = wl.inputs(16, 16, 100, device=DEVICE)
+    fake_timer(monkeypatch, falling())  # the last candidate is the fastest
+    compiled = comfuse.compile(wl.fn, args)  # (its example call autotunes)
+    module = fused_module(compiled)
+    assert module.plan is module.alternatives[-1] and compiled.report.regions[0].fused
+    others = [build(p) for p in module.alternatives[:-1]]
+    assert any(p.schedule == "cooperative" for p in module.alternatives[:-1])  # (one that had a workspace)
+    assert all(not k._scratch and not k._bound for k in others)
+    out = compiled(*args)  # the chosen kernel runs as before
+    assert_matches_reference(wl.fn, args, out)
+    assert all(not k._scratch for k in others)
+    # a released kernel, launched again, allocates anew and computes the same
+    module.plan, module.kernel = module.alternatives[0], None
+    assert_matches_reference(wl.fn, args, compiled(*args))
+    assert build(module.alternatives[0])._scratch

@@ -41,9 +41,35 @@ BUILDERS = {"ws_strip": strip_kernel.build,   # the hand-written Gluon template
             "ws_stages": stages_kernel.build}  # a Gluon kernel generated from the region's stages
 
 
+CHOSEN: set = set()  # names of the kernels regions run (``chosen``)
+
+
 def build(plan: Plan):
     """Generate (or reuse) the kernel for ``plan``."""
     name = kernel_name(plan)
     if name not in _kernels:
         _kernels[name] = BUILDERS.get(plan.schedule, _triton_kernel)(plan, name)
     return _kernels[name]
+
+
+def chosen(plan: Plan):
+    """The kernel for ``plan``, which a region runs from now on (``release`` keeps its scratch:
+    a CUDA graph may have captured its launches)."""
+    CHOSEN.add(kernel_name(plan))
+    return build(plan)
+
+
+def release(kernel) -> None:
+    """Drop what ``kernel`` keeps between launches, unless some region runs it (``chosen``):
+    its scratch (workspace and arrival counters) and its prepared launches, which hold that
+    scratch. For the candidates autotuning did not choose: each kept its workspace for good,
+    and an LM head's eight or nine candidates at 8192 x 128256 held about 33 MB each. Launched
+    again, it allocates anew (counters at zero, as at its first launch)."""
+    plan = getattr(kernel, "plan", None)
+    if plan is None or kernel_name(plan) in CHOSEN:
+        return
+    for kept in ("_scratch", "_bound"):
+        held = getattr(kernel, kept, None)
+        if isinstance(held, dict):
+            held.clear()
+

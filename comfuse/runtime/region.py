@@ -9,7 +9,7 @@ import torch
 from ..ir import canonical_shape, evaluate_by_rows, evaluate_with_scale
 from ..planner.cost import estimate_ms
 from . import prediction, tuning
-from .build import build, kernel_name
+from .build import build, chosen, kernel_name, release
 from ..errors import KernelMismatch
 from .check import agreement_tolerance, compare, region_tolerance
 from .fused import Fused
@@ -87,13 +87,16 @@ class FusedRegion(Fused):
         kept = tuning.memory_first(self.region, decision) if decision["choice"] == tuning.UNFUSED else ""
         if kept:  # slower fused, but the unfused ops would hold a huge intermediate
             decision = dict(decision, choice=kept)
+        for i, kernel in kernels.items():  # (the candidates not chosen keep no workspace)
+            if names[i] != decision["choice"]:
+                release(kernel)
         if decision["choice"] == tuning.UNFUSED:
             self.keep_unfused(ext, decision, "every fused plan")
             return
         times = decision["times_ms"]
         self.prefer_unfused = False
         self.plan = self.alternatives[names.index(decision["choice"])]
-        self.kernel = build(self.plan)
+        self.kernel = chosen(self.plan)
         self.report.fused, self.report.reason = True, ""
         self.report.schedule, self.report.stages = self.plan.schedule, len(self.plan.stages)
         self.report.plan = (f"{self.plan.describe()} (autotuned: {times[decision['choice']]:.4f} ms vs "
@@ -107,7 +110,7 @@ class FusedRegion(Fused):
         reference afterwards (COMFUSE_CHECK)."""
         if kernel is None:
             if self.kernel is None:
-                self.kernel = build(self.plan)
+                self.kernel = chosen(self.plan)
                 self.report.kernel_path = self.kernel.path
             kernel = self.kernel
         batched = self.region.gemm.batched
