@@ -152,11 +152,20 @@ def tune_on_random_inputs(fused: fx.GraphModule) -> None:
                 # laid out as Inductor lays them out in the graph (rows padded for alignment):
                 # the unfused ops' cuBLAS GEMMs were timed on unaligned rows otherwise, slower
                 # than in the graph, and a region won alone that lost in the model
-                args = [random_like(v, padded_by_inductor(a)) for a, v in zip(node.args, vals)]
+                args = draw_indices(module, [random_like(v, padded_by_inductor(a)) for a, v in zip(node.args, vals)])
                 getattr(module, "choose", module)(*args)  # (the choice only: ops it prefers go back into the graph)
         except Exception as e:
             fallback(f"backend: autotuning the region at {module.report.anchor} failed", e,
                      "it decides at its first call")
+
+
+def draw_indices(module, args: list) -> list:
+    """``args`` with each integer input the region compares with a column or row index (its
+    ``index_bounds``: a loss's targets) drawn uniformly below its bound, in place of zeros."""
+    for position, bound in getattr(module, "index_bounds", {}).items():
+        if isinstance(args[position], torch.Tensor) and bound > 0:
+            args[position].random_(0, bound)
+    return args
 
 
 def symbolic(values) -> bool:

@@ -678,3 +678,30 @@ def test_candidates_autotuning_did_not_choose_keep_no_workspace(monkeypatch, fre
     module.plan, module.kernel = module.alternatives[0], None
     assert_matches_reference(wl.fn, args, compiled(*args))
     assert build(module.alternatives[0])._scratch
+
+
+def test_autotunings_random_targets_are_drawn_across_the_columns():
+    """A loss's targets, compared in the region with the column index, are drawn in [0, N)
+    for autotuning's random inputs (zeros would put every target in column 0, where a
+    template that picks in-kernel ran faster than on the model's targets); other integer
+    inputs stay zeros, and the draw leaves the region's result as its ops compute it."""
+    import torch.nn.functional as F
+
+    from comfuse import inductor_pass
+
+    def f(x, w, t):
+        return F.cross_entropy(F.linear(x, w).float(), t)
+    args = (torch.randn(16, 32), torch.randn(300, 32), torch.randint(0, 300, (16, )))
+    module = next(iter(comfuse.compile(f, args).fused_regions()))
+    assert module.index_bounds == {2: 300}
+    ext = [args[0], args[1].t(), torch.zeros(16, 1, dtype=torch.int64), torch.rand(16), torch.rand(16) > 0.3]
+    drawn = inductor_pass.draw_indices(module, ext)[2]
+    assert drawn.min() >= 0 and drawn.max() < 300 and drawn.unique().numel() > 1
+    for got, want in zip(module(*ext), module.unfused(*ext)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.manual_seed(0)
+    for dtype in (torch.int64, torch.int32):
+        t = inductor_pass.draw_indices(type("Region", (), {"index_bounds": {0: 5}})(), [torch.zeros(64, dtype=dtype)])[0]
+        assert t.dtype == dtype and 0 <= t.min() and t.max() < 5 and t.unique().numel() > 1
+    assert inductor_pass.draw_indices(object(), [torch.zeros(3, dtype=torch.int64)])[0].eq(0).all()
+
