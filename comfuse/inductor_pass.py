@@ -163,8 +163,9 @@ def draw_indices(module, args: list) -> list:
     """``args`` with each integer input the region compares with a column or row index (its
     ``index_bounds``: a loss's targets) drawn uniformly below its bound, in place of zeros."""
     for position, bound in getattr(module, "index_bounds", {}).items():
-        if isinstance(args[position], torch.Tensor) and bound > 0:
-            args[position].random_(0, bound)
+        t = args[position]
+        if isinstance(t, torch.Tensor) and bound > 0 and all(st or n < 2 for n, st in zip(t.shape, t.stride())):
+            t.random_(0, bound)  # (not a broadcast view, whose elements share memory)
     return args
 
 

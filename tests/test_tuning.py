@@ -704,4 +704,6 @@ def test_autotunings_random_targets_are_drawn_across_the_columns():
         t = inductor_pass.draw_indices(type("Region", (), {"index_bounds": {0: 5}})(), [torch.zeros(64, dtype=dtype)])[0]
         assert t.dtype == dtype and 0 <= t.min() and t.max() < 5 and t.unique().numel() > 1
     assert inductor_pass.draw_indices(object(), [torch.zeros(3, dtype=torch.int64)])[0].eq(0).all()
+    broadcast = torch.zeros(1, dtype=torch.int64).expand(8)  # (elements sharing memory: left as they are)
+    assert inductor_pass.draw_indices(type("Region", (), {"index_bounds": {0: 5}})(), [broadcast])[0].eq(0).all()
 
