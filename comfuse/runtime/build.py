@@ -65,11 +65,7 @@ def release(kernel) -> None:
     scratch. For the candidates autotuning did not choose: each kept its workspace for good,
     and an LM head's eight or nine candidates at 8192 x 128256 held about 33 MB each. Launched
     again, it allocates anew (counters at zero, as at its first launch)."""
-    plan = getattr(kernel, "plan", None)
-    if plan is None or kernel_name(plan) in CHOSEN:
+    if kernel_name(kernel.plan) in CHOSEN:
         return
-    for kept in ("_scratch", "_bound"):
-        held = getattr(kernel, kept, None)
-        if isinstance(held, dict):
-            held.clear()
-
+    for kept in ("_scratch", "_bound"):  # (dicts on every kernel class that has them)
+        getattr(kernel, kept, {}).clear()
