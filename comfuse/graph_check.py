@@ -107,8 +107,16 @@ def _time_graphs(calls: dict, device) -> dict:
     in a training or serving loop), in three interleaved rounds with a rotating order: the
     median of the rounds. 3 to 20 calls a round, fewer the slower a call (a one-second
     training step costs ~20 s here, not minutes)."""
+    return {n: statistics.median(t) for n, t in time_rounds(calls, device, 3).items()}
+
+
+def time_rounds(calls: dict, device, rounds: int) -> dict:
+    """name -> [ms per call in each round]: ``rounds`` interleaved rounds of back-to-back calls
+    of each of ``calls`` (the order rotating each round, so a drift of the GPU's speed falls on
+    every call alike), one synchronisation per round; 3 to 20 calls a round, fewer the slower
+    a call, after a first untimed call and one timed call of each."""
     def sync():
-        if device.type == "cuda":
+        if torch.device(device).type == "cuda":
             torch.cuda.synchronize(device)
     names = list(calls)
     slowest = 0.0
@@ -120,16 +128,16 @@ def _time_graphs(calls: dict, device) -> dict:
         sync()
         slowest = max(slowest, time.perf_counter() - t0)
     reps = max(3, min(20, int(GRAPH_TIMING_S / max(slowest, 1e-6))))
-    rounds = {n: [] for n in names}
-    for r in range(3):
+    times = {n: [] for n in names}
+    for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             sync()
             t0 = time.perf_counter()
             for _ in range(reps):
                 calls[name]()
             sync()
-            rounds[name].append((time.perf_counter() - t0) / reps * 1e3)
-    return {n: statistics.median(t) for n, t in rounds.items()}
+            times[name].append((time.perf_counter() - t0) / reps * 1e3)
+    return times
 
 
 def faster_graph(gm: fx.GraphModule, example_inputs, fused, regions: int, saves_memory: bool, compile_plain,

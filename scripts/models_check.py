@@ -10,7 +10,11 @@ forward and one step: every kernel's GPU time, and the host time of each launch 
 profiler's CPU record of an Inductor kernel launch, of a comfuse kernel Inductor launches,
 and of a ``comfuse::region`` operator call). For comfuse, the regions of every graph Inductor
 lowered, with each fused region's autotuned time against its unfused ops' (standalone, on
-random inputs), summed per graph: what the region should save inside the model.
+random inputs), summed per graph: what the region should save inside the model. The compiled
+forms stay cached side by side, and at the end their forward and step are timed again in
+interleaved rounds (the order rotating), so a drift of the GPU's clocks over the run falls on
+every form alike (not with a reduce-overhead form, whose CUDA graphs' pools would count in
+the others' peaks: each form is then compiled after a reset, as before).
 
 Forms: ``inductor`` (default mode); ``comfuse`` (the backend's defaults: regions autotuned,
 the fused graph kept only where it beats Inductor's in the whole-graph check); ``forced``
@@ -133,6 +137,12 @@ def configure(form: str):
     return over, {"backend": "inductor" if base == "inductor" else "comfuse", **({"mode": mode} if mode else {})}
 
 
+def interleaves(forms) -> bool:
+    """Whether the forms are timed again side by side at the end: forms that keep CUDA graphs
+    hold their memory pools, which would count in every later form's peak."""
+    return len(forms) > 1 and not any("reduce-overhead" in f or f.endswith("@max-autotune") for f in forms)
+
+
 def run(name: str, layers: int, rounds: int, out, forms, out_dir: Path) -> list:
     torch.manual_seed(0)
     model, batch, seq, inputs = build(name, layers)
@@ -140,9 +150,14 @@ def run(name: str, layers: int, rounds: int, out, forms, out_dir: Path) -> list:
     kwargs = inputs(batch, seq)
     ref_loss = step(model, model, kwargs).float()
     ref_grads = grads(model)
-    rows = []
+    rows, calls = [], {}
+    side_by_side = interleaves(forms)
+    torch._dynamo.reset()
+    if side_by_side and hasattr(torch._dynamo.config, "recompile_limit"):  # (each form's graphs stay cached)
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(forms))
     for form in forms:
-        torch._dynamo.reset()
+        if not side_by_side:
+            torch._dynamo.reset()
         inductor_pass.REPORTS.clear()
         row = {"model": name, "layers": layers, "batch": batch, "seq": seq, "form": form}
         try:
@@ -166,13 +181,30 @@ def run(name: str, layers: int, rounds: int, out, forms, out_dir: Path) -> list:
                     row["regions"] = region_rows()
                     row["graph_checks"] = [{k: v for k, v in c.items() if isinstance(v, (int, float, str, bool))}
                                            for c in comfuse.backend.GRAPH_CHECKS]
+                calls[form] = cm
         except Exception as e:  # reported, not hidden
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         print(json.dumps(row), file=out, flush=True)
         print(json.dumps({k: row.get(k) for k in ("model", "form", "first_call_s", "forward_ms", "step_ms", "error")}),
               flush=True)
         rows.append(row)
+    if side_by_side and len(calls) > 1:
+        rows.append(side_by_side_times(name, calls, model, kwargs, rounds))
+        print(json.dumps(rows[-1]), file=out, flush=True)
+        print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def side_by_side_times(name: str, compiled: dict, model, kwargs, rounds: int) -> dict:
+    """The compiled forms' forward and training step timed again in interleaved rounds (the
+    order rotating each round), so that a drift of the GPU's clocks over the run (heat,
+    power) falls on every form alike rather than on the one timed last."""
+    with torch.no_grad():
+        forward = bench_models.time_side_by_side({f: (lambda cm=cm: cm(**kwargs)) for f, cm in compiled.items()},
+                                                 rounds)
+    steps = bench_models.time_side_by_side({f: (lambda cm=cm: step(cm, model, kwargs)) for f, cm in compiled.items()},
+                                           rounds)
+    return {"model": name, "side_by_side": {f: {"forward_ms": forward[f], "step_ms": steps[f]} for f in compiled}}
 
 
 def modes(name: str, mode: str, out, forced: bool = False, sizes: int = 2, backend: str = "comfuse") -> dict:
@@ -355,6 +387,13 @@ def markdown(rows: list) -> str:
                          f"{fmt(r.get('step_ms'))} | {tokens} | {r.get('step_peak_gib', '-')} | "
                          f"{r.get('loss_rel_err', float('nan')):.2e} | "
                          f"{r.get('grads_rel_err', float('nan')):.2e} | {hosts} | {r.get('error') or regions} |")
+    paired = [r for r in rows if "side_by_side" in r]
+    if paired:
+        lines += ["", "Side by side (the compiled forms timed again at the end, rounds interleaved):", "",
+                  "| model | form | forward ms [range] | step ms [range] |", "|---|---|---|---|"]
+        for r in paired:
+            for form, t in r["side_by_side"].items():
+                lines.append(f"| {r['model']} | {form} | {fmt(t['forward_ms'])} | {fmt(t['step_ms'])} |")
     started = [r for r in rows if "cold" in r]
     if started:
         lines += ["", "| model | backend | cold: first step s, first inference call s | warm (a new process): "

@@ -297,6 +297,24 @@ def test_models_check_forms_and_table():
     assert "| llama | max-autotune-no-cudagraphs, Inductor alone | 2x128: 20.5 s, 1.0e-05, 7.0e-03 |" in \
         mc.markdown([moded])
 
+    assert not mc.interleaves(["inductor@reduce-overhead", "comfuse@reduce-overhead"]) and mc.interleaves(
+        ["inductor", "comfuse"]) and not mc.interleaves(["comfuse"])
+    paired = {"model": "gpt2", "side_by_side": {"inductor": {"forward_ms": [2.5, 2.4, 2.6], "step_ms": [8, 7.9, 8.1]}}}
+    assert "| gpt2 | inductor | 2.500 [2.400..2.600] | 8.000 [7.900..8.100] |" in mc.markdown([row, paired])
+
+
+def test_side_by_side_rounds_rotate_the_order_and_time_every_call():
+    """``time_side_by_side``: each call is timed in every round, the order rotating, so a
+    call's place in the run does not favour it; each result is (median, min, max)."""
+    from comfuse.bench import models
+    order = []
+    calls = {n: (lambda n=n: order.append(n)) for n in ("a", "b", "c")}
+    times = models.time_side_by_side(calls, rounds=3, device="cpu")
+    assert set(times) == {"a", "b", "c"} and all(lo <= med <= hi for med, lo, hi in times.values())
+    reps = (len(order) - 6) // 9  # (two untimed calls each first)
+    firsts = [order[6 + r * 3 * reps] for r in range(3)]
+    assert firsts == ["a", "b", "c"]
+
 
 def test_memory_peak_lists_what_is_alive_at_the_peak():
     """scripts/memory_peak.py replays the allocator's history: the tensors alive when the

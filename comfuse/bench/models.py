@@ -154,6 +154,14 @@ def time_ms(call, rounds: int, device: str = "cuda") -> tuple:
     return statistics.median(out), min(out), max(out)
 
 
+def time_side_by_side(calls: dict, rounds: int, device: str = "cuda") -> dict:
+    """name -> (median, min, max) ms per call, as ``time_ms`` but with the calls' rounds
+    interleaved, the order rotating each round: a drift of the GPU's speed over the run falls
+    on every call alike, not on the one timed last."""
+    from ..graph_check import time_rounds
+    return {n: (statistics.median(t), min(t), max(t)) for n, t in time_rounds(calls, device, rounds).items()}
+
+
 def peak_gib(call, device: str = "cuda") -> float | None:
     """The most GPU memory allocated during one ``call``, in GiB (None off the GPU)."""
     if device != "cuda":
