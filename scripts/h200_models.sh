@@ -7,18 +7,21 @@
 #
 # Knobs: MODELS (gpt2,llama,bert,llama8b), LAYERS (2; llama8b runs 1), ROUNDS (5), FORMS
 # (inductor,comfuse), MODEL_S (limit a model, 200 s), TESTS ("heads,rest"; empty skips them),
-# TESTS_S (limit a part, 300 s).
+# TESTS_S (limit a part, 300 s), COMMIT (the commit to record, where the tree carries no git
+# history of its own). Each model starts with empty caches (comfuse's, Inductor's, Triton's),
+# so its first calls are cold on a machine that ran something before; autotuning's decisions
+# (each candidate's plan and time) are kept beside its log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/comfuse-out}
 RUN=$OUT/models-run
 mkdir -p "$RUN"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-trap 'rm -rf "$RUN"/*/cache; tgz=$(mktemp); (cd "$OUT" && tar czf "$tgz" models-run && rm -rf models-run && chmod 644 "$tgz" && mv "$tgz" all.tgz)' EXIT
+trap 'rm -rf "$RUN"/*/cache "$RUN"/*/caches; tgz=$(mktemp); (cd "$OUT" && tar czf "$tgz" models-run && rm -rf models-run && chmod 644 "$tgz" && mv "$tgz" all.tgz)' EXIT
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
-  git rev-parse --short HEAD 2>/dev/null
+  echo "commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}"
   date -u
 } > "$RUN/env.txt" 2>&1
 cat "$RUN/env.txt"
@@ -34,10 +37,11 @@ done
 IFS=, read -ra models <<< "${MODELS:-gpt2,llama,bert,llama8b}"
 for m in "${models[@]}"; do
   layers=${LAYERS:-2}; [ "$m" = llama8b ] && layers=1
-  mkdir -p "$RUN/$m"; s=$(date +%s)
-  COMFUSE_CACHE_DIR=$RUN/$m/cache OUT=$RUN/$m timeout "${MODEL_S:-200}" python3 scripts/models_check.py --models "$m" \
+  mkdir -p "$RUN/$m"; s=$(date +%s); c=$RUN/$m/caches
+  COMFUSE_CACHE_DIR=$c/comfuse TORCHINDUCTOR_CACHE_DIR=$c/inductor TRITON_CACHE_DIR=$c/triton OUT=$RUN/$m timeout "${MODEL_S:-200}" python3 scripts/models_check.py --models "$m" \
     --layers "$layers" --forms "${FORMS:-inductor,comfuse}" --rounds "${ROUNDS:-5}" --log > "$RUN/$m/log.txt" 2>&1
   echo "$m rc=$? in $(( $(date +%s) - s )) s"
+  [ -d "$c/comfuse/tuning" ] && cp -r "$c/comfuse/tuning" "$RUN/$m/decisions"
 done
 echo
 for m in "${models[@]}"; do

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import sys
@@ -263,6 +264,7 @@ def first_call_child(name: str, layers: int, backend: str, small: bool) -> None:
         batch, seq = 2, (64 if name == "vit" else 128)
     kwargs = inputs(batch, seq)
     sync = torch.cuda.synchronize if DEVICE == "cuda" else (lambda: None)
+    logging.getLogger("comfuse.models_check").info("first call: the model is built, torch.compile starts")
     t0 = time.perf_counter()  # (torch.compile's own imports included: Inductor's differ from the backend's)
     cm = torch.compile(model, backend=backend)
     loss = step(cm, model, kwargs).float()
@@ -292,14 +294,18 @@ def first_calls(name: str, layers: int, backends: list, out, out_dir: Path, smal
         row = {"model": name, "layers": layers, "backend": backend, "small": small}
         for run in ("cold", "warm"):
             args = [sys.executable, __file__, "--first-call-child", name, "--layers", str(layers),
-                    "--backend", backend] + (["--small"] if small else [])
+                    "--backend", backend, "--log", "info"] + (["--small"] if small else [])
             t0 = time.perf_counter()
             done = subprocess.run(args, env=env, capture_output=True, text=True)
+            # (its log, comfuse's progress with ms since the process started, says where a first call went)
+            (out_dir / f"first-call-{name}-{backend}-{run}.log").write_text(done.stderr)
             lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
             if done.returncode or not lines:
                 row[run] = {"error": (done.stderr.strip().splitlines() or ["no output"])[-1][:300]}
             else:
                 row[run] = {**json.loads(lines[-1]), "process_s": round(time.perf_counter() - t0, 1)}
+        if (caches / "comfuse" / "tuning").is_dir():  # (autotuning's decisions: each candidate's plan and time)
+            shutil.copytree(caches / "comfuse" / "tuning", out_dir / "decisions" / f"{name}-{backend}", dirs_exist_ok=True)
         shutil.rmtree(caches, ignore_errors=True)
         print(json.dumps(row), file=out, flush=True)
         print(json.dumps(row), flush=True)
@@ -334,7 +340,6 @@ def main() -> None:
                     help="comfuse's progress on stderr (debug: each candidate's times too), with ms since the start")
     args = ap.parse_args()
     if args.log:
-        import logging
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(relativeCreated)9.0f ms %(name)s: %(message)s"))
         logging.getLogger("comfuse").addHandler(handler)
