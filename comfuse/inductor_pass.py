@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
+import shutil
 
 import torch
 import torch.fx as fx
@@ -27,6 +29,7 @@ from . import settings as settings_mod
 from .errors import fallback
 from .kernel_node import keep_launchable, launch_from_inductor, launched_by_inductor, padded_by_inductor
 from .pipeline import compile_graph, fake_inputs
+from . import region_op
 from .region_op import register as register_region
 from .report import Report
 from .rewrite import inline, views_as_reshapes
@@ -319,16 +322,37 @@ def settings_text() -> str:
 
 _GUARDED: list = []  # [whether the guard is in place], once tried
 _ENTRY_GRAPHS = ("compiled_fw_func", "compiled_bw_func")  # AOTAutograd's make_entry: its compiled graphs
+_CALLED = re.compile(re.escape(REGION_CALL) + r"\.default\((\d+),")
+
+
+def called_regions(source: str) -> list:
+    """The ids of the regions a compiled graph's code calls."""
+    return [int(i) for i in _CALLED.findall(source)]
+
+
+_UNLOADABLE: set = set()  # keys of cached graphs that called regions this process could not load
+
+
+def _forget_entries(fx_graph_cache, key: str) -> None:
+    """Remove Inductor's cached graphs under ``key`` (a graph compiled again replaces them)."""
+    where = getattr(fx_graph_cache, "_get_tmp_dir_for_key", None)
+    if where is None:
+        return
+    try:
+        shutil.rmtree(where(key), ignore_errors=True)
+    except Exception:  # (another process's entry; the graph is only compiled again there)
+        pass
 
 
 def keep_region_calls_out_of_inductors_cache() -> bool:
-    """Make Inductor's FX graph cache skip storing a compiled graph whose code calls
-    ``comfuse::region``: the call names a region by an id of this process, which another
-    process's registry lacks. (A fused kernel Inductor launches itself is copied into the
-    graph's code, which then stands alone and is stored.) Skipping the store also leaves the
-    graph without a cache key, so AOTAutograd does not store an entry that points to it (where
-    a torch version would make one anyway and assert on the missing key, no entry is made).
-    False where this torch does not offer the hook, or bundles compiled graphs into its
+    """Make Inductor's FX graph cache store a compiled graph whose code calls
+    ``comfuse::region`` only where every region it calls is in comfuse's cache
+    (region_op.STORED), and give one back only where a later process can load them all
+    (otherwise it is a miss, and the graph is compiled again). The call names a region by an
+    id that process's registry lacks until it loads the region. A graph kept out is left
+    without a cache key, so AOTAutograd does not store an entry that points to it (where a
+    torch version would make one anyway and assert on the missing key, no entry is made).
+    False where this torch does not offer the hooks, or bundles compiled graphs into its
     AOTAutograd cache: the pass then asks for no caching at all."""
     try:
         from torch._functorch._aot_autograd.autograd_cache import should_bundle_autograd_cache
@@ -339,18 +363,22 @@ def keep_region_calls_out_of_inductors_cache() -> bool:
         return False
     if not _GUARDED:
         from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
-        hooks = [(FxGraphCache, "_save_graph"), (AOTAutogradCache, "make_entry"), (AOTAutogradCache, "save")]
+        hooks = [(FxGraphCache, "_save_graph"), (AOTAutogradCache, "make_entry"), (AOTAutogradCache, "save"),
+                 (FxGraphCache, "_lookup_graph")]
         entry_signature = inspect.signature(AOTAutogradCache.make_entry)
         if not all(isinstance(owner.__dict__.get(name), staticmethod) for owner, name in hooks) \
                 or not set(_ENTRY_GRAPHS) <= set(entry_signature.parameters):
             _GUARDED.append(False)
         else:
-            save_graph, make_entry, save_entry = (getattr(owner, name) for owner, name in hooks)
+            save_graph, make_entry, save_entry, lookup_graph = (getattr(owner, name) for owner, name in hooks)
 
             def _save_graph(key, compiled_graph, *args, **kwargs):
-                if REGION_CALL in (getattr(compiled_graph, "source_code", None) or REGION_CALL):
+                source = getattr(compiled_graph, "source_code", None)
+                if source is None or not set(called_regions(source)) <= region_op.STORED:
                     compiled_graph._fx_graph_cache_key = None  # (AOTAutograd: nothing to point to)
                     return None
+                if key in _UNLOADABLE:  # (its old entry would be found first again, and missed)
+                    _forget_entries(FxGraphCache, key)
                 return save_graph(key, compiled_graph, *args, **kwargs)
 
             def _make_entry(*args, **kwargs):
@@ -365,8 +393,16 @@ def keep_region_calls_out_of_inductors_cache() -> bool:
             def _save(key, entry, *args, **kwargs):
                 return None if entry is None else save_entry(key, entry, *args, **kwargs)
 
+            def _lookup_graph(key, *args, **kwargs):
+                graph, info = lookup_graph(key, *args, **kwargs)
+                if graph is not None and not region_op.loadable(called_regions(getattr(graph, "source_code", ""))):
+                    _UNLOADABLE.add(key)
+                    return None, info
+                return graph, info
+
             FxGraphCache._save_graph = staticmethod(_save_graph)
             AOTAutogradCache.make_entry = staticmethod(_make_entry)
             AOTAutogradCache.save = staticmethod(_save)
+            FxGraphCache._lookup_graph = staticmethod(_lookup_graph)
             _GUARDED.append(True)
     return _GUARDED[0]

@@ -708,23 +708,31 @@ def test_random_length_sequences_stay_correct_and_bounded(lengths, cap, norm):
     assert all(report is not None and report.regions[0].fused for _, _, report in lowered), lowered
 
 
-def test_region_ids_follow_what_the_region_computes(monkeypatch):
+def test_region_ids_follow_what_the_region_computes_and_name_it_in_comfuses_cache(monkeypatch, tmp_path):
     """Inductor caches compiled graphs on disk by their text, where a region is only its id:
-    the same registration order in another process must not give another region the same id."""
-    import itertools
+    the same registration order in another process must not give another region the same id;
+    and the region is stored in comfuse's cache under it, where a later process that takes the
+    graph from Inductor's cache loads it (an id it cannot load is a clear error)."""
     import types
 
-    from comfuse import region_op
+    from comfuse import region_op, settings
 
     def first_id(plan):
-        monkeypatch.setattr(region_op, "_ids", itertools.count())  # as in a fresh process
+        monkeypatch.setattr(region_op, "_seen", {})  # as in a fresh process
         module = types.SimpleNamespace(plan=plan, output_specs=[((4, 8), torch.float32)])
         i = region_op.register(module, [True, False])
         region_op.REGISTRY.pop(i)
         return i
-    assert first_id("plan A") == first_id("plan A")
-    assert first_id("plan A") != first_id("plan B")
-
+    with settings.override(cache_dir=tmp_path):
+        assert first_id("plan A") == first_id("plan A") != first_id("plan B")
+        i = first_id("plan B")
+        module, is_tensor = region_op.module_of(i)  # (loaded from the cache)
+        region_op.REGISTRY.pop(i)
+        assert module.plan == "plan B" and is_tensor == (True, False) and region_op.loadable([i])
+        region_op.REGISTRY.pop(i)
+        with pytest.raises(region_op.RegionMissing, match="cannot give back"):
+            region_op.module_of(12345)
+        assert not region_op.loadable([12345])
 
 
 @pytest.mark.parametrize("winner", ["fused", "inductor"])

@@ -95,16 +95,17 @@ def test_cache_info_and_clear(capsys, tmp_path):
     from comfuse import settings
     from comfuse.runtime import cache
     with settings.override(cache_dir=tmp_path):
-        for sub, name in (("kernels", "k.py"), ("tuning", "d.json"), ("measured", "m.json"), ("verdicts", "v.json")):
+        for sub, name in (("kernels", "k.py"), ("tuning", "d.json"), ("measured", "m.json"), ("verdicts", "v.json"),
+                          ("regions", "r.pt")):
             (tmp_path / sub).mkdir()
             (tmp_path / sub / name).write_text("{}")
         token = cache.generation()
         assert main(["cache", "info"]) == 0
-        assert "1 kernel sources, 1 autotuning decisions, 1 records of measured plans, 1 graph verdicts" \
-            in capsys.readouterr().out
+        assert "1 kernel sources, 1 autotuning decisions, 1 records of measured plans, 1 graph verdicts, " \
+            "1 fused regions of Inductor's cached graphs" in capsys.readouterr().out
         assert main(["cache", "clear"]) == 0
-        assert "removed 4 files" in capsys.readouterr().out
+        assert "removed 5 files" in capsys.readouterr().out
         assert cache.generation() != token  # (Inductor's graphs built with the pass are not reused)
         assert main(["cache", "info"]) == 0
-        assert "0 kernel sources, 0 autotuning decisions, 0 records of measured plans, 0 graph verdicts" \
-            in capsys.readouterr().out
+        assert "0 kernel sources, 0 autotuning decisions, 0 records of measured plans, 0 graph verdicts, " \
+            "0 fused regions of Inductor's cached graphs" in capsys.readouterr().out

@@ -1,6 +1,6 @@
 """A later process: what the backend kept for a graph is stored (verdicts.py), and Inductor's
-own disk caches answer for the graphs compiled with comfuse's pass, except those that call the
-``comfuse::region`` operator, whose ids belong to the process that made them."""
+own disk caches answer for the graphs compiled with comfuse's pass, also those that call the
+``comfuse::region`` operator, whose regions comfuse's cache stores under their ids."""
 import json
 import os
 import subprocess
@@ -50,6 +50,10 @@ STEP = textwrap.dedent("""
         from torch._functorch._aot_autograd import graph_compile
         graph_compile._should_save_cache = lambda *compiled: True
 
+    if "--through-the-operator" in sys.argv:  # no region launched by Inductor's wrapper
+        import comfuse.inductor_pass
+        comfuse.inductor_pass.LAUNCH_FROM_INDUCTOR = False
+
     passes = []
     real = backend.RegionPass.__call__
     def handed(self, graph):
@@ -71,7 +75,9 @@ STEP = textwrap.dedent("""
     ref.square().sum().backward()
     want = torch.cat([ref.detach().flatten()] + [p.grad.flatten() for p in model.parameters()])
     launches = [r.launch for report in backend.REPORTS for r in report.regions if r.fused]
+    from comfuse import region_op
     print(json.dumps({"err": ((got - want).norm() / want.norm()).item(), "handed": len(passes), "launches": launches,
+                      "regions": len(region_op.REGISTRY),
                       "fx": {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}}))
 """)
 
@@ -102,18 +108,37 @@ def test_a_later_process_takes_the_graphs_from_inductors_cache_where_they_call_n
 @pytest.mark.skipif(DEVICE != "cpu", reason="regions of CPU tensors fuse only where Triton's interpreter is on, "
                     "which it is not on a GPU machine; the GPU's own case is the gpu test below")
 @pytest.mark.parametrize("entries", ["keyed", "whatever-the-key"])
-def test_a_graph_that_calls_a_region_is_lowered_again_in_a_later_process(tmp_path, entries):
-    """On the CPU a fused region runs through the ``comfuse::region`` operator, whose id only
-    the process that registered it knows: Inductor must not store such a graph, and a second
-    process lowers it again rather than calling an id it does not have. Also where
-    AOTAutograd makes a cache entry whether or not the compiled graphs have a key, and asserts
-    that they do (torch 2.11)."""
+def test_a_graph_that_calls_a_region_comes_from_inductors_cache_in_a_later_process(tmp_path, entries):
+    """On the CPU a fused region runs through the ``comfuse::region`` operator, whose id names
+    a region this process registered and stored in comfuse's cache: Inductor stores the graph,
+    and a second process is handed no graph to lower, loads the regions the cached graphs call
+    from comfuse's cache, and trains the same. Also where AOTAutograd makes a cache entry
+    whether or not the compiled graphs have a key, and asserts that they do (torch 2.11)."""
     flags = ["--entry-whatever-the-key"] if entries == "whatever-the-key" else []
     first = run_step(tmp_path, {}, "cpu", *flags)
-    assert first["handed"] == 2 and first["err"] < 1e-5
+    assert first["handed"] == 2 and first["err"] < 1e-5 and first["launches"]
+    stored = list((tmp_path / "comfuse" / "regions").glob("*.pt"))
+    assert len(stored) == first["regions"] > 0
     second = run_step(tmp_path, {}, "cpu", *flags)
-    assert second["handed"] == 2 and second["err"] < 1e-5
-    assert not second["fx"].get("fxgraph_cache_hit")
+    assert second["handed"] == 0 and second["err"] < 1e-5
+    assert second["fx"].get("fxgraph_cache_hit") and second["regions"] > 0
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="regions of CPU tensors fuse only where Triton's interpreter is on, "
+                    "which it is not on a GPU machine; the GPU's own case is the gpu test below")
+def test_a_cached_graph_whose_region_cannot_be_loaded_is_compiled_again(tmp_path):
+    """A stored region damaged (or gone) after Inductor cached the graph that calls it: the
+    later process's lookup is a miss, the graph is lowered again, the region stored anew, and
+    the step trains the same; the process after that takes the graphs from the cache again."""
+    first = run_step(tmp_path, {}, "cpu")
+    assert first["handed"] == 2 and first["launches"]
+    for path in (tmp_path / "comfuse" / "regions").glob("*.pt"):
+        path.write_bytes(b"not a region")
+    second = run_step(tmp_path, {}, "cpu")
+    assert second["handed"] >= 1 and second["err"] < 1e-5
+    assert second["fx"].get("fxgraph_cache_miss")
+    third = run_step(tmp_path, {}, "cpu")
+    assert third["handed"] == 0 and third["err"] < 1e-5
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="regions of CPU tensors fuse only where Triton's interpreter is on, "
@@ -141,6 +166,19 @@ def test_a_later_process_takes_graphs_whose_kernels_inductor_launches_from_its_c
     assert first["launches"] and all(how.startswith("Inductor's wrapper") for how in first["launches"])
     second = run_step(tmp_path, options, "cuda", COMFUSE_CHECK="0")
     assert second["handed"] == 0 and second["err"] < 1e-4
+
+
+@pytest.mark.gpu
+def test_a_later_process_takes_graphs_whose_regions_run_through_the_operator_from_its_cache(tmp_path):
+    """On a GPU, regions run through the ``comfuse::region`` operator (as the Gluon kernels
+    do): the graphs are stored, and a second process is handed no graph to lower, loads the
+    regions from comfuse's cache and trains the same."""
+    options = {"autotune": "0", "graph_check": "0"}
+    first = run_step(tmp_path, options, "cuda", "--through-the-operator", COMFUSE_CHECK="0")
+    assert first["handed"] == 2 and first["err"] < 1e-4
+    assert first["launches"] and all(how.startswith("through the comfuse::region") for how in first["launches"])
+    second = run_step(tmp_path, options, "cuda", "--through-the-operator", COMFUSE_CHECK="0")
+    assert second["handed"] == 0 and second["err"] < 1e-4 and second["regions"] > 0
 
 
 class PostNorm(torch.nn.Module):
@@ -180,8 +218,10 @@ def test_a_graph_whose_fused_form_lost_runs_inductors_compilation_at_once_later(
 
 def test_a_damaged_verdict_is_decided_again(monkeypatch):
     """A verdict that does not parse is not trusted: the graph is lowered as if none were
-    stored, and the verdict is written anew."""
+    stored, and the verdict is written anew. (Inductor's FX graph cache off: it would give
+    the graph back without the pass.)"""
     import comfuse.inductor_pass as pass_mod
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
     lowered = []
     real = pass_mod.lower
     monkeypatch.setattr(pass_mod, "lower", lambda *a, **k: lowered.append(1) or real(*a, **k))

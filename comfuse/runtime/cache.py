@@ -34,11 +34,11 @@ def kernel_dir() -> Path:
     return settings.get().cache_dir / "kernels"
 
 
-def atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, text: str | bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)
         os.replace(tmp, path)
     except BaseException:
@@ -84,7 +84,8 @@ def generation() -> str:
 
 # what the cache directory holds: (folder, its files, what they are)
 CONTENTS = (("kernels", "*.py", "kernel sources"), ("tuning", "*.json", "autotuning decisions"),
-            ("measured", "*.json", "records of measured plans"), ("verdicts", "*.json", "graph verdicts"))
+            ("measured", "*.json", "records of measured plans"), ("verdicts", "*.json", "graph verdicts"),
+            ("regions", "*.pt", "fused regions of Inductor's cached graphs"))
 
 
 def _files(sub: str) -> list:
@@ -116,8 +117,8 @@ def new_generation() -> int:
 
 def clear() -> int:
     """Delete every file of ``CONTENTS`` (kernel sources, autotuning decisions, the GPU's
-    record of measured plans, the graphs' verdicts) and start a new generation
-    (``new_generation``); return how many files went."""
-    count = _remove("kernels") + _remove("tuning") + _remove("measured") + new_generation()
+    record of measured plans, the graphs' verdicts, the stored regions) and start a new
+    generation (``new_generation``); return how many files went."""
+    count = _remove("kernels") + _remove("tuning") + _remove("measured") + _remove("regions") + new_generation()
     _loaded.clear()
     return count

@@ -38,6 +38,15 @@ class Fused(torch.nn.Module):
         self.separate = None  # the unfused ops as autotuning timed them (Inductor on a GPU)
         self.separate_form = None  # the form autotuning chose for them, when read from a decision
 
+    def __getstate__(self):
+        """What a later process loads (region_op.py stores regions in comfuse's cache): the
+        plan autotuning chose, not its built kernel, nor the ops as Inductor compiled them;
+        that process builds them again and checks its first call again."""
+        state = dict(self.__dict__)
+        state.update(kernel=None, separate=None, validated=set(),
+                     _modules={k: m for k, m in self._modules.items() if k != "separate"})
+        return state
+
     def empty_outputs(self, device) -> list:
         """The outputs' tensors as a launch returns them (what a fake execution returns)."""
         return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.output_specs]
