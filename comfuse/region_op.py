@@ -41,9 +41,7 @@ def register(module, is_tensor: list) -> int:
     process that takes one from there loads its regions by their ids (``module_of``); ids
     0, 1, 2... per process would name another process's regions (other statistics, other
     output shapes)."""
-    what = repr((getattr(module, "plan", None), getattr(module, "output_specs", None), tuple(is_tensor),
-                 getattr(module, "cand_inputs", None), getattr(module, "operands", None), CODEGEN_VERSION,
-                 torch.__version__))
+    what = identity(module, is_tensor)
     with _lock:
         count = _seen.get(what, 0)
         _seen[what] = count + 1
@@ -51,6 +49,32 @@ def register(module, is_tensor: list) -> int:
         REGISTRY[i] = (module, tuple(is_tensor))
     _store(i, module, is_tensor)
     return i
+
+
+def identity(module, is_tensor: list) -> str:
+    """What ``module`` computes, as text: its type, plan, outputs, arguments, its plain fields
+    (an attention's scale and operand positions), its unfused ops' code and constants, and
+    the versions. Two regions with the same text are interchangeable, so a later process may
+    load either under the other's id."""
+    unfused = getattr(module, "unfused", None)
+    constants = []
+    if isinstance(unfused, torch.fx.GraphModule):
+        for node in unfused.graph.nodes:
+            value = _attribute(unfused, node.target) if node.op == "get_attr" else None
+            if isinstance(value, torch.Tensor):
+                data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+                constants.append((node.target, str(value.dtype), tuple(value.shape), hashlib.sha256(data).hexdigest()))
+    fields = sorted((k, v) for k, v in vars(module).items()
+                    if isinstance(v, (bool, int, float, str, tuple, torch.Size)) and not k.startswith("_"))
+    return repr((type(module).__name__, getattr(module, "plan", None), getattr(module, "output_specs", None),
+                 tuple(is_tensor), getattr(module, "cand_inputs", None), getattr(module, "operands", None), fields,
+                 getattr(unfused, "code", None), constants, CODEGEN_VERSION, torch.__version__))
+
+
+def _attribute(owner, target: str):
+    for name in target.split("."):
+        owner = getattr(owner, name, None)
+    return owner
 
 
 def _path(i: int):

@@ -734,6 +734,26 @@ def test_region_ids_follow_what_the_region_computes_and_name_it_in_comfuses_cach
             region_op.module_of(12345)
         assert not region_op.loadable([12345])
 
+        # regions without a plan (an attention routed to SDPA) differ by their fields, and any
+        # region by its unfused ops' code and constants: never one id for two computations
+        def attention(scale, constant):
+            class Attention(torch.nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.scale, self.output_specs = scale, [((4, 8), torch.float32)]
+                    g = torch.fx.Graph()
+                    x = g.placeholder("x")
+                    g.output(g.call_function(torch.mul, (x, g.get_attr("c"))))
+                    root = torch.nn.Module()
+                    root.c = torch.full((8,), constant)
+                    self.unfused = torch.fx.GraphModule(root, g)
+            monkeypatch.setattr(region_op, "_seen", {})
+            i = region_op.register(Attention(), [True])
+            region_op.REGISTRY.pop(i)
+            return i
+        assert attention(0.125, 1.0) == attention(0.125, 1.0)
+        assert len({attention(0.125, 1.0), attention(0.1, 1.0), attention(0.125, 2.0)}) == 3
+
 
 @pytest.mark.parametrize("winner", ["fused", "inductor"])
 def test_the_whole_graph_is_timed_against_inductors_and_the_faster_kept(monkeypatch, fused_regions_win, winner):
