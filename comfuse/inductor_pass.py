@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 import re
 import shutil
 
@@ -35,6 +36,7 @@ from .report import Report
 from .rewrite import inline, views_as_reshapes
 from .runtime import cache, tuning
 
+log = logging.getLogger("comfuse.backend")
 REPORTS: list = []  # the reports of the last graphs lowered, newest last (for inspection)
 LAUNCH_FROM_INDUCTOR = True  # one-launch Triton kernels as Inductor's own kernel nodes (kernel_node.py)
 
@@ -274,8 +276,9 @@ class RegionPass(CustomGraphPass):
         with settings_mod.override(**self.settings):
             chosen = settings_text()
             generation = cache.generation()
-        return cache.digest("comfuse-region-pass", cache.CODEGEN_VERSION, torch.__version__, triton.__version__,
-                            chosen, repr(sorted(self.kinds)), str(LAUNCH_FROM_INDUCTOR), generation, _gpu_text())
+        return cache.digest("comfuse-region-pass", cache.CODEGEN_VERSION, cache.source_digest(), torch.__version__,
+                            triton.__version__, chosen, repr(sorted(self.kinds)), str(LAUNCH_FROM_INDUCTOR),
+                            generation, _gpu_text())
 
     def __call__(self, graph: fx.Graph) -> None:
         self.calls += 1
@@ -323,11 +326,14 @@ def settings_text() -> str:
 _GUARDED: list = []  # [whether the guard is in place], once tried
 _ENTRY_GRAPHS = ("compiled_fw_func", "compiled_bw_func")  # AOTAutograd's make_entry: its compiled graphs
 _CALLED = re.compile(re.escape(REGION_CALL) + r"\.default\((\d+),")
+_MENTIONED = re.compile(r"comfuse\.region\.default\(|comfuse::region")  # (calls; not a name in a message)
 
 
-def called_regions(source: str) -> list:
-    """The ids of the regions a compiled graph's code calls."""
-    return [int(i) for i in _CALLED.findall(source)]
+def called_regions(source: str) -> list | None:
+    """The ids of the regions a compiled graph's code calls; None where it names the operator
+    in a way these ids do not account for (another wrapper's code: C++, a boxed call)."""
+    ids = [int(i) for i in _CALLED.findall(source)]
+    return ids if len(_MENTIONED.findall(source)) <= len(ids) else None
 
 
 _UNLOADABLE: set = set()  # keys of cached graphs that called regions this process could not load
@@ -374,11 +380,13 @@ def keep_region_calls_out_of_inductors_cache() -> bool:
 
             def _save_graph(key, compiled_graph, *args, **kwargs):
                 source = getattr(compiled_graph, "source_code", None)
-                if source is None or not set(called_regions(source)) <= region_op.STORED:
+                ids = called_regions(source) if isinstance(source, str) else None
+                if ids is None or not region_op.store(ids):
                     compiled_graph._fx_graph_cache_key = None  # (AOTAutograd: nothing to point to)
                     return None
                 if key in _UNLOADABLE:  # (its old entry would be found first again, and missed)
                     _forget_entries(FxGraphCache, key)
+                    _UNLOADABLE.discard(key)
                 return save_graph(key, compiled_graph, *args, **kwargs)
 
             def _make_entry(*args, **kwargs):
@@ -395,8 +403,19 @@ def keep_region_calls_out_of_inductors_cache() -> bool:
 
             def _lookup_graph(key, *args, **kwargs):
                 graph, info = lookup_graph(key, *args, **kwargs)
-                if graph is not None and not region_op.loadable(called_regions(getattr(graph, "source_code", ""))):
-                    _UNLOADABLE.add(key)
+                if graph is None:
+                    return graph, info
+                try:
+                    ids = called_regions(getattr(graph, "source_code", None) or "")
+                    if ids and torch._inductor.config.triton.cudagraphs:
+                        # (a loaded region builds its kernel and scratch at its first call,
+                        # which would then fall inside the CUDA-graph warm-up's memory pool)
+                        return None, info
+                    if ids is None or not region_op.loadable(ids):
+                        _UNLOADABLE.add(key)
+                        return None, info
+                except Exception as e:  # (a miss: the graph is compiled again)
+                    log.info("backend: a graph from Inductor's cache was not taken (%s)", e)
                     return None, info
                 return graph, info
 

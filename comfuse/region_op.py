@@ -10,15 +10,18 @@ that Inductor's own disk cache gives a later process runs its region calls there
 """
 from __future__ import annotations
 
+import dataclasses
+import enum
 import hashlib
 import io
 import logging
+import os
 import threading
 
 import torch
 
 from . import settings as settings_mod
-from .errors import summary
+from .errors import notice_once, summary
 from .runtime import cache
 from .runtime.cache import CODEGEN_VERSION
 
@@ -35,40 +38,79 @@ class RegionMissing(RuntimeError):
 
 
 def register(module, is_tensor: list) -> int:
-    """A new id for ``module``, derived from what it computes, and the module stored in
-    comfuse's cache under it. The id is all a compiled graph records of its region
-    (``comfuse::region(id, ...)``). Inductor caches compiled graphs on disk, and a later
-    process that takes one from there loads its regions by their ids (``module_of``); ids
-    0, 1, 2... per process would name another process's regions (other statistics, other
-    output shapes)."""
+    """A new id for ``module``, derived from what it computes. The id is all a compiled graph
+    records of its region (``comfuse::region(id, ...)``). Inductor caches compiled graphs on
+    disk; before it stores one, the regions it calls are stored in comfuse's cache under their
+    ids (``store``), and a later process that takes the graph from there loads them
+    (``module_of``). Ids 0, 1, 2... per process would name another process's regions."""
     what = identity(module, is_tensor)
     with _lock:
         count = _seen.get(what, 0)
         _seen[what] = count + 1
         i = int(hashlib.sha256(f"{what}#{count}".encode()).hexdigest()[:15], 16)
         REGISTRY[i] = (module, tuple(is_tensor))
-    _store(i, module, is_tensor)
     return i
 
 
+# what a region keeps that is state, not what it computes
+_STATE = frozenset({"kernel", "separate", "tuned", "validated", "report", "training", "failed", "prefer_unfused",
+                    "separate_form", "index_bounds"})
+
+
 def identity(module, is_tensor: list) -> str:
-    """What ``module`` computes, as text: its type, plan, outputs, arguments, its plain fields
-    (an attention's scale and operand positions), its unfused ops' code and constants, and
-    the versions. Two regions with the same text are interchangeable, so a later process may
-    load either under the other's id."""
+    """What ``module`` computes, as text that is the same in every process: its type and
+    fields (the plan and its candidates, outputs, arguments, an attention's scale and operand
+    positions; not its state), its unfused ops' code and constants, and the versions of
+    comfuse's source, torch and the code generator. Two regions with the same text are
+    interchangeable, so a later process may load either under the other's id."""
     unfused = getattr(module, "unfused", None)
     constants = []
     if isinstance(unfused, torch.fx.GraphModule):
         for node in unfused.graph.nodes:
             value = _attribute(unfused, node.target) if node.op == "get_attr" else None
             if isinstance(value, torch.Tensor):
-                data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-                constants.append((node.target, str(value.dtype), tuple(value.shape), hashlib.sha256(data).hexdigest()))
-    fields = sorted((k, v) for k, v in vars(module).items()
-                    if isinstance(v, (bool, int, float, str, tuple, torch.Size)) and not k.startswith("_"))
-    return repr((type(module).__name__, getattr(module, "plan", None), getattr(module, "output_specs", None),
-                 tuple(is_tensor), getattr(module, "cand_inputs", None), getattr(module, "operands", None), fields,
-                 getattr(unfused, "code", None), constants, CODEGEN_VERSION, torch.__version__))
+                constants.append((node.target, _tensor_text(value)))
+    fields = {k: v for k, v in vars(module).items() if not k.startswith("_") and k not in _STATE}
+    return _canonical((type(module).__qualname__, fields, tuple(is_tensor), getattr(unfused, "code", None), constants,
+                       CODEGEN_VERSION, cache.source_digest(), torch.__version__))
+
+
+def _tensor_text(value: torch.Tensor) -> str:
+    """dtype, shape, device and a digest of the contents (unique to this process where the
+    contents cannot be read: a fake or quantized tensor)."""
+    try:
+        data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        digest = hashlib.sha256(data).hexdigest()
+    except Exception:
+        digest = f"unread {os.urandom(8).hex()}"
+    return f"{value.dtype} {tuple(value.shape)} {value.device} {digest}"
+
+
+def _canonical(value, depth: int = 0) -> str:
+    """``value`` as text independent of the process: sets sorted, dataclasses and objects by
+    their fields, tensors by ``_tensor_text``, no memory addresses."""
+    if depth > 12:
+        return "..."
+    nested = lambda v: _canonical(v, depth + 1)  # noqa: E731
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device, torch.Size)):
+        return repr(value)
+    if isinstance(value, torch.Tensor):
+        return _tensor_text(value)
+    if isinstance(value, (list, tuple)):
+        return "(" + ", ".join(nested(v) for v in value) + ")"
+    if isinstance(value, (set, frozenset)):
+        return "{" + ", ".join(sorted(nested(v) for v in value)) + "}"
+    if isinstance(value, dict):
+        return "{" + ", ".join(sorted(f"{nested(k)}: {nested(v)}" for k, v in value.items())) + "}"
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__qualname__}.{value.name}"
+    if dataclasses.is_dataclass(value):
+        return f"{type(value).__qualname__}" + nested({f.name: getattr(value, f.name) for f in dataclasses.fields(value)})
+    if isinstance(value, torch.nn.Module):
+        return f"{type(value).__qualname__} module"  # (a region's ops: their code is in the text already)
+    if hasattr(value, "__dict__") and not callable(value):
+        return f"{type(value).__qualname__}" + nested(vars(value))
+    return getattr(value, "__qualname__", None) or type(value).__qualname__
 
 
 def _attribute(owner, target: str):
@@ -81,19 +123,27 @@ def _path(i: int):
     return settings_mod.get().cache_dir / "regions" / f"{i:x}.pt"
 
 
-def _store(i: int, module, is_tensor: list) -> None:
-    """``module`` written to comfuse's cache under id ``i`` (``STORED`` then holds ``i``):
-    without its built kernel, timings or checks, which the process that loads it makes again
-    from the stored decisions. Where it cannot be written, a graph that calls it is not stored
-    in Inductor's cache (inductor_pass.keep_unstored_regions_out_of_inductors_cache)."""
-    try:  # (written each time: a damaged file under the id is replaced)
-        data = io.BytesIO()
-        torch.save({"module": module, "is_tensor": tuple(is_tensor)}, data)
-        cache.atomic_write(_path(i), data.getvalue())
-        STORED.add(i)
-    except Exception as e:  # (the graph is compiled again by a later process instead)
-        log.info("backend: region %x could not be stored in comfuse's cache (%s): a graph that calls it "
-                 "is not kept in Inductor's cache", i, summary(e))
+def store(ids) -> bool:
+    """Whether every region of ``ids`` (registered here) is in comfuse's cache, written now
+    where it is not yet: without its built kernel or compiled ops, which the process that
+    loads it builds again. Where one cannot be written, a graph that calls it is not stored
+    in Inductor's cache (inductor_pass.keep_region_calls_out_of_inductors_cache)."""
+    for i in ids:
+        if i in STORED:
+            continue
+        entry = REGISTRY.get(i)
+        try:
+            if entry is None:
+                raise RegionMissing(f"region {i:x} is not registered in this process")
+            data = io.BytesIO()
+            torch.save({"module": entry[0], "is_tensor": entry[1]}, data)
+            cache.atomic_write(_path(i), data.getvalue())
+            STORED.add(i)
+        except Exception as e:  # (the graph is compiled again by a later process instead)
+            notice_once(f"store:{type(e).__name__}", f"comfuse: a fused region could not be stored in comfuse's "
+                        f"cache ({summary(e)}): a graph that calls it is compiled again in each process")
+            return False
+    return True
 
 
 def module_of(region_id: int) -> tuple:
@@ -102,19 +152,18 @@ def module_of(region_id: int) -> tuple:
     entry = REGISTRY.get(region_id)
     if entry is not None:
         return entry
+    path = _path(region_id)
+    try:
+        stored = torch.load(path, weights_only=False)
+        module, is_tensor = stored["module"], tuple(stored["is_tensor"])
+        if not (isinstance(module, torch.nn.Module) and all(isinstance(t, bool) for t in is_tensor)):
+            raise TypeError(f"not a region: {type(module).__name__}")
+    except Exception as e:
+        raise RegionMissing(f"comfuse: a compiled graph calls region {region_id:x}, which comfuse's cache "
+                            f"cannot give back ({path}: {summary(e)})") from e
     with _lock:
-        if region_id in REGISTRY:
-            return REGISTRY[region_id]
-        path = _path(region_id)
-        try:
-            stored = torch.load(path, weights_only=False)
-            entry = (stored["module"], tuple(stored["is_tensor"]))
-        except Exception as e:
-            raise RegionMissing(f"comfuse: a compiled graph calls region {region_id:x}, which comfuse's cache "
-                                f"cannot give back ({path}: {summary(e)})") from e
-        REGISTRY[region_id] = entry
         STORED.add(region_id)
-        return entry
+        return REGISTRY.setdefault(region_id, (module, is_tensor))
 
 
 def loadable(ids) -> bool:

@@ -708,23 +708,44 @@ def test_random_length_sequences_stay_correct_and_bounded(lengths, cap, norm):
     assert all(report is not None and report.regions[0].fused for _, _, report in lowered), lowered
 
 
+class StoredRegion(torch.nn.Module):
+    """A region module as the registry holds one: a plan, plain fields, its unfused ops."""
+
+    def __init__(self, plan, scale=0.125, constant=1.0):
+        super().__init__()
+        self.plan, self.scale, self.axes = plan, scale, frozenset({"B", "M", "N"})
+        self.output_specs = [((4, 8), torch.float32)]
+        g = torch.fx.Graph()
+        x = g.placeholder("x")
+        g.output(g.call_function(torch.mul, (x, g.get_attr("c"))))
+        root = torch.nn.Module()
+        root.c = torch.full((8,), constant)
+        self.unfused = torch.fx.GraphModule(root, g)
+
+
 def test_region_ids_follow_what_the_region_computes_and_name_it_in_comfuses_cache(monkeypatch, tmp_path):
     """Inductor caches compiled graphs on disk by their text, where a region is only its id:
-    the same registration order in another process must not give another region the same id;
-    and the region is stored in comfuse's cache under it, where a later process that takes the
-    graph from Inductor's cache loads it (an id it cannot load is a clear error)."""
-    import types
+    the same registration order in another process must give the same id to the same region
+    and never to another; a region stored in comfuse's cache under it is what a later process
+    that takes the graph from Inductor's cache loads (an id it cannot load is a clear error)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
 
     from comfuse import region_op, settings
+    root = Path(__file__).resolve().parents[1]
 
-    def first_id(plan):
+    def first_id(*args):
         monkeypatch.setattr(region_op, "_seen", {})  # as in a fresh process
-        module = types.SimpleNamespace(plan=plan, output_specs=[((4, 8), torch.float32)])
-        i = region_op.register(module, [True, False])
+        i = region_op.register(StoredRegion(*args), [True, False])
+        assert region_op.store([i])
         region_op.REGISTRY.pop(i)
         return i
     with settings.override(cache_dir=tmp_path):
         assert first_id("plan A") == first_id("plan A") != first_id("plan B")
+        # (fields, the unfused ops' constants: never one id for two computations)
+        assert len({first_id("plan A"), first_id("plan A", 0.1), first_id("plan A", 0.125, 2.0)}) == 3
         i = first_id("plan B")
         module, is_tensor = region_op.module_of(i)  # (loaded from the cache)
         region_op.REGISTRY.pop(i)
@@ -733,26 +754,12 @@ def test_region_ids_follow_what_the_region_computes_and_name_it_in_comfuses_cach
         with pytest.raises(region_op.RegionMissing, match="cannot give back"):
             region_op.module_of(12345)
         assert not region_op.loadable([12345])
-
-        # regions without a plan (an attention routed to SDPA) differ by their fields, and any
-        # region by its unfused ops' code and constants: never one id for two computations
-        def attention(scale, constant):
-            class Attention(torch.nn.Module):
-                def __init__(self):
-                    super().__init__()
-                    self.scale, self.output_specs = scale, [((4, 8), torch.float32)]
-                    g = torch.fx.Graph()
-                    x = g.placeholder("x")
-                    g.output(g.call_function(torch.mul, (x, g.get_attr("c"))))
-                    root = torch.nn.Module()
-                    root.c = torch.full((8,), constant)
-                    self.unfused = torch.fx.GraphModule(root, g)
-            monkeypatch.setattr(region_op, "_seen", {})
-            i = region_op.register(Attention(), [True])
-            region_op.REGISTRY.pop(i)
-            return i
-        assert attention(0.125, 1.0) == attention(0.125, 1.0)
-        assert len({attention(0.125, 1.0), attention(0.1, 1.0), attention(0.125, 2.0)}) == 3
+    # the same text in a process with another hash seed (sets print in another order there)
+    script = ("import torch, sys; sys.path.insert(0, %r); from comfuse import region_op; "
+              "print(region_op._canonical({'axes': frozenset('BMNK'), 'names': {'x', 'y', 'z'}}))" % str(root))
+    texts = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env=dict(os.environ, PYTHONHASHSEED=seed)).stdout for seed in ("1", "2", "3")}
+    assert len(texts) == 1 and "'B', 'K', 'M', 'N'" in texts.pop()
 
 
 @pytest.mark.parametrize("winner", ["fused", "inductor"])

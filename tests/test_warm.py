@@ -251,3 +251,16 @@ def test_the_pass_names_what_inductor_caches_by():
     assert RegionPass(cacheable=False).uuid() is None
     cache.new_generation()
     assert RegionPass().uuid() != base
+
+
+def test_the_region_calls_a_graphs_code_makes_are_read_or_refused():
+    """The ids a compiled graph's code calls, read from Inductor's Python wrapper; where the
+    operator is named in a way they do not account for (a C++ wrapper), none is trusted, and
+    the graph is neither stored nor taken from the cache."""
+    from comfuse.inductor_pass import called_regions
+    python = ("buf0 = torch.ops.comfuse.region.default(51205777183241373, [arg0_1, arg1_1], [])\n"
+              "assert_size_stride(buf1, (64, 48), (48, 1), 'torch.ops.comfuse.region.default')\n"
+              "# buffer buf1 (op: torch.ops.comfuse.region.default) is assumed to be not aligned\n")
+    assert called_regions(python) == [51205777183241373]
+    assert called_regions("buf0 = triton_poi_fused_0.run(arg0_1)\n") == []
+    assert called_regions(python + 'aoti_torch_call_dispatcher("comfuse::region", "", args)\n') is None

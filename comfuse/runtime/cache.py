@@ -7,6 +7,7 @@ concurrent writers (several ranks, several processes) never leave a torn file.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -27,6 +28,18 @@ def digest(*parts: str) -> str:
     for part in parts:
         h.update(part.encode())
         h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+@functools.cache
+def source_digest() -> str:
+    """A digest of comfuse's own source files: what a stored region (pickled objects of
+    comfuse's classes) and Inductor's graphs compiled with comfuse's pass are valid for."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
     return h.hexdigest()[:16]
 
 

@@ -40,8 +40,9 @@ class Fused(torch.nn.Module):
 
     def __getstate__(self):
         """What a later process loads (region_op.py stores regions in comfuse's cache): the
-        plan autotuning chose, not its built kernel, nor the ops as Inductor compiled them;
-        that process builds them again and checks its first call again."""
+        plan autotuning chose and where it was tuned, not its built kernel nor the ops as
+        Inductor compiled them, which that process builds again. A region that was not tuned
+        (autotuning off) checks its first call against its ops there again."""
         state = dict(self.__dict__)
         state.update(kernel=None, separate=None, validated=set(),
                      _modules={k: m for k, m in self._modules.items() if k != "separate"})
