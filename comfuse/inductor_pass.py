@@ -26,11 +26,10 @@ import torch.fx as fx
 import triton
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from . import settings as settings_mod
+from . import region_op, settings as settings_mod
 from .errors import fallback
 from .kernel_node import keep_launchable, launch_from_inductor, launched_by_inductor, padded_by_inductor
 from .pipeline import compile_graph, fake_inputs
-from . import region_op
 from .region_op import register as register_region
 from .report import Report
 from .rewrite import inline, views_as_reshapes
@@ -339,15 +338,12 @@ def called_regions(source: str) -> list | None:
 _UNLOADABLE: set = set()  # keys of cached graphs that called regions this process could not load
 
 
-def _forget_entries(fx_graph_cache, key: str) -> None:
-    """Remove Inductor's cached graphs under ``key`` (a graph compiled again replaces them)."""
-    where = getattr(fx_graph_cache, "_get_tmp_dir_for_key", None)
-    if where is None:
-        return
-    try:
-        shutil.rmtree(where(key), ignore_errors=True)
-    except Exception:  # (another process's entry; the graph is only compiled again there)
-        pass
+def _cacheable(ids) -> bool:
+    """Whether a graph calling regions ``ids`` (None: calls not read) may go through Inductor's
+    cache: not in the CUDA-graph modes, where a loaded region would build its kernel and
+    allocate its scratch at its first call, inside the warm-up's memory pool (the pass makes
+    that first call before Inductor lowers the graph)."""
+    return ids is not None and not (ids and torch._inductor.config.triton.cudagraphs)
 
 
 def keep_region_calls_out_of_inductors_cache() -> bool:
@@ -373,7 +369,8 @@ def keep_region_calls_out_of_inductors_cache() -> bool:
                  (FxGraphCache, "_lookup_graph")]
         entry_signature = inspect.signature(AOTAutogradCache.make_entry)
         if not all(isinstance(owner.__dict__.get(name), staticmethod) for owner, name in hooks) \
-                or not set(_ENTRY_GRAPHS) <= set(entry_signature.parameters):
+                or not set(_ENTRY_GRAPHS) <= set(entry_signature.parameters) \
+                or not hasattr(FxGraphCache, "_get_tmp_dir_for_key"):
             _GUARDED.append(False)
         else:
             save_graph, make_entry, save_entry, lookup_graph = (getattr(owner, name) for owner, name in hooks)
@@ -381,11 +378,11 @@ def keep_region_calls_out_of_inductors_cache() -> bool:
             def _save_graph(key, compiled_graph, *args, **kwargs):
                 source = getattr(compiled_graph, "source_code", None)
                 ids = called_regions(source) if isinstance(source, str) else None
-                if ids is None or not region_op.store(ids):
+                if not _cacheable(ids) or not region_op.store(ids):
                     compiled_graph._fx_graph_cache_key = None  # (AOTAutograd: nothing to point to)
                     return None
                 if key in _UNLOADABLE:  # (its old entry would be found first again, and missed)
-                    _forget_entries(FxGraphCache, key)
+                    shutil.rmtree(FxGraphCache._get_tmp_dir_for_key(key), ignore_errors=True)
                     _UNLOADABLE.discard(key)
                 return save_graph(key, compiled_graph, *args, **kwargs)
 
@@ -407,11 +404,9 @@ def keep_region_calls_out_of_inductors_cache() -> bool:
                     return graph, info
                 try:
                     ids = called_regions(getattr(graph, "source_code", None) or "")
-                    if ids and torch._inductor.config.triton.cudagraphs:
-                        # (a loaded region builds its kernel and scratch at its first call,
-                        # which would then fall inside the CUDA-graph warm-up's memory pool)
+                    if not _cacheable(ids):
                         return None, info
-                    if ids is None or not region_op.loadable(ids):
+                    if not region_op.loadable(ids):
                         _UNLOADABLE.add(key)
                         return None, info
                 except Exception as e:  # (a miss: the graph is compiled again)

@@ -221,13 +221,13 @@ def test_a_damaged_verdict_is_decided_again(monkeypatch):
     stored, and the verdict is written anew. (Inductor's FX graph cache off: it would give
     the graph back without the pass.)"""
     import comfuse.inductor_pass as pass_mod
-    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
     lowered = []
     real = pass_mod.lower
     monkeypatch.setattr(pass_mod, "lower", lambda *a, **k: lowered.append(1) or real(*a, **k))
     model = PostNorm().to(DEVICE)
     x, r = torch.randn(2, 5, 32, device=DEVICE), torch.randn(2, 5, 48, device=DEVICE)
-    with torch.no_grad():
+    # (config.patch, not monkeypatch: undoing a monkeypatch deletes the config entry)
+    with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
         torch._dynamo.reset()
         torch.compile(model, backend="comfuse", dynamic=False)(x, r)
         (stored,) = (settings.get().cache_dir / "verdicts").glob("*.json")

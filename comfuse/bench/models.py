@@ -136,28 +136,13 @@ def _sync(device: str):
 
 def time_ms(call, rounds: int, device: str = "cuda") -> tuple:
     """(median, min, max) ms per call over ``rounds`` rounds of back-to-back calls."""
-    sync = _sync(device)
-    call()
-    sync()
-    t0 = time.perf_counter()
-    call()
-    sync()
-    reps = max(3, min(20, int(0.3 / max(time.perf_counter() - t0, 1e-6))))
-    out = []
-    for _ in range(rounds):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            call()
-        sync()
-        out.append((time.perf_counter() - t0) / reps * 1e3)
-    return statistics.median(out), min(out), max(out)
+    return time_side_by_side({"call": call}, rounds, device)["call"]
 
 
 def time_side_by_side(calls: dict, rounds: int, device: str = "cuda") -> dict:
-    """name -> (median, min, max) ms per call, as ``time_ms`` but with the calls' rounds
-    interleaved, the order rotating each round: a drift of the GPU's speed over the run falls
-    on every call alike, not on the one timed last."""
+    """name -> (median, min, max) ms per call, over ``rounds`` rounds of back-to-back calls of
+    each, the rounds interleaved and their order rotating: a drift of the GPU's speed over the
+    run falls on every call alike, not on the one timed last."""
     from ..graph_check import time_rounds
     return {n: (statistics.median(t), min(t), max(t)) for n, t in time_rounds(calls, device, rounds).items()}
 
