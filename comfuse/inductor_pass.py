@@ -244,6 +244,7 @@ class RegionPass(CustomGraphPass):
         self.lowered: list = []
         self.calls = 0  # graphs Inductor handed the pass (none where its caches answered)
         self.failed = 0  # graphs it could not lower (Inductor's code runs for them)
+        call_regions_directly()
 
     @property
     def reports(self) -> list:
@@ -304,7 +305,31 @@ class RegionPass(CustomGraphPass):
                 fallback(f"backend: comfuse could not lower {name}", e, instead, stacklevel=3)
 
 
-REGION_CALL = "torch.ops.comfuse.region"  # how Inductor's generated code calls a region
+REGION_CALL = "comfuse_region"  # how Inductor's generated code calls a region (region_op.call)
+_OPERATOR = "torch.ops.comfuse.region.default"  # the operator's name in that code
+
+
+def call_regions_directly() -> bool:
+    """Have Inductor's generated Python call each region as ``comfuse_region(id, tensors,
+    scalars)`` (region_op.call, imported in the code's header) instead of through the
+    dispatcher as ``torch.ops.comfuse.region.default(...)``: the operator's layers cost 50-85
+    us a call on an H100's host, several Inductor launches (2026-12-06). False where this
+    torch has no registry of custom code for extern kernels: the operator is called then."""
+    try:
+        from torch._inductor.codegen.custom_extern_kernel_codegen import CUSTOM_EXTERN_KERNEL_CODEGEN, CustomCodegen
+    except ImportError:
+        return False
+    CUSTOM_EXTERN_KERNEL_CODEGEN.setdefault(_OPERATOR, CustomCodegen(python=_direct_call))
+    return True
+
+
+def _direct_call(node, writeline) -> None:
+    from torch._inductor.virtualized import V
+    wrapper = getattr(writeline, "__self__", None) or V.graph.wrapper_code
+    if not getattr(wrapper, "_comfuse_region_imported", False):
+        wrapper.header.writeline(f"from comfuse.region_op import call as {REGION_CALL}")
+        wrapper._comfuse_region_imported = True
+    writeline(f"{node.get_name()} = {REGION_CALL}({', '.join(node.codegen_args())})")
 
 
 def _gpu_text() -> str:
@@ -324,8 +349,9 @@ def settings_text() -> str:
 
 _GUARDED: list = []  # [whether the guard is in place], once tried
 _ENTRY_GRAPHS = ("compiled_fw_func", "compiled_bw_func")  # AOTAutograd's make_entry: its compiled graphs
-_CALLED = re.compile(re.escape(REGION_CALL) + r"\.default\((\d+),")
-_MENTIONED = re.compile(r"comfuse\.region\.default\(|comfuse::region")  # (calls; not a name in a message)
+_CALLED = re.compile(rf"(?:\b{REGION_CALL}|{re.escape(_OPERATOR)})\((\d+),")
+# (calls; not a name in a message)
+_MENTIONED = re.compile(rf"\b{REGION_CALL}\(|comfuse\.region\.default\(|comfuse::region")
 
 
 def called_regions(source: str) -> list | None:

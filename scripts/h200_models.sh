@@ -10,7 +10,8 @@
 # TESTS_S (limit a part, 300 s), COMMIT (the commit to record, where the tree carries no git
 # history of its own). Each model starts with empty caches (comfuse's, Inductor's, Triton's),
 # so its first calls are cold on a machine that ran something before; autotuning's decisions
-# (each candidate's plan and time) are kept beside its log.
+# (each candidate's plan and time) and this GPU's record by class of plan (measured.json) are
+# kept beside its log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/comfuse-out}
@@ -42,6 +43,7 @@ for m in "${models[@]}"; do
     --layers "$layers" --forms "${FORMS:-inductor,comfuse}" --rounds "${ROUNDS:-5}" --log > "$RUN/$m/log.txt" 2>&1
   echo "$m rc=$? in $(( $(date +%s) - s )) s"
   [ -d "$c/comfuse/tuning" ] && cp -r "$c/comfuse/tuning" "$RUN/$m/decisions"
+  [ -f "$c/comfuse/measured/record.json" ] && cp "$c/comfuse/measured/record.json" "$RUN/$m/measured.json"
 done
 echo
 for m in "${models[@]}"; do

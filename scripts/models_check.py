@@ -306,6 +306,8 @@ def first_calls(name: str, layers: int, backends: list, out, out_dir: Path, smal
                 row[run] = {**json.loads(lines[-1]), "process_s": round(time.perf_counter() - t0, 1)}
         if (caches / "comfuse" / "tuning").is_dir():  # (autotuning's decisions: each candidate's plan and time)
             shutil.copytree(caches / "comfuse" / "tuning", out_dir / "decisions" / f"{name}-{backend}", dirs_exist_ok=True)
+        if (caches / "comfuse" / "measured").is_dir():  # (this GPU's record by class of plan)
+            shutil.copytree(caches / "comfuse" / "measured", out_dir / "decisions" / f"{name}-{backend}-measured", dirs_exist_ok=True)
         shutil.rmtree(caches, ignore_errors=True)
         print(json.dumps(row), file=out, flush=True)
         print(json.dumps(row), flush=True)

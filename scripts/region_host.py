@@ -12,7 +12,8 @@ float64.
 Cases: ``ln`` (GEMM + residual + LayerNorm, a Triton kernel) launched from Inductor's wrapper
 and through the ``comfuse::region`` operator; ``head`` (LM head + cross-entropy, the Gluon
 template ``ws_split``) through the operator. One JSON line per case; the cProfile tables go to
-``$OUT/region-host/``.
+``$OUT/region-host/``. For the operator's cases, the host time of each layer of its call
+(``layers``).
 
     python scripts/region_host.py [ln,ln-op,head]
 """
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import comfuse  # noqa: E402,F401  (registers the backend)
-from comfuse import inductor_pass, settings  # noqa: E402
+from comfuse import inductor_pass, region_op, settings  # noqa: E402
 from comfuse.runtime.timing import profiled  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # (the CPU: a check of this script, the interpreter's times)
@@ -105,6 +106,30 @@ def own_time(fn, out: Path, calls: int = 300 if DEV == "cuda" else 5) -> list:
     return [[f"{Path(k[0]).name}:{k[1]} {k[2]}", round(v[2] / calls * 1e6, 2)] for k, v in rows]
 
 
+def layers(call) -> dict:
+    """Where an operator call's host time goes: per call, the region module's ``forward`` on
+    the arguments the graph passed (its Python and its launch), the operator called directly
+    (the dispatcher and ``custom_op``'s layers above it), and the whole compiled call."""
+    seen = []
+    arguments = region_op._arguments
+
+    def record(region_id, tensors, scalars):
+        seen.append((region_id, list(tensors), list(scalars)))
+        return arguments(region_id, tensors, scalars)
+    region_op._arguments = record
+    try:
+        call()
+    finally:
+        region_op._arguments = arguments
+    if not seen:
+        return {}
+    rid, tensors, scalars = seen[0]
+    module, args = region_op.module_of(rid)[0], arguments(rid, tensors, scalars)
+    return {"module_forward": per_call_us(lambda: module.forward(*args)),
+            "operator": per_call_us(lambda: torch.ops.comfuse.region(rid, tensors, scalars)),
+            "compiled_call": per_call_us(call)}
+
+
 def run(name: str, out_dir: Path) -> dict:
     f, args, schedule, from_inductor = case(name)
     want = f(*(a.double() if a.is_floating_point() else a for a in args))
@@ -127,6 +152,8 @@ def run(name: str, out_dir: Path) -> dict:
     row["added_us"] = round(row["comfuse_us"][0] - row["inductor_us"][0], 1)
     if DEV == "cuda":
         row["launch_host_us"] = launches(lambda: fused(*args))
+    if not from_inductor:
+        row["layers_us"] = layers(lambda: fused(*args))
     row["own_time_us"] = own_time(lambda: fused(*args), out_dir / f"{name}-cprofile.txt")
     return row
 

@@ -707,3 +707,26 @@ def test_autotunings_random_targets_are_drawn_across_the_columns():
     broadcast = torch.zeros(1, dtype=torch.int64).expand(8)  # (elements sharing memory: left as they are)
     assert inductor_pass.draw_indices(type("Region", (), {"index_bounds": {0: 5}})(), [broadcast])[0].eq(0).all()
 
+
+
+def test_a_large_output_is_compared_a_block_of_rows_at_a_time_with_the_same_verdict(monkeypatch):
+    """The check in pieces (an LM head's logits did not fit in float64 beside a model on an
+    80 GB GPU) gives the whole check's error and its NaN / infinity verdicts."""
+    from comfuse.runtime import check
+    torch.manual_seed(0)
+    ref = torch.randn(3, 40, 24, dtype=torch.float64)
+    out = (ref + 1e-5 * torch.randn_like(ref)).float()
+    scale = torch.rand(24, dtype=torch.float64) * 3
+    whole = [check.compare(out, ref), check.compare(out, ref, scale=scale, floor=1.0)]
+    monkeypatch.setattr(check, "PIECE", 100)  # (blocks of 4 rows of 24)
+    pieces = [check.compare(out, ref), check.compare(out, ref, scale=scale, floor=1.0)]
+    for w, p in zip(whole, pieces):
+        assert p.ok == w.ok and p.error == pytest.approx(w.error, rel=1e-12)
+    nan_late, inf_late = out.clone(), ref.clone()
+    nan_late[2, 39, 5] = float("nan")
+    inf_late[2, 30, 1] = float("inf")
+    assert "NaN in different places" in check.compare(nan_late, ref).detail
+    assert "infinities in different places" in check.compare(out, inf_late).detail
+    both = ref.clone()
+    both[2, 30, 1] = out[2, 30, 1] = float("inf")
+    assert check.compare(out, both).ok

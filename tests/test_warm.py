@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
+import comfuse
 from comfuse import settings
 
 from helpers import DEVICE
@@ -264,3 +266,27 @@ def test_the_region_calls_a_graphs_code_makes_are_read_or_refused():
     assert called_regions(python) == [51205777183241373]
     assert called_regions("buf0 = triton_poi_fused_0.run(arg0_1)\n") == []
     assert called_regions(python + 'aoti_torch_call_dispatcher("comfuse::region", "", args)\n') is None
+    direct = ("from comfuse.region_op import call as comfuse_region\n"
+              "        buf0 = comfuse_region(586065165221144773, [arg0_1, arg1_1], [])\n"
+              "        buf2 = comfuse_region(12, [buf1], [64])\n"
+              "        assert_size_stride(buf3, (64, 64), (64, 1), 'torch.ops.comfuse.region.default')\n")
+    assert called_regions(direct) == [586065165221144773, 12]
+    assert called_regions(direct + "        buf4 = comfuse_region(*args)\n") is None
+
+
+def test_inductors_code_calls_a_region_without_the_dispatcher(tmp_path, monkeypatch):
+    """Inductor's generated Python calls a fused region as a plain function (region_op.call)
+    rather than through ``torch.ops.comfuse.region``: the same result, and no operator call.
+    (On a GPU the region is kept from Inductor's own launch, as a Gluon kernel is.)"""
+    from torch._inductor.codecache import PyCodeCache
+    from comfuse import inductor_pass
+    monkeypatch.setattr(inductor_pass, "LAUNCH_FROM_INDUCTOR", False)
+    m = nn.Sequential(nn.Linear(32, 48), nn.LayerNorm(48)).to(DEVICE)
+    x = torch.randn(16, 32, device=DEVICE)
+    torch._dynamo.reset()
+    with torch.no_grad(), comfuse.settings.override(cache_dir=tmp_path, autotune="0", graph_check="0"):
+        out = torch.compile(m, backend="comfuse")(x)
+        torch.testing.assert_close(out, m(x), rtol=1e-4, atol=1e-5)
+    sources = [open(mod.__file__).read() for mod in list(PyCodeCache.modules)]
+    calls = [line for src in sources for line in src.splitlines() if "comfuse_region(" in line]
+    assert calls and not any("torch.ops.comfuse.region.default(" in src for src in sources)

@@ -9,7 +9,7 @@ before anything is compiled:
    reached against the region's unfused ops as Inductor compiles them, over every stored
    autotuning decision in the benchmark results on the H200 (``BEST_SEEN``); and, once
    ``MEASURED_ENOUGH`` regions of a class (schedule, batched or not, size within a factor of
-   4: ``plan_class``) were measured inside models, in the benchmark results
+   4, deep or flat: ``plan_class``) were measured inside models, in the benchmark results
    (``MEASURED_CLASSES``) or on this GPU (the record each tuned region adds to, on disk,
    shared by processes: runtime/prediction.py), the best of those instead. A region none of whose candidates is of
    a kind that has ever been ``MIN_GAIN`` faster than the ops is not tuned: its ops go to
@@ -49,21 +49,26 @@ BEST_SEEN = {
     "ws_stages": 0.69,  # 17 regions (0.69-0.97)
     "ws_strip": 0.86,  # 16 regions (0.86-1.10)
 }
-# Classes of plans (``plan_class``) measured inside a model on the H200: class -> {region's
-# decision key: the class's best time over the region's ops'}, the record BERT's first call
-# left (2 layers, 32 x 512 tokens, bf16; bench/results/2026-12-05-h200-standin-and-cost-model/
-# measured-run3.json). A GPU's own measurements add to it.
+# Classes of plans (``plan_class``) measured inside a model: class -> {region's decision key:
+# the class's best time over the region's ops'}. From the record BERT's first call left on the
+# H200 (2 layers, 32 x 512 tokens, bf16; bench/results/2026-12-05-h200-standin-and-cost-model/
+# measured-run3.json), LM heads, and the Llama-3-8B-shaped block. A GPU's own measurements add
+# to it.
 MEASURED_CLASSES = {
-    "row_in_cta/batched/16": {"7c36a48abb7806cf": 1.7695, "e39b553b2a8f0237": 1.8053},
-    "tile/batched/16": {"7c36a48abb7806cf": 1.1014, "e39b553b2a8f0237": 1.3147},  # attention's bmm
-    "tile/single/18": {"4c4e1e1e0cc31c05": 1.1825, "a02ebf9cd38d57be": 1.0256},  # GEMM + GELU
-    "tile/single/19": {"1503987c2a4fc3e4": 0.8996},  # the decoder's weight gradient
+    "row_in_cta/batched/16/flat": {"7c36a48abb7806cf": 1.7695, "e39b553b2a8f0237": 1.8053},
+    "tile/batched/16/flat": {"7c36a48abb7806cf": 1.1014, "e39b553b2a8f0237": 1.3147},  # attention's bmm
+    "tile/single/18/flat": {"4c4e1e1e0cc31c05": 1.1825, "a02ebf9cd38d57be": 1.0256},  # GEMM + GELU
+    "tile/single/19/deep": {"1503987c2a4fc3e4": 0.8996},  # the decoder's weight gradient (30522 x 768 x 16384)
     # LM heads with their loss that return the logits (GPT-2's 8192 x 768 x 50257, Llama's
     # 8192 x 2048 x 32000; training and inference graphs; H100 and H200, 2026-12-05:
     # bench/results/2026-12-05-gpt2-head-padded/, 2026-12-05-h100-lm-head-logits/llama-run1/)
-    "split/single/19": {"gpt2-head-training-h100": 1.2163, "gpt2-head-h100": 1.1825,
-                        "gpt2-head-training-h200": 1.1737, "gpt2-head-h200": 1.1738,
-                        "llama-head-training-h100": 1.2589, "llama-head-h100": 1.2984},
+    "split/single/19/flat": {"gpt2-head-training-h100": 1.2163, "gpt2-head-h100": 1.1825,
+                             "gpt2-head-training-h200": 1.1737, "gpt2-head-h200": 1.1738,
+                             "llama-head-training-h100": 1.2589, "llama-head-h100": 1.2984},
+    # the 8B block's MLP GEMMs with their pointwise epilogues (8192 x 14336 x 4096; training and
+    # inference graphs; an H100, 2026-12-06: bench/results/2026-12-06-first-calls-and-host-layers/;
+    # on the H200 autotuning chose Inductor's code for them in every run of 2026-12-06)
+    "tile/single/19/flat": {"31b97a33766d6ee3": 1.1463, "6edecf479dbed63d": 1.1071, "d5ba41e1879ba225": 1.1517},
 }
 MIN_GAIN = 0.02  # a schedule must have been at least this much faster than the ops to be tried
 # regions of a class (``plan_class``) measured (MEASURED_CLASSES and this GPU's record, which
@@ -83,10 +88,15 @@ SM_COUNT = 132
 
 def plan_class(plan: Plan) -> str:
     """The class of regions a measurement of ``plan`` speaks for: its schedule, whether
-    the GEMM is batched, and the GEMM's size within a factor of 4 (B * M * N * K)."""
+    the GEMM is batched, its size within a factor of 4 (B * M * N * K), and its shape: deep
+    (K at least the smaller side of its output: few output tiles, each with a long mainloop,
+    as in a weight gradient) or flat. A weight gradient and a forward GEMM of the same size
+    fare differently against cuBLAS (the decoder's weight gradient won at 0.90 of its ops'
+    time, the 8B block's MLP GEMMs of that size lost at 1.11-1.15)."""
     s = plan.region.sizes
     work = max(s.B * s.M * s.N * s.K, 1)
-    return f"{plan.schedule}/{'batched' if plan.region.gemm.batched else 'single'}/{round(math.log2(work) / 2)}"
+    shape = "deep" if s.K >= min(s.M, s.N) else "flat"
+    return f"{plan.schedule}/{'batched' if plan.region.gemm.batched else 'single'}/{round(math.log2(work) / 2)}/{shape}"
 
 
 def _best(plan: Plan, measured: dict) -> tuple:

@@ -34,6 +34,14 @@ class Comparison:
         return f"{status}: rel err {self.error:.2e} (tol {self.tolerance:.0e}){extra}"
 
 
+# elements compared at a time: a float64 check of an LM head's [8192, 128256] logits made
+# whole needs some 30 GiB of the GPU's memory (the output, the reference and their masks in
+# float64), which an 80 GB GPU training the model did not have (every candidate plan of the
+# 8B block's head was rejected for it on an H100, 2026-12-06); by rows of at most this many
+# elements the check holds a few hundred MB
+PIECE = 1 << 25
+
+
 def compare(out: torch.Tensor, ref: torch.Tensor, tol: float | None = None,
             scale: torch.Tensor | None = None, floor: float = 0.0) -> Comparison:
     """Compare ``out`` with ``ref`` (any float dtypes; bool/int compared exactly).
@@ -42,6 +50,7 @@ def compare(out: torch.Tensor, ref: torch.Tensor, tol: float | None = None,
     against it instead of |ref|: ||out - ref|| / ||max(scale, |ref|)||, so results that
     cancel to near zero, or ill-conditioned ones, are judged by the magnitudes that
     produced them. Elements whose scale is not finite cannot be judged and are skipped.
+    Large tensors are compared a block of rows at a time (``PIECE`` elements).
     """
     if tol is None:
         tol = tolerance(out.dtype)
@@ -50,30 +59,48 @@ def compare(out: torch.Tensor, ref: torch.Tensor, tol: float | None = None,
     if not out.dtype.is_floating_point or not ref.dtype.is_floating_point:
         bad = int((out.to(ref.dtype) != ref).sum())
         return Comparison(bad == 0, float(bad), 0.0, f"{bad} elements differ" if bad else "")
-    # in float64 on the output's device: on the CPU a check of a [8192, 5632] output makes
-    # some fifteen passes over 370 MB (about a second, estimated), which autotuning paid for
-    # every candidate plan of a model's region
-    o = out.detach().double()
-    # round the reference to the output's dtype first, so overflow to inf agrees
-    r = ref.detach().to(out.device)
-    r = (r.to(out.dtype) if out.dtype != ref.dtype else r).double()
-    nan_o, nan_r = o.isnan(), r.isnan()
-    if not torch.equal(nan_o, nan_r):
-        n = int((nan_o != nan_r).sum())
-        return Comparison(False, float("inf"), tol, f"NaN in different places ({n} elements)")
-    inf_o, inf_r = o.isinf(), r.isinf()
-    if not torch.equal(inf_o, inf_r) or not torch.equal(o[inf_o], r[inf_r]):
-        return Comparison(False, float("inf"), tol, "infinities in different places")
-    finite = ~(nan_r | inf_r)
-    magnitude = r.abs().clamp_min(floor)
     if scale is not None:
-        sc = scale.detach().to(out.device).double().expand(r.shape)
-        finite &= torch.isfinite(sc)
-        magnitude = torch.maximum(magnitude, sc)
-    diff = (o[finite] - r[finite]).norm()
-    denom = magnitude[finite].norm()
-    err = float(diff / denom) if denom > 0 else float(diff)
+        scale = scale.detach().expand(ref.shape)
+    diff2 = denom2 = 0.0
+    for o, r, sc in _pieces(out.detach(), ref.detach(), scale):
+        # in float64 on the output's device: on the CPU a check of a [8192, 5632] output makes
+        # some fifteen passes over 370 MB (about a second, estimated), which autotuning paid
+        # for every candidate plan of a model's region
+        r = r.to(out.device)
+        # round the reference to the output's dtype first, so overflow to inf agrees
+        r = (r.to(out.dtype) if out.dtype != ref.dtype else r).double()
+        o = o.double()
+        nan_o, nan_r = o.isnan(), r.isnan()
+        if not torch.equal(nan_o, nan_r):
+            n = int((nan_o != nan_r).sum())
+            return Comparison(False, float("inf"), tol, f"NaN in different places ({n} elements)")
+        inf_o, inf_r = o.isinf(), r.isinf()
+        if not torch.equal(inf_o, inf_r) or not torch.equal(o[inf_o], r[inf_r]):
+            return Comparison(False, float("inf"), tol, "infinities in different places")
+        finite = ~(nan_r | inf_r)
+        magnitude = r.abs().clamp_min(floor)
+        if sc is not None:
+            sc = sc.to(out.device).double()
+            finite &= torch.isfinite(sc)
+            magnitude = torch.maximum(magnitude, sc)
+        diff2 += float((o[finite] - r[finite]).square().sum())
+        denom2 += float(magnitude[finite].square().sum())
+    diff, denom = diff2 ** 0.5, denom2 ** 0.5
+    err = diff / denom if denom > 0 else diff
     return Comparison(err <= tol, err, tol)
+
+
+def _pieces(out: torch.Tensor, ref: torch.Tensor, scale):
+    """(out, ref, scale) a block of rows at a time (rows along the last dimension), each of
+    at most ``PIECE`` elements; whole where the tensors are small or have no rows."""
+    if out.numel() <= PIECE or out.dim() < 2:
+        yield out, ref, scale
+        return
+    rows = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731  (a view where the strides allow)
+    out, ref, scale = rows(out), rows(ref), None if scale is None else rows(scale)
+    step = max(1, PIECE // out.shape[1])
+    for i in range(0, out.shape[0], step):
+        yield out[i:i + step], ref[i:i + step], None if scale is None else scale[i:i + step]
 
 
 def region_tolerance(region) -> float:
