@@ -312,20 +312,28 @@ _OPERATOR = "torch.ops.comfuse.region.default"  # the operator's name in that co
 def call_regions_directly() -> bool:
     """Have Inductor's generated Python call each region as ``comfuse_region(id, tensors,
     scalars)`` (region_op.call, imported in the code's header) instead of through the
-    dispatcher as ``torch.ops.comfuse.region.default(...)``: the operator's layers cost 50-85
-    us a call on an H100's host, several Inductor launches (2026-12-06). False where this
-    torch has no registry of custom code for extern kernels: the operator is called then."""
+    dispatcher as ``torch.ops.comfuse.region.default(...)``: the operator's layers cost 38-85
+    us a call on the GPU machines' hosts, several Inductor launches (2026-12-06). False where
+    this torch has no registry of custom code for extern kernels, or another registration
+    holds the operator's name: the operator is called then."""
     try:
         from torch._inductor.codegen.custom_extern_kernel_codegen import CUSTOM_EXTERN_KERNEL_CODEGEN, CustomCodegen
     except ImportError:
         return False
-    CUSTOM_EXTERN_KERNEL_CODEGEN.setdefault(_OPERATOR, CustomCodegen(python=_direct_call))
-    return True
+    entry = CUSTOM_EXTERN_KERNEL_CODEGEN.setdefault(_OPERATOR, CustomCodegen(python=_direct_call))
+    return getattr(entry, "python", None) is _direct_call
 
 
 def _direct_call(node, writeline) -> None:
+    from torch._inductor import config
+    from torch._inductor.codegen.wrapper import ExternKernelAllocLine
     from torch._inductor.virtualized import V
     wrapper = getattr(writeline, "__self__", None) or V.graph.wrapper_code
+    if getattr(config, "fx_wrapper", False) or getattr(config, "generate_intermediate_hooks", False):
+        # (the FX wrapper converts line objects only, and the minifier's hooks follow the
+        # operator's own line: the operator is called there)
+        writeline(ExternKernelAllocLine(wrapper, node))
+        return
     if not getattr(wrapper, "_comfuse_region_imported", False):
         wrapper.header.writeline(f"from comfuse.region_op import call as {REGION_CALL}")
         wrapper._comfuse_region_imported = True

@@ -207,4 +207,16 @@ def test_the_8b_blocks_mlp_gemms_are_not_tuned_while_a_weight_gradient_of_their_
     grad = region(lambda g, x: g @ x * 2, (30522, 16384), (16384, 768))
     grad_plans = [p for p in candidates(grad, target="cuda") if p.schedule == "tile"]
     assert {cost.plan_class(p) for p in grad_plans} == {"tile/single/19/deep"}
+    # (one deep region measured: its size's record, deep and flat, which the deep one won)
+    assert cost._best(grad_plans[0], {}) == (0.8996, "4 regions of its size measured")
     assert prediction.predicted_loss(grad_plans, grad, CUDA) == ""
+
+
+def test_a_deep_gemm_of_a_class_never_measured_goes_by_its_sizes_record(an_h200):
+    """Attention's backward (dV = P^T dO: 384 x 512 x 512 x 64, deep) with a pointwise
+    epilogue: no deep region of its size was measured, so the flat ones of its size (the
+    forward's scores, 1.10 and 1.31) predict it, as before the classes told the shapes apart."""
+    r = region(lambda p, d: torch.relu(p @ d) * 2, (384, 512, 512), (384, 512, 64))
+    plans = [p for p in candidates(r, target="cuda") if not why_plan_not_launched(p) and p.schedule == "tile"]
+    assert {cost.plan_class(p) for p in plans} == {"tile/batched/16/deep"}
+    assert "tile 1.10 (2 regions of its size measured)" in prediction.predicted_loss(plans, r, CUDA)

@@ -730,3 +730,11 @@ def test_a_large_output_is_compared_a_block_of_rows_at_a_time_with_the_same_verd
     both = ref.clone()
     both[2, 30, 1] = out[2, 30, 1] = float("inf")
     assert check.compare(out, both).ok
+    # one long row, and a scale broadcast over rows (compared whole)
+    monkeypatch.setattr(check, "PIECE", 1 << 23)
+    long_whole = check.compare(out.reshape(-1), ref.reshape(-1))
+    row_scale = torch.rand(3, 1, 24, dtype=torch.float64).expand(3, 40, 24)
+    scaled_whole = check.compare(out, ref, scale=row_scale, floor=1.0)
+    monkeypatch.setattr(check, "PIECE", 100)
+    assert check.compare(out.reshape(-1), ref.reshape(-1)).error == pytest.approx(long_whole.error, rel=1e-12)
+    assert check.compare(out, ref, scale=row_scale, floor=1.0).error == pytest.approx(scaled_whole.error, rel=1e-12)

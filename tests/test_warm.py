@@ -276,17 +276,25 @@ def test_the_region_calls_a_graphs_code_makes_are_read_or_refused():
 
 def test_inductors_code_calls_a_region_without_the_dispatcher(tmp_path, monkeypatch):
     """Inductor's generated Python calls a fused region as a plain function (region_op.call)
-    rather than through ``torch.ops.comfuse.region``: the same result, and no operator call.
-    (On a GPU the region is kept from Inductor's own launch, as a Gluon kernel is.)"""
+    rather than through ``torch.ops.comfuse.region``: the same result, the region run once
+    per call that way, and no operator call in the graph's code. (On a GPU the region is kept
+    from Inductor's own launch, as a Gluon kernel is.)"""
     from torch._inductor.codecache import PyCodeCache
-    from comfuse import inductor_pass
+    from comfuse import inductor_pass, region_op
     monkeypatch.setattr(inductor_pass, "LAUNCH_FROM_INDUCTOR", False)
     m = nn.Sequential(nn.Linear(32, 48), nn.LayerNorm(48)).to(DEVICE)
     x = torch.randn(16, 32, device=DEVICE)
+    before = set(map(id, PyCodeCache.modules))
     torch._dynamo.reset()
     with torch.no_grad(), comfuse.settings.override(cache_dir=tmp_path, autotune="0", graph_check="0"):
-        out = torch.compile(m, backend="comfuse")(x)
+        compiled = torch.compile(m, backend="comfuse")
+        compiled(x)
+        runs = []
+        run = region_op._run
+        monkeypatch.setattr(region_op, "_run", lambda *a: runs.append(a[0]) or run(*a))
+        out = compiled(x)
         torch.testing.assert_close(out, m(x), rtol=1e-4, atol=1e-5)
-    sources = [open(mod.__file__).read() for mod in list(PyCodeCache.modules)]
-    calls = [line for src in sources for line in src.splitlines() if "comfuse_region(" in line]
-    assert calls and not any("torch.ops.comfuse.region.default(" in src for src in sources)
+    assert len(runs) == 1 and runs[0] in region_op.REGISTRY
+    sources = [open(mod.__file__).read() for mod in list(PyCodeCache.modules) if id(mod) not in before]
+    assert any(f"comfuse_region({runs[0]}, " in src for src in sources)
+    assert not any("torch.ops.comfuse.region.default(" in src for src in sources)

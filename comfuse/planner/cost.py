@@ -102,11 +102,20 @@ def plan_class(plan: Plan) -> str:
 def _best(plan: Plan, measured: dict) -> tuple:
     """(best time over the ops' a plan like ``plan`` has reached, where that comes from): from
     the measurements of its class (``MEASURED_CLASSES`` and this GPU's own) where there are
-    ``MEASURED_ENOUGH``, else from ``BEST_SEEN``; (0, ...) where neither knows."""
+    ``MEASURED_ENOUGH``; else from those of its size, deep and flat together (the classes
+    before the shape told them apart: attention's backward GEMMs, deep, go by its forward's);
+    else from ``BEST_SEEN``; (0, ...) where none knows."""
     c = plan_class(plan)
     seen = {**MEASURED_CLASSES.get(c, {}), **measured.get(c, {})}
     if len(seen) >= MEASURED_ENOUGH:
         return min(seen.values()), f"{len(seen)} regions of its class measured"
+    size = c.rsplit("/", 1)[0] + "/"
+    for record in (MEASURED_CLASSES, measured):
+        for other, regions in record.items():
+            if other.startswith(size):
+                seen.update(regions)
+    if len(seen) >= MEASURED_ENOUGH:
+        return min(seen.values()), f"{len(seen)} regions of its size measured"
     if plan.schedule in BEST_SEEN:
         return BEST_SEEN[plan.schedule], "the benchmark record"
     return 0.0, "no record"

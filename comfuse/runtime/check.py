@@ -37,9 +37,9 @@ class Comparison:
 # elements compared at a time: a float64 check of an LM head's [8192, 128256] logits made
 # whole needs some 30 GiB of the GPU's memory (the output, the reference and their masks in
 # float64), which an 80 GB GPU training the model did not have (every candidate plan of the
-# 8B block's head was rejected for it on an H100, 2026-12-06); by rows of at most this many
-# elements the check holds a few hundred MB
-PIECE = 1 << 25
+# 8B block's head was rejected for it on an H100, 2026-12-06); in pieces of at most this many
+# elements its float64 temporaries hold a few hundred MB
+PIECE = 1 << 23
 
 
 def compare(out: torch.Tensor, ref: torch.Tensor, tol: float | None = None,
@@ -91,14 +91,22 @@ def compare(out: torch.Tensor, ref: torch.Tensor, tol: float | None = None,
 
 
 def _pieces(out: torch.Tensor, ref: torch.Tensor, scale):
-    """(out, ref, scale) a block of rows at a time (rows along the last dimension), each of
-    at most ``PIECE`` elements; whole where the tensors are small or have no rows."""
-    if out.numel() <= PIECE or out.dim() < 2:
+    """(out, ref, scale) in pieces of at most ``PIECE`` elements: blocks of rows along the
+    last dimension, or of the elements in order where a row is longer; whole where the
+    tensors are small, or where a scale broadcast to them could only be cut by copying it."""
+    if out.numel() <= PIECE:
         yield out, ref, scale
         return
-    rows = lambda t: t.reshape(-1, t.shape[-1])  # noqa: E731  (a view where the strides allow)
-    out, ref, scale = rows(out), rows(ref), None if scale is None else rows(scale)
-    step = max(1, PIECE // out.shape[1])
+    width = out.shape[-1] if out.dim() >= 2 and out.shape[-1] <= PIECE else 1
+    flat = lambda t: t.reshape(-1, width)  # noqa: E731  (a view where the strides allow)
+    if scale is not None:
+        try:
+            scale = scale.view(-1, width)
+        except RuntimeError:  # (broadcast: as a whole, as before pieces)
+            yield out, ref, scale
+            return
+    out, ref = flat(out), flat(ref)
+    step = max(1, PIECE // width)
     for i in range(0, out.shape[0], step):
         yield out[i:i + step], ref[i:i + step], None if scale is None else scale[i:i + step]
 
