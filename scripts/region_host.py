@@ -9,11 +9,11 @@ each launch (as ``models_check.py`` reports it inside models) and a cProfile of 
 functions with the most time of their own, per call). Every result is first checked against
 float64.
 
-Cases: ``ln`` (GEMM + residual + LayerNorm, a Triton kernel) launched from Inductor's wrapper
-and through the ``comfuse::region`` operator; ``head`` (LM head + cross-entropy, the Gluon
-template ``ws_split``) through the operator. One JSON line per case; the cProfile tables go to
-``$OUT/region-host/``. For the operator's cases, the host time of each layer of its call
-(``layers``).
+Cases: ``ln`` (GEMM + residual + LayerNorm, a Triton kernel) launched from Inductor's wrapper,
+and ``ln-op`` the same kept from it, called as a region (``comfuse_region(...)`` in Inductor's
+code, region_op.call); ``head`` (LM head + cross-entropy, the Gluon template ``ws_split``),
+called as a region. One JSON line per case; the cProfile tables go to ``$OUT/region-host/``.
+For the called regions, the host time of each layer of a call (``layers``).
 
     python scripts/region_host.py [ln,ln-op,head]
 """
@@ -107,9 +107,10 @@ def own_time(fn, out: Path, calls: int = 300 if DEV == "cuda" else 5) -> list:
 
 
 def layers(call) -> dict:
-    """Where an operator call's host time goes: per call, the region module's ``forward`` on
-    the arguments the graph passed (its Python and its launch), the operator called directly
-    (the dispatcher and ``custom_op``'s layers above it), and the whole compiled call."""
+    """Where a called region's host time goes: per call, the region module's ``forward`` on
+    the arguments the graph passed (its Python and its launch), the ``comfuse::region``
+    operator called directly (the dispatcher and ``custom_op``'s layers above the module, which
+    Inductor's code no longer goes through), and the whole compiled call."""
     seen = []
     arguments = region_op._arguments
 
