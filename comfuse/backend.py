@@ -80,6 +80,13 @@ def _inductor(gm: fx.GraphModule, example_inputs, opts: dict):
     return compile_fx(gm, example_inputs, config_patches=patches) if patches else compile_fx(gm, example_inputs)
 
 
+def _fused_so_far(regions: RegionPass):
+    """For the whole-graph check: the regions ``regions`` has kept fused so far, or None
+    while the pass has lowered no graph after the forward (a backward from Inductor's cache)."""
+    forward_calls = regions.calls
+    return lambda: regions.fused if regions.calls > forward_calls else None
+
+
 def comfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None,
                     passes: list | None = None):
     """The torch.compile backend: Inductor compiles the graph (in ``mode``, torch.compile's),
@@ -130,7 +137,7 @@ def comfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = N
             return backward_checked(gm, example_inputs, compiled, regions, plain, on_choice=on_choice)
     with settings_mod.override(**opts["settings"]):
         return faster_graph(gm, example_inputs, compiled, regions.fused, regions.saves_memory, plain,
-                            on_choice=on_choice)
+                            on_choice=on_choice, fused_so_far=_fused_so_far(regions))
 
 
 @dataclasses.dataclass
@@ -290,7 +297,8 @@ class PerShape:
                 return backward_checked(self.gm, args, compiled, regions, lambda: self.dynamic or self._static(gm, args))
         with settings_mod.override(**self.opts["settings"]):
             return faster_graph(self.gm, args, compiled, regions.fused, regions.saves_memory,
-                                lambda: self._static(gm, args), plain=self.dynamic, on_choice=self._chose)
+                                lambda: self._static(gm, args), plain=self.dynamic, on_choice=self._chose,
+                                fused_so_far=_fused_so_far(regions))
 
     def _chose(self, kept: str) -> None:
         if kept != verdicts.FUSED:

@@ -141,13 +141,16 @@ def time_rounds(calls: dict, device, rounds: int) -> dict:
 
 
 def faster_graph(gm: fx.GraphModule, example_inputs, fused, regions: int, saves_memory: bool, compile_plain,
-                 plain=None, on_choice=None):
+                 plain=None, on_choice=None, fused_so_far=None):
     """``fused`` (Inductor's compilation of the graph with comfuse's regions in it) or, when
     the graph is checked (COMFUSE_GRAPH_CHECK), a ``GraphChoice`` between it and Inductor's
     compilation of ``gm`` as Dynamo gave it (``plain``, or ``compile_plain()`` when not given).
     ``regions``: how many regions the fused graph keeps; ``saves_memory``: one of them avoids a
     huge intermediate. ``on_choice(kept)``: told what was kept, when it is known (verdicts.py:
-    FUSED, UNFUSED or INDUCTOR)."""
+    FUSED, UNFUSED or INDUCTOR). ``fused_so_far()``: the regions the graph's pass has kept so
+    far, its backward's included once lowered, or None where the pass has not seen a backward
+    (the two forms' backward graphs are the same until the pass fuses in one: see
+    ``GraphChoice``)."""
     on_choice = on_choice or _told_no_one
     if not _checks_graph(gm, example_inputs):
         on_choice(FUSED)
@@ -164,7 +167,7 @@ def faster_graph(gm: fx.GraphModule, example_inputs, fused, regions: int, saves_
         fallback("compiling the graph without fused regions, to time it, failed", e, "the fused graph runs")
         on_choice(FUSED)
         return fused
-    return GraphChoice(fused, plain, regions, on_choice)
+    return GraphChoice(fused, plain, regions, on_choice, fused_so_far)
 
 
 class GraphChoice:
@@ -174,11 +177,19 @@ class GraphChoice:
     step (forward and backward, gradients returned rather than accumulated) must both win.
     A region that wins its own timing can still cost the model: its calls add host time,
     and Inductor can no longer fuse across it. (Timed at the first call, not at compile
-    time: a backward compiled inside Dynamo's compilation fails.)"""
+    time: a backward compiled inside Dynamo's compilation fails.)
 
-    def __init__(self, fused, plain, regions: int, on_choice=None):
+    The training step is timed only where it can differ from the forward: where the forward
+    wins, and (given ``fused_so_far``) where the fused graph's backward, lowered by one step,
+    kept a fused region. comfuse's pass runs after AOTAutograd has split the joint graph, so
+    the two forms' backward graphs are the same graph until the pass fuses in one; timing
+    both steps compiled that backward twice (the 8B block's first step spent 10 s there)."""
+
+    def __init__(self, fused, plain, regions: int, on_choice=None, fused_so_far=None, forward_differs: bool = True):
         self.fused, self.plain, self.regions = fused, plain, regions
         self.on_choice = on_choice or _told_no_one
+        self.fused_so_far = fused_so_far
+        self.forward_differs = forward_differs  # (False: the two differ in their backward alone)
         self.chosen = None
 
     def __call__(self, *args):
@@ -200,9 +211,11 @@ class GraphChoice:
             # the random state is put back afterwards: the caller's first call draws the same
             # numbers (dropout, say) as it would have without the timing
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                times = _time_graphs({"fused": lambda: self.fused(*args), "inductor": lambda: self.plain(*args)},
-                                     device)
-                if training:
+                times = {}
+                if self.forward_differs or not training:
+                    times = _time_graphs({"fused": lambda: self.fused(*args), "inductor": lambda: self.plain(*args)},
+                                         device)
+                if training and self._steps_may_differ(times, args):
                     steps = _time_graphs({"fused": _step(self.fused, args), "inductor": _step(self.plain, args)},
                                          device)
                     times.update({f"{n} step": t for n, t in steps.items()})
@@ -221,9 +234,32 @@ class GraphChoice:
         return self.fused if keep else self.plain
 
 
+    def _steps_may_differ(self, times: dict, args) -> bool:
+        """Whether the training step must be timed too (the class docstring): not where the
+        forward lost (Inductor's graph is kept), nor where the fused graph's backward, lowered
+        now by one step of it, kept no fused region (its backward is Inductor's, as in the
+        other form)."""
+        if not self.forward_differs:
+            return True
+        if not times["fused"] <= times["inductor"] * GRAPH_MARGIN:
+            return False
+        if self.fused_so_far is None:
+            return True
+        _step(self.fused, args)()
+        so_far = self.fused_so_far()  # (None: the pass did not see the backward, which a cache gave)
+        if so_far is None:
+            return True
+        kept = so_far - self.regions
+        if kept <= 0:
+            log.info("backend: the fused graph's backward kept no fused region: the two training steps "
+                     "differ in the forward alone, not timed")
+        return kept > 0
+
+
 def _times_text(times: dict, form: str) -> str:
-    text = f"{times[form]:.4f} ms a call"
-    return text + (f", {times[form + ' step']:.4f} ms a training step" if form + " step" in times else "")
+    parts = [f"{times[form]:.4f} ms a call"] if form in times else []
+    parts += [f"{times[form + ' step']:.4f} ms a training step"] if form + " step" in times else []
+    return ", ".join(parts)
 
 
 def backward_checked(gm: fx.GraphModule, example_inputs, compiled, regions, compile_plain, on_choice=None):
@@ -282,4 +318,4 @@ class BackwardChoice:
         except Exception as e:
             fallback("checking the graph whose backward fused regions failed", e, "the graph runs as compiled")
             return self.compiled
-        return GraphChoice(self.compiled, plain, fused, self.on_choice).decide(args)
+        return GraphChoice(self.compiled, plain, fused, self.on_choice, forward_differs=False).decide(args)

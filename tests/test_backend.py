@@ -792,10 +792,19 @@ def test_the_whole_graph_is_timed_against_inductors_and_the_faster_kept(monkeypa
     assert bool(region_calls) == (winner == "fused")
 
 
-def test_a_training_graph_keeps_the_fused_form_only_if_its_forward_and_step_both_win(monkeypatch, fused_regions_win):
-    """Grad on: the forward alone and forward + backward (gradients returned, not accumulated
-    into ``.grad``) are both timed; a fused graph that loses either goes to Inductor."""
-    from comfuse import backend, graph_check, region_op  # noqa: F401
+class NormPostNorm(PostNorm):
+    """PostNorm after a LayerNorm of its input: the forward fuses the GEMM with the residual
+    and the second norm, the backward the GEMM into the first norm's input gradient."""
+    def forward(self, x, r):
+        return super().forward(F.layer_norm(x, (x.shape[-1],)), r)
+
+
+def _training_check(monkeypatch, model, fused_step_ms: float, fused_forward_ms: float = 1.0):
+    """One training step of ``model`` compiled with the whole-graph check, its timings faked
+    (the fused forward ``fused_forward_ms`` against 1.5, the fused step ``fused_step_ms``
+    against 2.0; both forms run and agree): which of them were timed (True: a step), and the
+    check's record."""
+    from comfuse import backend, graph_check
     timed = []
 
     def time_graphs(calls, device):
@@ -804,22 +813,44 @@ def test_a_training_graph_keeps_the_fused_form_only_if_its_forward_and_step_both
         timed.append(step)
         if step:
             assert_grads_close(outs["fused"], outs["inductor"])
-        return {"fused": 1.0, "inductor": 2.0 if step else 1.5}  # fused wins both
+        return {"fused": fused_step_ms if step else fused_forward_ms, "inductor": 2.0 if step else 1.5}
     monkeypatch.setattr(graph_check, "_time_graphs", time_graphs)
-    model = PostNorm().to(DEVICE)
-    x, r = torch.randn(2, 5, 32, device=DEVICE), torch.randn(2, 5, 48, device=DEVICE)
+    torch.manual_seed(0)
+    x, r = torch.randn(2, 5, 32, device=DEVICE, requires_grad=True), torch.randn(2, 5, 48, device=DEVICE)
+    model(x, r).sum().backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
     out = compiled(model, options={"autotune": "1", "graph_check": "1"})(x, r)
-    out.sum().backward()
-    assert timed == [False, True] and model.lin.weight.grad is not None
-    assert backend.GRAPH_CHECKS[-1]["training"] and backend.GRAPH_CHECKS[-1]["kept"] == "fused"
-    ref = PostNorm().to(DEVICE)
-    ref.load_state_dict(model.state_dict())
-    ref(x, r).sum().backward()  # the timing's backward left no gradient behind: one step's worth
-    torch.testing.assert_close(model.lin.weight.grad, ref.lin.weight.grad, rtol=1e-4, atol=1e-5)
+    out.sum().backward()  # the timing's steps left no gradient behind: one step's worth
+    assert_grads_close([p.grad for p in model.parameters()], want)
+    return timed, backend.GRAPH_CHECKS[-1]
+
+
+@pytest.mark.parametrize("step_wins", [True, False])
+def test_a_training_graph_keeps_the_fused_form_only_if_its_forward_and_step_both_win(monkeypatch, fused_regions_win,
+                                                                                   step_wins):
+    """Grad on, a backward that fuses too: the forward alone and forward + backward
+    (gradients returned, not accumulated into ``.grad``) are both timed; a fused graph that
+    loses either goes to Inductor."""
+    timed, check = _training_check(monkeypatch, NormPostNorm().to(DEVICE), 1.0 if step_wins else 3.0)
+    assert timed == [False, True] and check["training"]
+    assert check["kept"] == ("fused" if step_wins else "inductor")
+
+
+def test_a_training_step_is_not_timed_where_the_backward_is_inductors_in_both(monkeypatch, fused_regions_win):
+    """The pass runs after AOTAutograd split the graph: where the fused graph's backward keeps
+    no fused region, both forms run the same backward, and the step (whose timing compiles
+    that backward twice) is not timed; a forward that loses is not followed by a step either."""
+    from comfuse import graph_check
+    timed, check = _training_check(monkeypatch, PostNorm().to(DEVICE), 3.0)
+    assert timed == [False] and check["training"] and check["kept"] == "fused" and "fused_step_ms" not in check
+    timed, check = _training_check(monkeypatch, NormPostNorm().to(DEVICE), 1.0, fused_forward_ms=2.0)
+    assert timed == [False] and check["kept"] == "inductor"
 
     monkeypatch.setattr(graph_check, "_time_graphs", lambda calls, device: pytest.fail("timed"))
     with torch.no_grad():
-        compiled(model, options={"autotune": "0", "graph_check": "0"})(x, r)
+        compiled(PostNorm().to(DEVICE), options={"autotune": "0", "graph_check": "0"})(
+            torch.randn(2, 5, 32, device=DEVICE), torch.randn(2, 5, 48, device=DEVICE))
 
 
 class NormThenCumsum(torch.nn.Module):
@@ -837,9 +868,9 @@ class NormThenCumsum(torch.nn.Module):
 def test_a_backward_that_fuses_where_the_forward_did_not_is_timed_against_inductors(monkeypatch, fused_regions_win,
                                                                                    winner):
     """The forward kept no fused region, its backward (lowered at the first backward) keeps
-    one: the first call runs a step to lower the backward, then times the graph's steps
-    against Inductor's compilation without regions and keeps the faster; the gradients are
-    one step's, as eager's."""
+    one: the first call runs a step to lower the backward, then times the graph's steps (not
+    its forward, the same in both) against Inductor's compilation without regions and keeps
+    the faster; the gradients are one step's, as eager's."""
     from comfuse import backend, graph_check
     timed = []
 
@@ -860,7 +891,7 @@ def test_a_backward_that_fuses_where_the_forward_did_not_is_timed_against_induct
         gm, ex, {"autotune": "1", "graph_check": "1"}, passes=passes))
     cm(x).square().sum().backward()
     assert [r.regions[0].fused for r in passes[0].reports] == [False, False] and passes[0].fused == 1
-    assert timed == [False, True]
+    assert timed == [True]  # (the forwards are the same graph: only the steps are timed)
     assert backend.GRAPH_CHECKS[-1]["kept"] == winner and backend.GRAPH_CHECKS[-1]["training"]
     got = (x.grad.clone(), model.w.grad.clone())
     x.grad = model.w.grad = None

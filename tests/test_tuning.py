@@ -24,7 +24,7 @@ def fake_timer(monkeypatch, times):
     measurements: tested on its own below)."""
     calls = []
 
-    def measure(fn, device, warmup_ms=0, rep_ms=0):
+    def measure(fn, device, warmup_ms=0, rep_ms=0, **kw):
         fn()
         t = times[len(calls)]
         calls.append(t)
@@ -76,6 +76,34 @@ def test_after_the_rounds_only_the_finalists_compete(monkeypatch):
     assert decision["choice"] == "a", decision
     assert decision["times_ms"]["unfused"] == 0.90 and decision["first_pass_ms"] == {"a": 0.80, "b": 0.82}
     assert tuning.fastest({"x": 1.0, "y": 2.0}, {}) == "x"
+
+
+def test_a_plan_within_the_keep_margin_is_not_kept(monkeypatch):
+    """A fused plan 1 % faster than the unfused ops is a tie (the same region timed 2 % apart
+    in two graphs): the ops are kept; 3 % faster, the plan is."""
+    fake_timer(monkeypatch, [1.00, 0.99, 1.50])  # unfused, a, b
+    decision = tuning.decide(["a", "b"], lambda i: (torch.ones(2),), lambda: (torch.ones(2),), torch.device("cuda"))
+    assert decision["choice"] == "unfused" and decision["times_ms"]["a"] == 0.99
+    fake_timer(monkeypatch, [1.00, 0.97, 1.50])
+    decision = tuning.decide(["a", "b"], lambda i: (torch.ones(2),), lambda: (torch.ones(2),), torch.device("cuda"))
+    assert decision["choice"] == "a"
+
+
+def test_the_final_rounds_time_the_fastest_few(monkeypatch):
+    """Of many contenders within the margin only the FINALISTS fastest are timed again, and
+    the unfused ops always (here the slowest of them)."""
+    from comfuse.runtime.timing import Rounds, Timing
+    names = [f"p{i}" for i in range(8)]
+    fake_timer(monkeypatch, [1.00] + [0.93 + 0.001 * i for i in range(8)])
+    seen = {}
+
+    def measure_rounds(calls, rounds, device, **kw):
+        seen.update(names=sorted(calls), budget=kw.get("budget_ms"))
+        return {n: Rounds(0.9, (0.9,) * rounds, Timing(0.9, 0, 0, 60)) for n in calls}
+    monkeypatch.setattr(tuning, "measure_rounds", measure_rounds)
+    tuning.decide(names, lambda i: (torch.ones(2),), lambda: (torch.ones(2),), torch.device("cuda"))
+    assert seen["names"] == sorted(names[:tuning.FINALISTS] + ["unfused"])
+    assert seen["budget"] == tuning.TUNE_BUDGET_MS
 
 
 def fused_module(compiled):
@@ -581,7 +609,7 @@ def test_candidates_compile_before_the_gpu_is_heated_and_anything_timed(monkeypa
     monkeypatch.setattr(tuning, "compile_ahead", lambda run_fused, count, device: events.append(f"compile {count}"))
     monkeypatch.setattr(tuning, "heat", lambda fn, ms: events.append(f"heat {ms}"))
 
-    def measure(fn, device, warmup_ms=0, rep_ms=0):
+    def measure(fn, device, warmup_ms=0, rep_ms=0, **kw):
         events.append("time")
         fn()
         return Timing(1.0, 1.0, 1.0, 20)

@@ -13,6 +13,9 @@ import time
 from typing import Callable, Sequence
 
 MIN_REPS = 20
+# with a time budget (autotuning's: ``budget_ms``), a slow function is timed at least this many
+# times rather than MIN_REPS: an LM head of 13 ms took 37 runs (0.5 s) a timing
+LEAST_REPS = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,19 +46,24 @@ def summarize(times_ms: Sequence[float]) -> Timing:
 
 
 def measure(fn: Callable, device: str = "cuda", warmup_ms: float = 25, rep_ms: float = 100,
-            min_reps: int = MIN_REPS) -> Timing:
-    """Time ``fn``: warm up, then at least ``min_reps`` repetitions."""
-    return summarize(_times(fn, device, warmup_ms, rep_ms, min_reps))
+            min_reps: int = MIN_REPS, budget_ms: float | None = None) -> Timing:
+    """Time ``fn``: warm up, then at least ``min_reps`` repetitions; with ``budget_ms``, a
+    function too slow for ``min_reps`` of it within the budget is timed as many times as fit
+    (at least LEAST_REPS): its run-to-run spread is small against its time."""
+    return summarize(_times(fn, device, warmup_ms, rep_ms, min_reps, budget_ms))
 
 
 def _times(fn: Callable, device: str = "cuda", warmup_ms: float = 25, rep_ms: float = 100,
-           min_reps: int = MIN_REPS) -> list:
+           min_reps: int = MIN_REPS, budget_ms: float | None = None) -> list:
     """The repetitions' times in ms (see ``measure``)."""
     if device == "cuda":
         from triton.testing import do_bench
-        times = do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="all")
+        times = list(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="all"))
         if len(times) < min_reps:  # slow functions: ask for enough repetitions explicitly
             per = max(statistics.median(times), 1e-3)
+            if budget_ms is not None:
+                want = max(LEAST_REPS, min(min_reps, int(budget_ms / per)))
+                return times + _event_times(fn, want - len(times))
             times = do_bench(fn, warmup=warmup_ms, rep=per * min_reps * 1.2, return_mode="all")
         return list(times)
     fn()
@@ -65,6 +73,23 @@ def _times(fn: Callable, device: str = "cuda", warmup_ms: float = 25, rep_ms: fl
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
     return times
+
+
+def _event_times(fn: Callable, reps: int) -> list:
+    """``reps`` more timings of ``fn`` (ms), each with CUDA events and after zeroing 256 MB as
+    ``do_bench`` does (no repetition finds its inputs in L2), without its estimate first."""
+    import torch
+    if reps <= 0:
+        return []
+    flush = torch.empty(64 << 20, dtype=torch.int32, device="cuda")
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+    for start, end in events:
+        flush.zero_()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return [start.elapsed_time(end) for start, end in events]
 
 
 def heat(fn: Callable, ms: float) -> None:

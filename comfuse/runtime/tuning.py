@@ -44,6 +44,15 @@ MEMORY_FIRST_BYTES = 1 << 30
 # kernel's first time and its round median were seen to differ by 13 %.
 FINALIST_MARGIN = 1.10
 FINAL_ROUNDS = 3
+FINALISTS = 4  # at most this many of them, the fastest first (the unfused ops always among them)
+# a fused plan is kept only where it is at least this much faster than the unfused ops: the
+# same 8B down projection (8192 x 4096 x 14336) timed 0.978 and 0.999 of its ops' time in two
+# graphs of one run (H200, 2026-12-06), and a region's call adds host time that the ops'
+# Inductor code does not
+KEEP_MARGIN = 0.98
+# each timing of a candidate within about this much GPU time (at least timing.LEAST_REPS runs):
+# the 8B LM head's 9 candidates of 13 ms took 14 s to time at 20 runs and more each
+TUNE_BUDGET_MS = 100
 # the unfused ops run back to back for this long before the first timing: the H200 idles at
 # 345 MHz while candidates compile (the same plan of the same region was timed 0.1659 and
 # 0.3255 ms in two runs that timed Python launches right after compiling)
@@ -67,7 +76,8 @@ def final_rounds(times: dict, call) -> dict:
     is among these (``fastest``): the others lost the first pass by more than the margin, and
     their first times, taken on a cooler GPU, are not comparable with the rounds'."""
     best = min(times.values(), default=math.inf)
-    near = [n for n, t in times.items() if math.isfinite(t) and t <= best * FINALIST_MARGIN]
+    near = sorted((n for n, t in times.items() if math.isfinite(t) and t <= best * FINALIST_MARGIN), key=times.get)
+    near = near[:FINALISTS] + [n for n in near[FINALISTS:] if n == UNFUSED]
     if len(near) < 2:
         return {}
     close = {}
@@ -78,7 +88,7 @@ def final_rounds(times: dict, call) -> dict:
             log.info("autotuning: %s not timed again (%s)", name, type(e).__name__)
     if len(close) < 2:
         return {}
-    rounds = measure_rounds(close, FINAL_ROUNDS, "cuda", warmup_ms=5, rep_ms=25,
+    rounds = measure_rounds(close, FINAL_ROUNDS, "cuda", warmup_ms=5, rep_ms=25, budget_ms=TUNE_BUDGET_MS,
                             on_error=lambda n, e: log.info("autotuning: a timing round of %s failed: %s", n, e))
     return {n: r.median_ms for n, r in rounds.items()}
 
@@ -336,7 +346,8 @@ def separate(unfused, ext, on_cpu: bool = False, form: str | None = None, forms=
     # max-autotune's (LayerNorm after a GEMM, H200 2026-11-30: 0.0524 ms vs the default's 0.0420)
     calls = {name: (lambda c=c: c(*ext)) for name, c in built.items()}
     calls["ops"] = lambda: unfused(*ext)
-    times = {name: measure(call, "cuda", warmup_ms=5, rep_ms=25).median_ms for name, call in calls.items()}
+    times = {name: measure(call, "cuda", warmup_ms=5, rep_ms=25, budget_ms=TUNE_BUDGET_MS).median_ms
+             for name, call in calls.items()}
     again = final_rounds(times, calls.__getitem__)
     times.update(again)
     name = fastest(times, again)
@@ -411,7 +422,7 @@ def decide(names: list, run_fused, run_unfused, device: torch.device, tol: float
 
     def timed(fn) -> float:
         run = graphed(fn, warmup_calls=1) if timing == "graph" else fn
-        return measure(run, device.type, warmup_ms=5, rep_ms=25).median_ms
+        return measure(run, device.type, warmup_ms=5, rep_ms=25, budget_ms=TUNE_BUDGET_MS).median_ms
     start = time.perf_counter()
     log.info("autotuning: %d candidate plan(s) and the unfused ops, timed by %s", len(names),
              "CUDA-graph replays" if timing == "graph" else "launches")
@@ -456,6 +467,11 @@ def decide(names: list, run_fused, run_unfused, device: torch.device, tol: float
     for name in names:
         log.debug("  %s: %s", name, f"{times[name]:.4f} ms" if name not in rejected else rejected[name])
     choice = fastest(times, again)
+    pool = again or times  # (times taken alike: the rounds', where the unfused ops were among them)
+    if choice != UNFUSED and UNFUSED in pool and not pool[choice] <= pool[UNFUSED] * KEEP_MARGIN:
+        log.info("autotuning: %s (%.4f ms) is within %.0f %% of the unfused ops (%.4f ms): not kept", choice,
+                 pool[choice], (1 - KEEP_MARGIN) * 100, pool[UNFUSED])
+        choice = UNFUSED
     log.info("autotuning: chose %s (%.4f ms; unfused %.4f ms) in %.1f s", choice, times[choice],
              times[UNFUSED], time.perf_counter() - start)
     decision = {"choice": choice, "times_ms": times, "rejected": rejected, "timing": timing}
