@@ -162,7 +162,10 @@ def faster_graph(gm: fx.GraphModule, example_inputs, fused, regions: int, saves_
         return fused
     try:
         if plain is None:
+            began = time.perf_counter()
             plain = compile_plain()
+            log.info("backend: Inductor's compilation of the graph without regions, for the check: %.1f s",
+                     time.perf_counter() - began)
     except Exception as e:  # keep the fused graph: each of its regions won its own timing
         fallback("compiling the graph without fused regions, to time it, failed", e, "the fused graph runs")
         on_choice(FUSED)
@@ -207,6 +210,7 @@ class GraphChoice:
     def _choose(self, args):
         device = next(t for t in args if isinstance(t, torch.Tensor)).device
         training = _training(args)
+        began = time.perf_counter()
         try:
             # the random state is put back afterwards: the caller's first call draws the same
             # numbers (dropout, say) as it would have without the timing
@@ -228,9 +232,9 @@ class GraphChoice:
                              **{f"{n.replace(' ', '_')}_ms": t for n, t in times.items()},
                              "kept": "fused" if keep else "inductor"})
         del GRAPH_CHECKS[:-16]
-        log.info("backend: the graph with %d fused region(s) ran %s; Inductor's alone %s; keeping %s",
-                 self.regions, _times_text(times, "fused"), _times_text(times, "inductor"),
-                 "the fused graph" if keep else "Inductor's")
+        log.info("backend: the graph with %d fused region(s) ran %s; Inductor's alone %s; keeping %s "
+                 "(checked in %.1f s)", self.regions, _times_text(times, "fused"), _times_text(times, "inductor"),
+                 "the fused graph" if keep else "Inductor's", time.perf_counter() - began)
         return self.fused if keep else self.plain
 
 

@@ -75,6 +75,10 @@ MEASURED_CLASSES = {
     "ws_stages/single/19/deep": {"1fc29563fd86789f": 1.0347, "ec551c31c0bfb9ad": 0.9815,
                                  "8f84ff76da60d516": 0.9781, "e18b85933713b296": 0.9994},
     "ws_strip/single/19/deep": {"1fc29563fd86789f": 1.0457, "8f84ff76da60d516": 0.9818},
+    # the Triton split plans at the 8B LM head (8192 x 128256 x 4096, inference graphs, the H200
+    # and an H100, 2026-12-06: the same results and 2026-12-06-cheaper-first-calls/), where the
+    # Gluon template reached 0.93-0.97: compiling and timing them took 4-8 s a graph
+    "split/single/21/flat": {"f56b1d68e9241809": 0.9974, "7c2ca7339db6d5ca": 1.0199},
 }
 # a schedule must have been at least this much faster than the ops to be tried: autotuning
 # keeps a plan only 2 % faster than the ops (runtime/tuning.py's KEEP_MARGIN), and a kind whose
