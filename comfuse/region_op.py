@@ -22,8 +22,10 @@ import torch
 
 from . import settings as settings_mod
 from .errors import notice_once, summary
-from .runtime import cache
+from .runtime import cache, launch
+from .runtime import replay as replay_mod
 from .runtime.cache import CODEGEN_VERSION
+from .runtime.replay import Replay
 
 log = logging.getLogger("comfuse.backend")
 
@@ -196,14 +198,62 @@ def call(region_id: int, tensors: list, scalars: list) -> list:
     return _run(region_id, tensors, scalars)
 
 
+RECORD_TRIES = 4  # settled calls recorded, at most, before a region that cannot be replayed is left to run
+
+
 def _run(region_id: int, tensors, scalars) -> list:
+    entry = REGISTRY.get(region_id)
+    # a region module's ``_replay`` (runtime/replay.py): its Replay, the recordings of its calls
+    # so far (a list), or False once it is not replayed
+    replay = entry[0].__dict__.get("_replay") if entry is not None else None
+    if replay.__class__ is Replay:
+        if replay.settings is settings_mod.get():
+            outs = replay(tensors)
+            if outs is not None:
+                return outs
+            replay = False  # (tensors of another layout: this call runs the module)
+        else:
+            replay = None  # (other settings: recorded again)
     module = module_of(region_id)[0]
-    # (forward directly: region modules carry no hooks, and nn.Module's call path costs
-    # microseconds on every call of a compiled graph)
-    outs = module.forward(*_arguments(region_id, tensors, scalars))
+    args = _arguments(region_id, tensors, scalars)
+    if replay is False:
+        # (forward directly: region modules carry no hooks, and nn.Module's call path costs
+        # microseconds on every call of a compiled graph)
+        outs = module.forward(*args)
+    else:
+        outs = _recorded(module, args, tensors)
     # a custom op's outputs must not alias its inputs nor each other (the fused path returns
     # fresh tensors; the unfused ops may return an input, a view of one, or one tensor twice)
     return _fresh(list(outs), tensors)
+
+
+def _recorded(module, args, tensors):
+    """``module``'s call on ``args``, recorded where it may be replayed (``Fused.settled``):
+    two recordings that agree become its Replay; a region none of whose first RECORD_TRIES
+    settled calls could be replayed runs as a module from then on."""
+    settings = settings_mod.get()
+    device = next((t.device for t in tensors if isinstance(t, torch.Tensor)), None)
+    settled = getattr(module, "settled", None)
+    if device is None or settled is None or not settled(device, settings):
+        return module.forward(*args)
+    with launch.recording() as launches:
+        outs = module.forward(*args)
+    recordings = module.__dict__.get("_replay")  # (the calls recorded: the last one kept)
+    if recordings.__class__ is not list:  # (none yet, or a replay built under other settings)
+        recordings = module.__dict__["_replay"] = []
+    recordings.append(replay_mod.record(launches, tensors, outs, replay_mod.held_tensors(module.kernel)))
+    if len(recordings) >= 2:
+        built = replay_mod.build(recordings[-2], recordings[-1])
+        if built is not None:
+            built.settings = settings
+            module.__dict__["_replay"] = built
+            log.info("backend: %s at %s is replayed as its %d launch(es)", module.kind, module.report.anchor,
+                     len(built.launches))
+        elif len(recordings) >= RECORD_TRIES:
+            module.__dict__["_replay"] = False
+        else:
+            recordings[:-1] = [None] * (len(recordings) - 1)  # (counted, not kept)
+    return outs
 
 
 # The op needs no autograd formula (it runs in graphs AOTAutograd has differentiated already)

@@ -108,27 +108,33 @@ def own_time(fn, out: Path, calls: int = 300 if DEV == "cuda" else 5) -> list:
 
 def layers(call) -> dict:
     """Where a called region's host time goes: per call, the region module's ``forward`` on
-    the arguments the graph passed (its Python and its launch), the ``comfuse::region``
-    operator called directly (the dispatcher and ``custom_op``'s layers above the module, which
-    Inductor's code no longer goes through), and the whole compiled call."""
+    the arguments the graph passed (its Python and its launch), its replay (its launches alone,
+    runtime/replay.py) where it has one, ``region_op.call`` (what Inductor's code calls), the
+    ``comfuse::region`` operator called directly (the dispatcher and ``custom_op``'s layers,
+    which Inductor's code no longer goes through), and the whole compiled call."""
     seen = []
-    arguments = region_op._arguments
+    run = region_op._run
 
     def record(region_id, tensors, scalars):
         seen.append((region_id, list(tensors), list(scalars)))
-        return arguments(region_id, tensors, scalars)
-    region_op._arguments = record
+        return run(region_id, tensors, scalars)
+    region_op._run = record
     try:
         call()
     finally:
-        region_op._arguments = arguments
+        region_op._run = run
     if not seen:
         return {}
     rid, tensors, scalars = seen[0]
-    module, args = region_op.module_of(rid)[0], arguments(rid, tensors, scalars)
-    return {"module_forward": per_call_us(lambda: module.forward(*args)),
-            "operator": per_call_us(lambda: torch.ops.comfuse.region(rid, tensors, scalars)),
-            "compiled_call": per_call_us(call)}
+    module, args = region_op.module_of(rid)[0], region_op._arguments(rid, tensors, scalars)
+    replay = module.__dict__.get("_replay")
+    rows = {"module_forward": per_call_us(lambda: module.forward(*args))}
+    if replay is not None and hasattr(replay, "launches"):
+        rows["replay"] = per_call_us(lambda: replay(tensors))
+    rows.update(region_call=per_call_us(lambda: region_op.call(rid, tensors, scalars)),
+                operator=per_call_us(lambda: torch.ops.comfuse.region(rid, tensors, scalars)),
+                compiled_call=per_call_us(call))
+    return rows
 
 
 def run(name: str, out_dir: Path) -> dict:

@@ -44,6 +44,7 @@ class Fused(torch.nn.Module):
         Inductor compiled them, which that process builds again. A region that was not tuned
         (autotuning off) checks its first call against its ops there again."""
         state = dict(self.__dict__)
+        state.pop("_replay", None)  # (launchers of this process: region_op.py)
         state.update(kernel=None, separate=None, validated=set(),
                      _modules={k: m for k, m in self._modules.items() if k != "separate"})
         return state
@@ -54,6 +55,16 @@ class Fused(torch.nn.Module):
 
     def forward(self, *ext):
         return self._call(ext)
+
+    def settled(self, device, settings) -> bool:
+        """Whether a call on ``device`` now runs the chosen kernel and nothing else: no tuning
+        or comparison to come, no check, no fallback (a replay of its launches may stand for
+        it: region_op.py)."""
+        if self.kernel is None or self.failed or self.prefer_unfused or settings.disable or settings.check:
+            return False
+        if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return False  # (the interpreter's launches are not bound: nothing to replay)
+        return device in self.tuned or (device in self.validated and not tuning.enabled(device, settings))
 
     def choose(self, *ext) -> None:
         """What the first call decides (autotuning, or the comparison with the ops), made now

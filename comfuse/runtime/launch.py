@@ -8,7 +8,9 @@ per call matters.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 
 import torch
 import triton
@@ -65,15 +67,51 @@ def launch_direct(fn, grid, args: list, options: dict, fresh: set):
     calls with the same layout skip the JIT's argument binding and specialisation (about
     half the Python time of a launch). The layout must include each tensor's 16-byte
     alignment, which Triton specialises on."""
+    _unrecorded()
     compiled = fn[grid](*args, **options)
     names = fn.arg_names[len(args):]
     if compiled is None or any(n not in options for n in names):  # pragma: no cover
-        run = lambda *a: fn[grid](*a, **options)  # noqa: E731
+        run = lambda *a: _unrecorded() or fn[grid](*a, **options)  # noqa: E731
         full = list(args)
     else:
-        run = compiled[(*grid, 1, 1)[:3]]  # (its launcher takes three grid sizes)
+        run = _recorded(compiled[(*grid, 1, 1)[:3]])  # (its launcher takes three grid sizes)
         full = list(args) + [options[n] for n in names]  # the launcher takes constexprs too
     return run, [None if j in fresh else v for j, v in enumerate(full)]  # scratch stays referenced
+
+
+_thread = threading.local()  # .launches: the recording in progress on this thread (``recording``)
+
+
+@contextlib.contextmanager
+def recording():
+    """A list of the (launcher, arguments) of every launch this thread makes through a bound
+    launch (``launch_direct``) inside the block, or None in it where some launch went through
+    Triton's JIT instead (its first call for a layout), which a replay could not repeat
+    (runtime/replay.py)."""
+    launches: list = []
+    _thread.launches = launches
+    try:
+        yield launches
+    finally:
+        _thread.launches = None
+
+
+def _recorded(run):
+    """``run`` (a compiled kernel's launcher), adding each launch to this thread's recording."""
+    def launch(*args):
+        launches = getattr(_thread, "launches", None)
+        if launches is not None:
+            launches.append((run, args))
+        return run(*args)
+    launch.launcher = run
+    return launch
+
+
+def _unrecorded() -> None:
+    """A launch through Triton's JIT: this thread's recording cannot be replayed."""
+    launches = getattr(_thread, "launches", None)
+    if launches is not None:
+        launches.append(None)
 
 
 def bind_tensors(fn, grid, args: list, options: dict, tensors, fresh=()) -> tuple:

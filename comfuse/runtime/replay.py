@@ -1,0 +1,187 @@
+"""A fused region's call replayed as its kernels' launches alone.
+
+A region called from a compiled graph runs the same launches on every call: the region module
+works out canonical views of its tensors, allocates its outputs, and each kernel fills the
+call's tensors into a launch it bound at its first call (launch.py). That Python cost 44-50 us
+a call on the GPU machines' hosts (2026-12-06), three or four times one Inductor launch. Once a
+region has settled (tuned, checked, its kernel bound), two of its calls are recorded
+(``launch.recording``): each launch's launcher and arguments. Where the two agree, each
+argument is one of the call's tensors (found by its data pointer: the canonical views start
+where the tensors do), one of its outputs, a TMA descriptor over either, or the same value in
+both (sizes, strides, the kernels' own workspaces), and ``Replay`` repeats them: outputs
+allocated as the call allocated them, the call's tensors put in their places, the launchers
+called, after one check that the tensors' layout (shapes, strides, dtypes, devices, 16-byte
+alignment) is the one recorded. Anything else is not replayed, and the region module runs
+as before: a launch through Triton's JIT (its first for a layout), a tensor argument that is
+neither a call's tensor nor one its kernel holds (a copy made for the call), two call tensors
+at one address, an output its kernels do not write, or a difference between the two calls.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .launch import layout_key
+
+_IN, _OUT, _KEPT = "in", "out", "kept"
+
+
+@dataclasses.dataclass
+class Replay:
+    """The launches of a region's call, to repeat on another call's tensors (module docstring)."""
+    layout: tuple  # the TF32 setting and the call's tensors' layout_key
+    outputs: tuple  # (shape, stride, dtype, device) per output
+    launches: tuple  # (launcher, argument template, ((position, source, descriptor or None), ...))
+    settings: object = None  # the comfuse settings it was recorded under (the caller's to compare)
+
+    def __call__(self, tensors) -> list | None:
+        """The outputs of the region on ``tensors``, or None where their layout is not the one
+        recorded (the module then runs the call)."""
+        if (torch.backends.cuda.matmul.allow_tf32, layout_key(tensors)) != self.layout:
+            return None
+        outs = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                for shape, stride, dtype, device in self.outputs]
+        sources = (*tensors, *outs)
+        for run, template, fills in self.launches:
+            args = list(template)
+            for j, i, descriptor in fills:
+                if descriptor is None:
+                    args[j] = sources[i]
+                else:  # (a TMA descriptor holds its tensor: the recorded one's fields over this call's)
+                    d = object.__new__(type(descriptor))
+                    d.__dict__.update(descriptor.__dict__)
+                    d.base = sources[i]
+                    args[j] = d
+            run(*args)
+        return outs
+
+
+def held_tensors(obj, depth: int = 5) -> set:
+    """ids of the tensors ``obj`` (a region's kernel) holds: its workspaces and counters, which
+    a replay may pass as they are."""
+    found = set()
+
+    def walk(x, d):
+        if isinstance(x, torch.Tensor):
+            found.add(id(x))
+        elif d <= 0 or isinstance(x, (str, bytes, int, float, bool, type(None), torch.dtype, torch.device)):
+            return
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v, d - 1)
+        elif isinstance(x, (list, tuple, set, frozenset)):
+            for v in x:
+                walk(v, d - 1)
+        elif hasattr(x, "__dict__") and not callable(x) and not isinstance(x, torch.nn.Module):
+            for v in vars(x).values():
+                walk(v, d - 1)
+    walk(obj, depth)
+    return found
+
+
+def _whole(t: torch.Tensor) -> bool:
+    """Whether ``t`` is all of its storage, laid out densely from its start (an output a replay
+    may allocate by itself)."""
+    return (t.is_contiguous() and t.storage_offset() == 0 and t.numel() > 0
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+
+
+@dataclasses.dataclass
+class Recording:
+    """One call's launches with each argument classified: (_IN | _OUT, index), (_IN | _OUT,
+    index, descriptor type, its other fields) or (_KEPT, value); no tensor of the call kept."""
+    layout: tuple
+    outputs: list  # (shape, stride, dtype, device)
+    tensors: int  # how many the call had
+    launches: list  # (launcher, [classified argument])
+
+
+def record(launches: list, tensors, outputs, held: set) -> Recording | None:
+    """``launches`` (a ``launch.recording()`` of one call on ``tensors``, which returned
+    ``outputs``) classified, or None where the call cannot be replayed (module docstring).
+    ``held``: ``held_tensors`` of the region's kernel."""
+    if not launches or any(x is None for x in launches):
+        return None
+    if not all(isinstance(o, torch.Tensor) and _whole(o) for o in outputs):
+        return None
+    where = {}
+    for i, t in enumerate(tensors):
+        if t.numel():
+            where[t.data_ptr()] = (_IN, i) if t.data_ptr() not in where else None  # (None: two at one address)
+    for k, o in enumerate(outputs):
+        if o.data_ptr() in where:
+            return None
+        where[o.data_ptr()] = (_OUT, k)
+    written = set()
+    classified_launches = []
+    for run, args in launches:
+        classified = []
+        for a in args:
+            base = getattr(a, "base", None) if not isinstance(a, torch.Tensor) else None
+            tensor = a if isinstance(a, torch.Tensor) else base if isinstance(base, torch.Tensor) else None
+            if tensor is None:
+                classified.append((_KEPT, a))
+                continue
+            source = where.get(tensor.data_ptr()) if tensor.numel() else None
+            if source is None:
+                if id(tensor) not in held or base is not None:
+                    return None  # (a copy made for this call, or a descriptor over a workspace)
+                classified.append((_KEPT, a))
+                continue
+            if source[0] == _OUT:
+                written.add(source[1])
+            if base is not None:
+                if not hasattr(a, "__dict__"):
+                    return None
+                classified.append((*source, type(a), {k: v for k, v in vars(a).items() if k != "base"}))
+            else:
+                classified.append(source)
+        classified_launches.append((run, classified))
+    if written != set(range(len(outputs))):
+        return None  # (an output no launch writes)
+    return Recording((torch.backends.cuda.matmul.allow_tf32, layout_key(tensors)),
+                     [(tuple(o.shape), o.stride(), o.dtype, o.device) for o in outputs], len(tensors),
+                     classified_launches)
+
+
+def _same(x, y) -> bool:
+    try:
+        return x is y or bool(x == y)
+    except Exception:  # (values that do not compare: not the same)
+        return False
+
+
+def build(first: Recording | None, second: Recording | None) -> Replay | None:
+    """A Replay of the region's calls where ``first`` and ``second`` (two recorded calls of it)
+    are replayable and agree, else None."""
+    if first is None or second is None or first.layout != second.layout or first.outputs != second.outputs:
+        return None
+    if len(first.launches) != len(second.launches):
+        return None
+    launches = []
+    for (run, args), (run2, args2) in zip(first.launches, second.launches):
+        if run is not run2 or len(args) != len(args2):
+            return None
+        template, fills = [], []
+        for j, (x, y) in enumerate(zip(args, args2)):
+            if x[0] != y[0] or (x[0] == _KEPT and not _same(x[1], y[1])) or (x[0] != _KEPT and x[1] != y[1]):
+                return None
+            if x[0] == _KEPT:
+                template.append(x[1])
+                continue
+            if len(x) > 2 and not (x[2] is y[2] and _same(x[3], y[3])):
+                return None  # (descriptors of different kinds or fields)
+            template.append(None)
+            index = x[1] if x[0] == _IN else first.tensors + x[1]
+            fills.append((j, index, _descriptor(x[2], x[3]) if len(x) > 2 else None))
+        launches.append((run, tuple(template), tuple(fills)))
+    return Replay(first.layout, tuple(first.outputs), tuple(launches))
+
+
+def _descriptor(kind, fields: dict):
+    """A descriptor of ``kind`` with ``fields`` and no tensor yet (``Replay`` gives each call's)."""
+    d = object.__new__(kind)
+    d.__dict__.update(fields)
+    d.base = None
+    return d

@@ -1,0 +1,196 @@
+"""A settled region's calls replayed as its kernels' launches (runtime/replay.py, region_op.py).
+
+The launches here are Python functions standing in for compiled kernels' launchers (bound
+through ``launch._recorded`` as ``launch_direct`` binds a compiled one), so that what a replay
+repeats, and what it refuses, is checked on the CPU; the GPU test runs real kernels."""
+import dataclasses
+
+import pytest
+import torch
+
+from comfuse import region_op, settings
+from comfuse.runtime import launch, replay
+
+
+def _axpy(x, y, out, ws, scale):
+    """A stand-in launcher: out = scale * x + y + ws[0] (a held workspace read too)."""
+    out.copy_(scale * x + y + ws[0])
+
+
+def _desc_axpy(xd, y, out, ws, scale):
+    """The same, its first operand through a TMA-like descriptor (``.base`` and fields)."""
+    assert xd.block == (4,)
+    out.copy_(scale * xd.base + y + ws[0])
+
+
+@dataclasses.dataclass(eq=False)
+class Descriptor:
+    base: object
+    block: tuple
+
+
+class Kernel:
+    def __init__(self, fn):
+        self.run = launch._recorded(fn)
+        self._scratch = {"cpu": (torch.full((1,), 0.5),)}
+
+
+class Region(torch.nn.Module):
+    """A region module as region_op runs one: ``settled`` once its first call is made, then
+    allocating its output and launching; ``how`` changes what a call does."""
+    kind = "region"
+
+    def __init__(self, how: str = "plain"):
+        super().__init__()
+        self.how = how
+        self.kernel = Kernel(_desc_axpy if how == "descriptor" else _axpy)
+        self.calls = 0
+        self.report = type("Report", (), {"anchor": "test"})()
+
+    def settled(self, device, settings) -> bool:
+        return self.calls > 0 and not settings.disable
+
+    def forward(self, x, y):
+        self.calls += 1
+        out = torch.empty(x.shape, dtype=x.dtype)
+        ws = self.kernel._scratch["cpu"][0]
+        if self.how == "copy":  # a copy made for the call: not replayable
+            x = x.clone()
+        if self.how == "jit":  # a launch through the JIT: not replayable
+            launch._unrecorded()
+        scale = float(self.calls) if self.how == "counter" else 2.0  # a value that changes per call
+        first = Descriptor(x, (4,)) if self.how == "descriptor" else x
+        self.kernel.run(first, y, out, ws, scale)
+        if self.how == "unwritten":  # an output no launch writes
+            return out, torch.zeros(3)
+        return (out,)
+
+
+def _register(module) -> int:
+    return region_op.register(module, [True, True])
+
+
+def _want(x, y):
+    return 2.0 * x + y + 0.5
+
+
+@pytest.mark.parametrize("how", ["plain", "descriptor"])
+def test_a_settled_region_is_replayed_on_new_tensors(how):
+    """Two recorded calls that agree become the replay: later calls run its launches alone
+    (the module's forward is not called) on each call's tensors, into fresh outputs."""
+    module = Region(how)
+    i = _register(module)
+    for _ in range(3):  # the first call settles it; two are recorded
+        x, y = torch.randn(4), torch.randn(4)
+        (out,) = region_op.call(i, [x, y], [])
+        torch.testing.assert_close(out, _want(x, y))
+    assert isinstance(module.__dict__["_replay"], replay.Replay) and module.calls == 3
+    x, y = torch.randn(4), torch.randn(4)
+    outs = region_op.call(i, [x, y], [])
+    again = region_op.call(i, [x, y], [])
+    assert module.calls == 3  # (replayed)
+    torch.testing.assert_close(outs[0], _want(x, y))
+    assert outs[0].data_ptr() != again[0].data_ptr()  # (each call's output its own)
+    # tensors of another layout run the module, and the replay stays for the recorded one
+    x2, y2 = torch.randn(2, 4)[:, 0], torch.randn(2)
+    torch.testing.assert_close(region_op.call(i, [x2, y2], [])[0], _want(x2, y2))
+    assert module.calls == 4 and isinstance(module.__dict__["_replay"], replay.Replay)
+    region_op.call(i, [x, y], [])
+    assert module.calls == 4
+
+
+@pytest.mark.parametrize("how", ["copy", "jit", "counter", "unwritten"])
+def test_calls_that_launches_alone_cannot_repeat_are_not_replayed(how):
+    """A copy of an input made for the call, a launch through Triton's JIT, a launch value that
+    changes between calls, or an output no launch writes: the module runs every call, and
+    after RECORD_TRIES recordings its calls are no longer recorded."""
+    module = Region(how)
+    i = _register(module)
+    for n in range(region_op.RECORD_TRIES + 3):
+        x, y = torch.randn(4), torch.randn(4)
+        outs = region_op.call(i, [x, y], [])
+        if how != "counter":
+            torch.testing.assert_close(outs[0], _want(x, y))
+    assert module.calls == region_op.RECORD_TRIES + 3
+    assert module.__dict__["_replay"] is False
+
+
+def test_two_tensors_at_one_address_are_not_replayed():
+    """The same tensor given twice: a later call may give two, so its launches are not kept."""
+    module = Region()
+    i = _register(module)
+    for _ in range(region_op.RECORD_TRIES + 2):
+        x = torch.randn(4)
+        torch.testing.assert_close(region_op.call(i, [x, x], [])[0], _want(x, x))
+    assert module.__dict__["_replay"] is False
+
+
+def test_other_settings_record_the_region_again():
+    """A replay recorded under one set of comfuse settings is not used under another: the
+    module decides there (here, disabled: it does not settle, and runs every call)."""
+    module = Region()
+    i = _register(module)
+    for _ in range(3):
+        region_op.call(i, [torch.randn(4), torch.randn(4)], [])
+    with settings.override(disable=True):
+        for _ in range(3):
+            x, y = torch.randn(4), torch.randn(4)
+            torch.testing.assert_close(region_op.call(i, [x, y], [])[0], _want(x, y))
+    assert module.calls == 6
+
+
+def test_a_stored_region_leaves_its_replay_behind(tmp_path):
+    """What a later process loads of a region (its state) holds no replay of this one's."""
+    from comfuse.runtime.fused import Fused
+    module = Fused(torch.nn.Identity(), None)
+    module.__dict__["_replay"] = replay.Replay((), (), ())
+    assert "_replay" not in module.__getstate__()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ["cooperative", "ws_stages", "ws_split"])
+def test_compiled_regions_are_replayed_on_the_gpu(schedule, tmp_path):
+    """Through torch.compile on a GPU: a Triton region (cooperative GEMM + LayerNorm), a
+    warp-specialised Gluon one (ws_stages) and the LM head's template with its loss
+    (ws_split) settle, are replayed, and stay equal to eager's result on new inputs, call
+    after call, their replays launching into fresh outputs."""
+    import warnings
+
+    import comfuse
+    from comfuse import inductor_pass
+    torch.manual_seed(0)
+    if schedule == "ws_split":
+        w = (torch.randn(8192, 1024, device="cuda") / 32).to(torch.bfloat16)
+
+        def fn(x, t):
+            return torch.nn.functional.cross_entropy((x @ w.t()).float(), t)
+        inputs = lambda: (torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16),  # noqa: E731
+                          torch.randint(0, 8192, (1024,), device="cuda"))
+        tol = 2e-2
+    else:
+        lin, ln = torch.nn.Linear(1024, 1024).cuda().bfloat16(), torch.nn.LayerNorm(1024).cuda().bfloat16()
+
+        def fn(x, r):
+            return ln(lin(x) + r)
+        inputs = lambda: (torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16),  # noqa: E731
+                          torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16))
+        tol = 3e-2
+    torch._dynamo.reset()
+    before = set(region_op.REGISTRY)
+    with torch.no_grad(), settings.override(cache_dir=tmp_path, check=False), warnings.catch_warnings():
+        warnings.simplefilter("ignore", comfuse.ComfuseWarning)
+        saved = inductor_pass.LAUNCH_FROM_INDUCTOR  # (a Triton region kept a region call, not Inductor's launch)
+        inductor_pass.LAUNCH_FROM_INDUCTOR = False
+        try:
+            cm = torch.compile(fn, backend="comfuse", dynamic=False,
+                               options={"schedule": schedule, "autotune": "0", "graph_check": "0"})
+            for _ in range(6):
+                args = inputs()
+                got, want = cm(*args), fn(*[a.double() if a.is_floating_point() else a for a in args])
+                assert ((got.double() - want).norm() / want.norm()).item() < tol
+        finally:
+            inductor_pass.LAUNCH_FROM_INDUCTOR = saved
+    modules = [region_op.REGISTRY[i][0] for i in set(region_op.REGISTRY) - before]
+    assert modules and all(m.plan.schedule == schedule for m in modules if hasattr(m, "plan"))
+    assert any(isinstance(m.__dict__.get("_replay"), replay.Replay) for m in modules), \
+        [m.__dict__.get("_replay") for m in modules]
