@@ -241,18 +241,24 @@ def _recorded(module, args, tensors):
     recordings = module.__dict__.get("_replay")  # (the calls recorded: the last one kept)
     if recordings.__class__ is not list:  # (none yet, or a replay built under other settings)
         recordings = module.__dict__["_replay"] = []
-    recordings.append(replay_mod.record(launches, tensors, outs, replay_mod.held_tensors(module.kernel)))
-    if len(recordings) >= 2:
-        built = replay_mod.build(recordings[-2], recordings[-1])
-        if built is not None:
-            built.settings = settings
-            module.__dict__["_replay"] = built
-            log.info("backend: %s at %s is replayed as its %d launch(es)", module.kind, module.report.anchor,
-                     len(built.launches))
-        elif len(recordings) >= RECORD_TRIES:
-            module.__dict__["_replay"] = False
-        else:
-            recordings[:-1] = [None] * (len(recordings) - 1)  # (counted, not kept)
+    recording = built = None
+    why = "no two calls agreed"
+    try:
+        recording = replay_mod.record(launches, tensors, outs, replay_mod.held_tensors(module.kernel))
+        if recordings and recordings[-1] is not None:
+            built = replay_mod.build(recordings[-1], recording)
+    except replay_mod.NotReplayable as e:
+        why = str(e)
+    if built is not None:
+        built.settings = settings
+        module.__dict__["_replay"] = built
+        log.info("backend: %s at %s is replayed as its %d launch(es)", module.kind, module.report.anchor,
+                 len(built.launches))
+        return outs
+    recordings[:] = [None] * len(recordings) + [recording]  # (counted; the last kept)
+    if len(recordings) >= RECORD_TRIES:
+        module.__dict__["_replay"] = False
+        log.info("backend: %s at %s is not replayed: %s", module.kind, module.report.anchor, why)
     return outs
 
 

@@ -149,19 +149,20 @@ def run(name: str, out_dir: Path) -> dict:
     torch._dynamo.reset()
     inductor_pass.REPORTS.clear()
     inductor_pass.LAUNCH_FROM_INDUCTOR = from_inductor
+    # (the settings hold for the calls too: a region's calls read them, and would tune it)
     with settings.override(autotune="0", graph_check="0", schedule=schedule):
         fused = torch.compile(f, backend="comfuse")
         got = fused(*args)
-    inductor_pass.LAUNCH_FROM_INDUCTOR = True
-    row["regions"] = [(x.fused, x.launch, x.schedule) for r in inductor_pass.REPORTS for x in r.regions]
-    row["comfuse_err"] = float((got.double() - want).abs().max() / want.abs().max())
-    row["comfuse_us"] = per_call_us(lambda: fused(*args))
-    row["added_us"] = round(row["comfuse_us"][0] - row["inductor_us"][0], 1)
-    if DEV == "cuda":
-        row["launch_host_us"] = launches(lambda: fused(*args))
-    if not from_inductor:
-        row["layers_us"] = layers(lambda: fused(*args))
-    row["own_time_us"] = own_time(lambda: fused(*args), out_dir / f"{name}-cprofile.txt")
+        inductor_pass.LAUNCH_FROM_INDUCTOR = True
+        row["regions"] = [(x.fused, x.launch, x.schedule) for r in inductor_pass.REPORTS for x in r.regions]
+        row["comfuse_err"] = float((got.double() - want).abs().max() / want.abs().max())
+        row["comfuse_us"] = per_call_us(lambda: fused(*args))
+        row["added_us"] = round(row["comfuse_us"][0] - row["inductor_us"][0], 1)
+        if DEV == "cuda":
+            row["launch_host_us"] = launches(lambda: fused(*args))
+        if not from_inductor:
+            row["layers_us"] = layers(lambda: fused(*args))
+        row["own_time_us"] = own_time(lambda: fused(*args), out_dir / f"{name}-cprofile.txt")
     return row
 
 

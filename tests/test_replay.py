@@ -99,11 +99,14 @@ def test_a_settled_region_is_replayed_on_new_tensors(how):
     assert module.calls == 4
 
 
-@pytest.mark.parametrize("how", ["copy", "jit", "counter", "unwritten"])
-def test_calls_that_launches_alone_cannot_repeat_are_not_replayed(how):
+@pytest.mark.parametrize("how, why", [("copy", "neither the call's nor its kernel's"), ("jit", "Triton's JIT"),
+                                      ("counter", "argument 4 of a launch differs"),
+                                      ("unwritten", "written by no launch")])
+def test_calls_that_launches_alone_cannot_repeat_are_not_replayed(how, why, caplog):
     """A copy of an input made for the call, a launch through Triton's JIT, a launch value that
     changes between calls, or an output no launch writes: the module runs every call, and
-    after RECORD_TRIES recordings its calls are no longer recorded."""
+    after RECORD_TRIES recordings its calls are no longer recorded, with the reason logged."""
+    caplog.set_level("INFO", logger="comfuse.backend")
     module = Region(how)
     i = _register(module)
     for n in range(region_op.RECORD_TRIES + 3):
@@ -113,6 +116,7 @@ def test_calls_that_launches_alone_cannot_repeat_are_not_replayed(how):
             torch.testing.assert_close(outs[0], _want(x, y))
     assert module.calls == region_op.RECORD_TRIES + 3
     assert module.__dict__["_replay"] is False
+    assert why in caplog.text  # (the reason logged once, when recording stops)
 
 
 def test_two_tensors_at_one_address_are_not_replayed():
@@ -149,7 +153,7 @@ def test_a_stored_region_leaves_its_replay_behind(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("schedule", ["cooperative", "ws_stages", "ws_split"])
-def test_compiled_regions_are_replayed_on_the_gpu(schedule, tmp_path):
+def test_compiled_regions_are_replayed_on_the_gpu(schedule, tmp_path, caplog):
     """Through torch.compile on a GPU: a Triton region (cooperative GEMM + LayerNorm), a
     warp-specialised Gluon one (ws_stages) and the LM head's template with its loss
     (ws_split) settle, are replayed, and stay equal to eager's result on new inputs, call
@@ -164,6 +168,9 @@ def test_compiled_regions_are_replayed_on_the_gpu(schedule, tmp_path):
 
         def fn(x, t):
             return torch.nn.functional.cross_entropy((x @ w.t()).float(), t)
+
+        def ref(x, t):
+            return torch.nn.functional.cross_entropy(x.double() @ w.double().t(), t)
         inputs = lambda: (torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16),  # noqa: E731
                           torch.randint(0, 8192, (1024,), device="cuda"))
         tol = 2e-2
@@ -172,25 +179,33 @@ def test_compiled_regions_are_replayed_on_the_gpu(schedule, tmp_path):
 
         def fn(x, r):
             return ln(lin(x) + r)
+
+        def ref(x, r):
+            y = torch.nn.functional.linear(x.double(), lin.weight.double(), lin.bias.double()) + r.double()
+            return torch.nn.functional.layer_norm(y, (1024,), ln.weight.double(), ln.bias.double())
         inputs = lambda: (torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16),  # noqa: E731
                           torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16))
         tol = 3e-2
     torch._dynamo.reset()
+    caplog.set_level("INFO", logger="comfuse.backend")
     before = set(region_op.REGISTRY)
-    with torch.no_grad(), settings.override(cache_dir=tmp_path, check=False), warnings.catch_warnings():
+    # (the settings hold for the calls as for the compilation: a region's calls read them)
+    with torch.no_grad(), settings.override(cache_dir=tmp_path, check=False, schedule=schedule, autotune="0",
+                                            graph_check="0"), warnings.catch_warnings():
         warnings.simplefilter("ignore", comfuse.ComfuseWarning)
         saved = inductor_pass.LAUNCH_FROM_INDUCTOR  # (a Triton region kept a region call, not Inductor's launch)
         inductor_pass.LAUNCH_FROM_INDUCTOR = False
         try:
-            cm = torch.compile(fn, backend="comfuse", dynamic=False,
-                               options={"schedule": schedule, "autotune": "0", "graph_check": "0"})
+            cm = torch.compile(fn, backend="comfuse", dynamic=False)
             for _ in range(6):
                 args = inputs()
-                got, want = cm(*args), fn(*[a.double() if a.is_floating_point() else a for a in args])
+                got, want = cm(*args), ref(*args)
                 assert ((got.double() - want).norm() / want.norm()).item() < tol
         finally:
             inductor_pass.LAUNCH_FROM_INDUCTOR = saved
     modules = [region_op.REGISTRY[i][0] for i in set(region_op.REGISTRY) - before]
     assert modules and all(m.plan.schedule == schedule for m in modules if hasattr(m, "plan"))
-    assert any(isinstance(m.__dict__.get("_replay"), replay.Replay) for m in modules), \
-        [m.__dict__.get("_replay") for m in modules]
+    assert any(isinstance(m.__dict__.get("_replay"), replay.Replay) for m in modules), (
+        [(type(m).__name__, getattr(m, "kernel", None) is not None, getattr(m, "tuned", None),
+          getattr(m, "validated", None), getattr(m, "prefer_unfused", None), getattr(m, "failed", None),
+          m.__dict__.get("_replay")) for m in modules], caplog.text[-3000:])

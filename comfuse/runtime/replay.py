@@ -27,6 +27,10 @@ from .launch import layout_key
 _IN, _OUT, _KEPT = "in", "out", "kept"
 
 
+class NotReplayable(Exception):
+    """Why a region's recorded calls cannot be replayed (``record``, ``build``)."""
+
+
 @dataclasses.dataclass
 class Replay:
     """The launches of a region's call, to repeat on another call's tensors (module docstring)."""
@@ -97,21 +101,23 @@ class Recording:
     launches: list  # (launcher, [classified argument])
 
 
-def record(launches: list, tensors, outputs, held: set) -> Recording | None:
+def record(launches: list, tensors, outputs, held: set) -> Recording:
     """``launches`` (a ``launch.recording()`` of one call on ``tensors``, which returned
-    ``outputs``) classified, or None where the call cannot be replayed (module docstring).
-    ``held``: ``held_tensors`` of the region's kernel."""
-    if not launches or any(x is None for x in launches):
-        return None
+    ``outputs``) classified; NotReplayable where the call cannot be replayed (module
+    docstring). ``held``: ``held_tensors`` of the region's kernel."""
+    if not launches:
+        raise NotReplayable("no bound launch was made")
+    if any(x is None for x in launches):
+        raise NotReplayable("a launch went through Triton's JIT")
     if not all(isinstance(o, torch.Tensor) and _whole(o) for o in outputs):
-        return None
+        raise NotReplayable("an output is not a whole tensor of its own")
     where = {}
     for i, t in enumerate(tensors):
         if t.numel():
             where[t.data_ptr()] = (_IN, i) if t.data_ptr() not in where else None  # (None: two at one address)
     for k, o in enumerate(outputs):
         if o.data_ptr() in where:
-            return None
+            raise NotReplayable("an output shares an address with another tensor")
         where[o.data_ptr()] = (_OUT, k)
     written = set()
     classified_launches = []
@@ -125,21 +131,21 @@ def record(launches: list, tensors, outputs, held: set) -> Recording | None:
                 continue
             source = where.get(tensor.data_ptr()) if tensor.numel() else None
             if source is None:
-                if id(tensor) not in held or base is not None:
-                    return None  # (a copy made for this call, or a descriptor over a workspace)
+                if id(tensor) not in held or base is not None:  # (a copy made for this call, or a descriptor over a workspace)
+                    raise NotReplayable("a launch takes a tensor that is neither the call's nor its kernel's")
                 classified.append((_KEPT, a))
                 continue
             if source[0] == _OUT:
                 written.add(source[1])
             if base is not None:
                 if not hasattr(a, "__dict__"):
-                    return None
+                    raise NotReplayable(f"a {type(a).__name__} over a call's tensor has no fields to copy")
                 classified.append((*source, type(a), {k: v for k, v in vars(a).items() if k != "base"}))
             else:
                 classified.append(source)
         classified_launches.append((run, classified))
     if written != set(range(len(outputs))):
-        return None  # (an output no launch writes)
+        raise NotReplayable("an output is written by no launch")
     return Recording((torch.backends.cuda.matmul.allow_tf32, layout_key(tensors)),
                      [(tuple(o.shape), o.stride(), o.dtype, o.device) for o in outputs], len(tensors),
                      classified_launches)
@@ -152,26 +158,26 @@ def _same(x, y) -> bool:
         return False
 
 
-def build(first: Recording | None, second: Recording | None) -> Replay | None:
+def build(first: Recording, second: Recording) -> Replay:
     """A Replay of the region's calls where ``first`` and ``second`` (two recorded calls of it)
-    are replayable and agree, else None."""
-    if first is None or second is None or first.layout != second.layout or first.outputs != second.outputs:
-        return None
+    agree; NotReplayable where they do not."""
+    if first.layout != second.layout or first.outputs != second.outputs:
+        raise NotReplayable("the two calls' layouts or outputs differ")
     if len(first.launches) != len(second.launches):
-        return None
+        raise NotReplayable("the two calls made different numbers of launches")
     launches = []
     for (run, args), (run2, args2) in zip(first.launches, second.launches):
         if run is not run2 or len(args) != len(args2):
-            return None
+            raise NotReplayable("the two calls ran different launchers")
         template, fills = [], []
         for j, (x, y) in enumerate(zip(args, args2)):
             if x[0] != y[0] or (x[0] == _KEPT and not _same(x[1], y[1])) or (x[0] != _KEPT and x[1] != y[1]):
-                return None
+                raise NotReplayable(f"argument {j} of a launch differs between the two calls")
             if x[0] == _KEPT:
                 template.append(x[1])
                 continue
             if len(x) > 2 and not (x[2] is y[2] and _same(x[3], y[3])):
-                return None  # (descriptors of different kinds or fields)
+                raise NotReplayable(f"the descriptor at argument {j} of a launch differs between the two calls")
             template.append(None)
             index = x[1] if x[0] == _IN else first.tensors + x[1]
             fills.append((j, index, _descriptor(x[2], x[3]) if len(x) > 2 else None))
