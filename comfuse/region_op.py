@@ -207,7 +207,7 @@ def _run(region_id: int, tensors, scalars) -> list:
     # so far (a list), or False once it is not replayed
     replay = entry[0].__dict__.get("_replay") if entry is not None else None
     if replay.__class__ is Replay:
-        if replay.settings is settings_mod.get():
+        if replay.settings is settings_mod.get(getattr(entry[0], "pinned", ())):
             outs = replay(tensors)
             if outs is not None:
                 return outs
@@ -231,7 +231,7 @@ def _recorded(module, args, tensors):
     """``module``'s call on ``args``, recorded where it may be replayed (``Fused.settled``):
     two recordings that agree become its Replay; a region none of whose first RECORD_TRIES
     settled calls could be replayed runs as a module from then on."""
-    settings = settings_mod.get()
+    settings = settings_mod.get(getattr(module, "pinned", ()))
     device = next((t.device for t in tensors if isinstance(t, torch.Tensor)), None)
     settled = getattr(module, "settled", None)
     if device is None or settled is None or not settled(device, settings):

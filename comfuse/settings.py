@@ -117,19 +117,42 @@ def _environment() -> tuple:
     return tuple(os.environ.get(name) for name in _ENV)
 
 
-def get() -> Settings:
-    """The settings now: environment variables, then ``override``. Read on every fused call,
-    so the result is remembered per (environment, overrides) snapshot."""
+def get(pinned: tuple = ()) -> Settings:
+    """The settings now: environment variables, then ``pinned`` (``overrides_now()`` of the
+    moment a region module was made: the backend's options hold for its calls), then
+    ``override``. Read on every fused call, so the result is remembered per (environment,
+    pinned, overrides) snapshot."""
     env = _environment()
-    key = (env, tuple(sorted((k, repr(v)) for k, v in _overrides.items())) if _overrides else ())
+    key = (env, tuple(sorted((k, repr(v)) for k, v in _overrides.items())) if _overrides else (), pinned)
     found = _memo.get(key)
     if found is None:
         if len(_memo) > 256:
             _memo.clear()
         found = _read({name: os.fsdecode(v) if isinstance(v, bytes) else v for name, v in zip(_ENV, env)})
-        found = dataclasses.replace(found, **_overrides) if _overrides else found
+        values = {**dict(pinned), **_overrides}
+        found = dataclasses.replace(found, **values) if values else found
         _memo[key] = found
     return found
+
+
+def overrides_now() -> tuple:
+    """The overrides in force now, as ``get`` and ``beneath`` take them: a region module made
+    inside a compilation keeps them for its later calls (runtime/fused.py), so that the
+    options a compilation was given (the backend's ``options``) hold at the calls too."""
+    return tuple(sorted(_overrides.items(), key=lambda kv: kv[0]))
+
+
+@contextlib.contextmanager
+def beneath(pinned: tuple) -> Iterator[None]:
+    """``pinned`` (an ``overrides_now()``) in force for a block, beneath the overrides set now."""
+    values = {k: v for k, v in pinned if k not in _overrides}
+    saved = dict(_overrides)
+    _overrides.update(values)
+    try:
+        yield
+    finally:
+        _overrides.clear()
+        _overrides.update(saved)
 
 
 def chosen(name: str) -> bool:
@@ -164,17 +187,3 @@ def override(**values: object) -> Iterator[Settings]:
     finally:
         _overrides.clear()
         _overrides.update(saved)
-
-
-def pinned(fn, **values: object):
-    """``fn`` with ``values`` in force at every call, not only while it was made: settings are
-    read at each call (a compiled function built under ``override(autotune="0")`` autotunes at
-    its first call outside it), so a benchmark's forced form must carry them."""
-    unknown = set(values) - set(FIELDS)
-    if unknown:  # (here, not at the first call)
-        raise TypeError(f"unknown comfuse settings: {sorted(unknown)}")
-
-    def run(*args, **kwargs):
-        with override(**values):
-            return fn(*args, **kwargs)
-    return run

@@ -5,7 +5,7 @@
 # gradients against eager, profiles). Everything lands under $OUT/models-run/ and goes back
 # packed in $OUT/all.tgz; a short table is printed last.
 #
-# Knobs: MODELS (gpt2,llama,bert,llama8b), LAYERS (2; llama8b runs 1), ROUNDS (5), FORMS
+# Knobs: MODELS (gpt2,llama,bert,llama8b; empty runs none), LAYERS (2; llama8b runs 1), ROUNDS (5), FORMS
 # (inductor,comfuse), MODEL_S (limit a model, 200 s), TESTS ("heads,rest"; empty skips them),
 # TESTS_S (limit a part, 300 s), COMMIT (the commit to record, where the tree carries no git
 # history of its own). Each model starts with empty caches (comfuse's, Inductor's, Triton's),
@@ -35,7 +35,7 @@ for part in "${parts[@]}"; do
     tests/test_gpu.py -k "$k" > "$RUN/tests-$part/pytest.txt" 2>&1
   echo "tests ($part) rc=$? in $(( $(date +%s) - s )) s: $(grep -E 'passed|failed|skipped|error' "$RUN/tests-$part/pytest.txt" | tail -1)"
 done
-IFS=, read -ra models <<< "${MODELS:-gpt2,llama,bert,llama8b}"
+IFS=, read -ra models <<< "${MODELS-gpt2,llama,bert,llama8b}"
 for m in "${models[@]}"; do
   layers=${LAYERS:-2}; [ "$m" = llama8b ] && layers=1
   mkdir -p "$RUN/$m"; s=$(date +%s); c=$RUN/$m/caches

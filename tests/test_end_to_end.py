@@ -790,3 +790,18 @@ def test_layer_norm_exchanges_once_with_tile_moments():
     (r,) = compiled.report.regions
     assert r.fused and "exchange 1 time(s)" in r.plan, r.plan
     assert_matches_reference(fn, args, out)
+
+
+def test_settings_kept_from_a_compilation_sit_beneath_those_of_the_moment():
+    """``overrides_now`` (what a region module keeps of the settings it was made under) holds
+    at ``get(pinned)`` and inside ``beneath``, below any override set at the call."""
+    default = settings.get().fuel
+    with settings.override(autotune="0", fuel=3):
+        pinned = settings.overrides_now()
+    assert settings.get().fuel == default
+    assert settings.get(pinned).autotune == "0" and settings.get(pinned).fuel == 3
+    with settings.override(fuel=5):
+        assert settings.get(pinned).fuel == 5 and settings.get(pinned).autotune == "0"
+        with settings.beneath(pinned):
+            assert settings.get().fuel == 5 and settings.get().autotune == "0"
+    assert settings.get(pinned) is settings.get(pinned)  # (remembered: read on every call)

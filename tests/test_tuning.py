@@ -491,22 +491,21 @@ def test_a_choice_shaped_by_one_calls_layout_is_not_remembered(monkeypatch, fres
     assert_matches_reference(wl.fn, args, out)
 
 
-def test_a_pinned_form_keeps_autotuning_off_at_every_call(monkeypatch, fresh_cache):
-    """Settings are read at each call: a function compiled under override(autotune="0") would
-    autotune at its next call outside it; settings.pinned carries them to every call."""
+def test_a_function_compiled_with_autotuning_off_keeps_it_off_at_later_calls(monkeypatch, tmp_path):
+    """The settings in force at a compilation hold at its regions' later calls, beneath any
+    override made at the call: compiled under override(autotune="0"), a function does not
+    autotune at a later call outside it, and does where the call's own override turns
+    autotuning on."""
     wl = SUITE["softmax"]
     args = wl.inputs(16, 16, 100, device=DEVICE)
     monkeypatch.setattr(tuning, "measure", lambda *a, **k: pytest.fail("autotuned"))
-    with settings.override(autotune="1"):
-        with settings.override(autotune="0"):
-            compiled = comfuse.compile(wl.fn, args)
-        forced = settings.pinned(compiled, autotune="0")
-        for _ in range(2):
-            assert_matches_reference(wl.fn, args, forced(*args))
-        with pytest.raises(BaseException, match="autotuned"):
-            compiled(*args)
-    with pytest.raises(TypeError, match="unknown comfuse settings"):
-        settings.pinned(wl.fn, autotun="0")
+    monkeypatch.setenv("COMFUSE_AUTOTUNE", "1")  # (the process's settings: autotune)
+    with settings.override(cache_dir=tmp_path, autotune="0"):
+        compiled = comfuse.compile(wl.fn, args)
+    for _ in range(2):
+        assert_matches_reference(wl.fn, args, compiled(*args))
+    with settings.override(autotune="1"), pytest.raises(BaseException, match="autotuned"):
+        compiled(*args)
 
 
 def test_a_cache_directory_given_as_text_is_a_path(tmp_path):

@@ -299,3 +299,28 @@ def test_inductors_code_calls_a_region_without_the_dispatcher(tmp_path, monkeypa
     sources = [open(mod.__file__).read() for mod in list(PyCodeCache.modules) if id(mod) not in before]
     assert any(f"comfuse_region({runs[0]}, " in src for src in sources)
     assert not any("torch.ops.comfuse.region.default(" in src for src in sources)
+
+def test_the_backends_options_hold_at_a_regions_later_calls(tmp_path, monkeypatch):
+    """The backend's options are the settings of the compilation and of its regions' calls:
+    a region compiled with autotuning off reads it off at a later call made outside any
+    override (where the process's own settings would autotune it at that call on a GPU), and
+    its decisions go to the cache the compilation used."""
+    from comfuse import inductor_pass
+    from comfuse.runtime import tuning
+    monkeypatch.setattr(inductor_pass, "LAUNCH_FROM_INDUCTOR", False)
+    monkeypatch.delenv("COMFUSE_AUTOTUNE", raising=False)
+    m = nn.Sequential(nn.Linear(32, 48), nn.LayerNorm(48)).to(DEVICE)
+    x = torch.randn(16, 32, device=DEVICE)
+    seen = []
+    enabled = tuning.enabled
+    monkeypatch.setattr(tuning, "enabled", lambda device, s=None: seen.append(
+        ((s or comfuse.settings.get()).autotune, comfuse.settings.get().cache_dir)) or enabled(device, s))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        with comfuse.settings.override(cache_dir=tmp_path):
+            compiled = torch.compile(m, backend="comfuse", options={"autotune": "0", "graph_check": "0"})
+            compiled(x)
+        seen.clear()
+        out = compiled(x)
+    torch.testing.assert_close(out, m(x), rtol=1e-4, atol=1e-5)
+    assert seen and set(seen) == {("0", tmp_path)}, seen

@@ -25,6 +25,7 @@ class Fused(torch.nn.Module):
     ``exact(ext)`` (the float64 outputs) and ``tolerance`` (their agreement tolerance)."""
 
     kind = "region"
+    pinned: tuple = ()  # the settings overridden where it was made, which hold for its calls
 
     def __init__(self, unfused, report):
         super().__init__()
@@ -37,6 +38,8 @@ class Fused(torch.nn.Module):
         self.prefer_unfused = False
         self.separate = None  # the unfused ops as autotuning timed them (Inductor on a GPU)
         self.separate_form = None  # the form autotuning chose for them, when read from a decision
+        # (the compilation's settings: the backend's options, and any override it ran under)
+        self.pinned = settings_mod.overrides_now()
 
     def __getstate__(self):
         """What a later process loads (region_op.py stores regions in comfuse's cache): the
@@ -73,6 +76,12 @@ class Fused(torch.nn.Module):
         self._call(ext, choose_only=True)
 
     def _call(self, ext, choose_only: bool = False):
+        if not self.pinned:
+            return self._decide_and_run(ext, choose_only)
+        with settings_mod.beneath(self.pinned):  # (for tuning's and the check's own reads too)
+            return self._decide_and_run(ext, choose_only)
+
+    def _decide_and_run(self, ext, choose_only: bool):
         settings = settings_mod.get()  # (once a call: Python's time per call matters)
         unfused = (lambda: None) if choose_only else (lambda: self.unfused(*ext))
         if self.failed or settings.disable:
