@@ -23,6 +23,11 @@ def _desc_axpy(xd, y, out, ws, scale):
     out.copy_(scale * xd.base + y + ws[0])
 
 
+def _held_desc_axpy(x, y, out, wsd, scale):
+    """The same, its workspace through a descriptor made anew each call."""
+    out.copy_(scale * x + y + wsd.base[0])
+
+
 @dataclasses.dataclass(eq=False)
 class Descriptor:
     base: object
@@ -43,7 +48,7 @@ class Region(torch.nn.Module):
     def __init__(self, how: str = "plain"):
         super().__init__()
         self.how = how
-        self.kernel = Kernel(_desc_axpy if how == "descriptor" else _axpy)
+        self.kernel = Kernel({"descriptor": _desc_axpy, "held descriptor": _held_desc_axpy}.get(how, _axpy))
         self.calls = 0
         self.report = type("Report", (), {"anchor": "test"})()
 
@@ -60,6 +65,8 @@ class Region(torch.nn.Module):
             launch._unrecorded()
         scale = float(self.calls) if self.how == "counter" else 2.0  # a value that changes per call
         first = Descriptor(x, (4,)) if self.how == "descriptor" else x
+        if self.how == "held descriptor":
+            ws = Descriptor(ws, (1,))
         self.kernel.run(first, y, out, ws, scale)
         if self.how == "unwritten":  # an output no launch writes
             return out, torch.zeros(3)
@@ -74,7 +81,7 @@ def _want(x, y):
     return 2.0 * x + y + 0.5
 
 
-@pytest.mark.parametrize("how", ["plain", "descriptor"])
+@pytest.mark.parametrize("how", ["plain", "descriptor", "held descriptor"])
 def test_a_settled_region_is_replayed_on_new_tensors(how):
     """Two recorded calls that agree become the replay: later calls run its launches alone
     (the module's forward is not called) on each call's tensors, into fresh outputs."""

@@ -8,7 +8,7 @@ region has settled (tuned, checked, its kernel bound), two of its calls are reco
 (``launch.recording``): each launch's launcher and arguments. Where the two agree, each
 argument is one of the call's tensors (found by its data pointer: the canonical views start
 where the tensors do), one of its outputs, a TMA descriptor over either, or the same value in
-both (sizes, strides, the kernels' own workspaces), and ``Replay`` repeats them: outputs
+both (sizes, strides, the kernels' own workspaces and descriptors over them), and ``Replay`` repeats them: outputs
 allocated as the call allocated them, the call's tensors put in their places, the launchers
 called, after one check that the tensors' layout (shapes, strides, dtypes, devices, 16-byte
 alignment) is the one recorded. Anything else is not replayed, and the region module runs
@@ -131,16 +131,16 @@ def record(launches: list, tensors, outputs, held: set) -> Recording:
                 continue
             source = where.get(tensor.data_ptr()) if tensor.numel() else None
             if source is None:
-                if id(tensor) not in held or base is not None:  # (a copy made for this call, or a descriptor over a workspace)
+                if id(tensor) not in held:  # (a copy made for this call)
                     raise NotReplayable("a launch takes a tensor that is neither the call's nor its kernel's")
-                classified.append((_KEPT, a))
+                classified.append((_KEPT, a))  # (a workspace, or a descriptor over one, made anew each call)
                 continue
             if source[0] == _OUT:
                 written.add(source[1])
             if base is not None:
                 if not hasattr(a, "__dict__"):
                     raise NotReplayable(f"a {type(a).__name__} over a call's tensor has no fields to copy")
-                classified.append((*source, type(a), {k: v for k, v in vars(a).items() if k != "base"}))
+                classified.append((*source, type(a), _fields(a)))
             else:
                 classified.append(source)
         classified_launches.append((run, classified))
@@ -152,10 +152,20 @@ def record(launches: list, tensors, outputs, held: set) -> Recording:
 
 
 def _same(x, y) -> bool:
+    if x is y:
+        return True
+    if isinstance(getattr(x, "base", None), torch.Tensor) and not isinstance(x, torch.Tensor):
+        # a descriptor over a kernel's workspace, made anew each call: the same workspace and fields
+        return (type(x) is type(y) and hasattr(x, "__dict__") and x.base is getattr(y, "base", None)
+                and _same(_fields(x), _fields(y)))
     try:
-        return x is y or bool(x == y)
+        return bool(x == y)
     except Exception:  # (values that do not compare: not the same)
         return False
+
+
+def _fields(descriptor) -> dict:
+    return {k: v for k, v in vars(descriptor).items() if k != "base"}
 
 
 def build(first: Recording, second: Recording) -> Replay:

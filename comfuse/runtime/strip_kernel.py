@@ -112,7 +112,7 @@ class LseKernel:
     plan: Plan
     source: KernelSource  # the combine's
     combine_fn: object
-    _scratch: dict = dataclasses.field(default_factory=dict)  # (device, M, N) -> (workspace, dummy tile)
+    _scratch: dict = dataclasses.field(default_factory=dict)  # (device, M, N) -> (workspace, dummy tile); ("no targets", device, M) -> -1s
     _bound: dict = dataclasses.field(default_factory=dict)  # tensor layout -> (template run, statics, config)
 
     @property
@@ -143,9 +143,12 @@ class LseKernel:
         t = self.plan.form.template
         b = b3[0].t() if self.plan.region.gemm.b.major == "K" else b3[0]
         M = a3.shape[1]
-        targets = ins[t.target].reshape(-1).contiguous() if t.target is not None else \
-            torch.full((M, ), -1, dtype=torch.int64, device=a3.device)
-        return a3[0], b, targets
+        if t.target is not None:
+            return a3[0], b, ins[t.target].reshape(-1).contiguous()
+        key = ("no targets", str(a3.device), M)  # (read, never written: one tensor for every call)
+        if key not in self._scratch:
+            self._scratch[key] = torch.full((M, ), -1, dtype=torch.int64, device=a3.device)
+        return a3[0], b, self._scratch[key]
 
     def workspace(self, device, M: int, N: int):
         key = (str(device), M, N)
