@@ -58,6 +58,8 @@ class Region(torch.nn.Module):
     def forward(self, x, y):
         self.calls += 1
         out = torch.empty(x.shape, dtype=x.dtype)
+        if self.how == "padded":  # a view of a wider allocation (logits in padded rows)
+            out = torch.empty(x.numel() + 4, dtype=x.dtype)[2:2 + x.numel()]
         ws = self.kernel._scratch["cpu"][0]
         if self.how == "copy":  # a copy made for the call: not replayable
             x = x.clone()
@@ -81,7 +83,7 @@ def _want(x, y):
     return 2.0 * x + y + 0.5
 
 
-@pytest.mark.parametrize("how", ["plain", "descriptor", "held descriptor"])
+@pytest.mark.parametrize("how", ["plain", "descriptor", "held descriptor", "padded"])
 def test_a_settled_region_is_replayed_on_new_tensors(how):
     """Two recorded calls that agree become the replay: later calls run its launches alone
     (the module's forward is not called) on each call's tensors, into fresh outputs."""
@@ -98,6 +100,8 @@ def test_a_settled_region_is_replayed_on_new_tensors(how):
     assert module.calls == 3  # (replayed)
     torch.testing.assert_close(outs[0], _want(x, y))
     assert outs[0].data_ptr() != again[0].data_ptr()  # (each call's output its own)
+    if how == "padded":  # (allocated as the module allocates it)
+        assert outs[0].storage_offset() == 2 and outs[0].untyped_storage().nbytes() == 8 * outs[0].element_size()
     # tensors of another layout run the module, and the replay stays for the recorded one
     x2, y2 = torch.randn(2, 4)[:, 0], torch.randn(2)
     torch.testing.assert_close(region_op.call(i, [x2, y2], [])[0], _want(x2, y2))

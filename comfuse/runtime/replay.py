@@ -35,7 +35,7 @@ class NotReplayable(Exception):
 class Replay:
     """The launches of a region's call, to repeat on another call's tensors (module docstring)."""
     layout: tuple  # the TF32 setting and the call's tensors' layout_key
-    outputs: tuple  # (shape, stride, dtype, device) per output
+    outputs: tuple  # (elements of its storage, shape, stride, storage offset, dtype, device) per output
     launches: tuple  # (launcher, argument template, ((position, source, descriptor or None), ...))
     settings: object = None  # the comfuse settings it was recorded under (the caller's to compare)
 
@@ -44,8 +44,8 @@ class Replay:
         recorded (the module then runs the call)."""
         if (torch.backends.cuda.matmul.allow_tf32, layout_key(tensors)) != self.layout:
             return None
-        outs = [torch.empty_strided(shape, stride, dtype=dtype, device=device)
-                for shape, stride, dtype, device in self.outputs]
+        outs = [torch.empty(numel, dtype=dtype, device=device).as_strided(shape, stride, offset)
+                for numel, shape, stride, offset, dtype, device in self.outputs]
         sources = (*tensors, *outs)
         for run, template, fills in self.launches:
             args = list(template)
@@ -84,11 +84,14 @@ def held_tensors(obj, depth: int = 5) -> set:
     return found
 
 
-def _whole(t: torch.Tensor) -> bool:
-    """Whether ``t`` is all of its storage, laid out densely from its start (an output a replay
-    may allocate by itself)."""
-    return (t.is_contiguous() and t.storage_offset() == 0 and t.numel() > 0
-            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+def _allocation(t: torch.Tensor) -> tuple:
+    """How a replay allocates an output like ``t``: a storage of as many elements, viewed as
+    ``t`` is (a region may return a view of a wider allocation: logits in rows padded to 16
+    bytes)."""
+    numel, left = divmod(t.untyped_storage().nbytes(), t.element_size())
+    if left or not t.numel():
+        raise NotReplayable("an output is empty or not a whole number of its elements")
+    return numel, tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, t.device
 
 
 @dataclasses.dataclass
@@ -96,7 +99,7 @@ class Recording:
     """One call's launches with each argument classified: (_IN | _OUT, index), (_IN | _OUT,
     index, descriptor type, its other fields) or (_KEPT, value); no tensor of the call kept."""
     layout: tuple
-    outputs: list  # (shape, stride, dtype, device)
+    outputs: list  # (elements of its storage, shape, stride, storage offset, dtype, device)
     tensors: int  # how many the call had
     launches: list  # (launcher, [classified argument])
 
@@ -109,8 +112,12 @@ def record(launches: list, tensors, outputs, held: set) -> Recording:
         raise NotReplayable("no bound launch was made")
     if any(x is None for x in launches):
         raise NotReplayable("a launch went through Triton's JIT")
-    if not all(isinstance(o, torch.Tensor) and _whole(o) for o in outputs):
-        raise NotReplayable("an output is not a whole tensor of its own")
+    if not all(isinstance(o, torch.Tensor) for o in outputs):
+        raise NotReplayable("an output is not a tensor")
+    allocations = [_allocation(o) for o in outputs]
+    own = {o.untyped_storage().data_ptr() for o in outputs}  # (each output its storage, no input's)
+    if len(own) < len(outputs) or own & {t.untyped_storage().data_ptr() for t in tensors if t.numel()}:
+        raise NotReplayable("an output shares its storage with another tensor of the call")
     where = {}
     for i, t in enumerate(tensors):
         if t.numel():
@@ -133,6 +140,8 @@ def record(launches: list, tensors, outputs, held: set) -> Recording:
             if source is None:
                 if id(tensor) not in held:  # (a copy made for this call)
                     raise NotReplayable("a launch takes a tensor that is neither the call's nor its kernel's")
+                if tensor.untyped_storage().data_ptr() in own:
+                    raise NotReplayable("an output is a view of its kernel's workspace")
                 classified.append((_KEPT, a))  # (a workspace, or a descriptor over one, made anew each call)
                 continue
             if source[0] == _OUT:
@@ -147,7 +156,7 @@ def record(launches: list, tensors, outputs, held: set) -> Recording:
     if written != set(range(len(outputs))):
         raise NotReplayable("an output is written by no launch")
     return Recording((torch.backends.cuda.matmul.allow_tf32, layout_key(tensors)),
-                     [(tuple(o.shape), o.stride(), o.dtype, o.device) for o in outputs], len(tensors),
+                     allocations, len(tensors),
                      classified_launches)
 
 
