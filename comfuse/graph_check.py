@@ -192,6 +192,7 @@ class GraphChoice:
         self.fused, self.plain, self.regions = fused, plain, regions
         self.on_choice = on_choice or _told_no_one
         self.fused_so_far = fused_so_far
+        self.backward_kept = None  # the fused backward's regions kept, where the check lowered it
         self.forward_differs = forward_differs  # (False: the two differ in their backward alone)
         self.chosen = None
 
@@ -228,7 +229,7 @@ class GraphChoice:
             return self.plain
         keep = all(times[f"fused{w}"] <= times[f"inductor{w}"] * GRAPH_MARGIN for w in ("", " step")
                    if f"fused{w}" in times)
-        GRAPH_CHECKS.append({"regions": self.regions, "training": training,
+        GRAPH_CHECKS.append({"regions": self.regions, "training": training, "backward_regions": self.backward_kept,
                              **{f"{n.replace(' ', '_')}_ms": t for n, t in times.items()},
                              "kept": "fused" if keep else "inductor"})
         del GRAPH_CHECKS[:-16]
@@ -236,7 +237,6 @@ class GraphChoice:
                  "(checked in %.1f s)", self.regions, _times_text(times, "fused"), _times_text(times, "inductor"),
                  "the fused graph" if keep else "Inductor's", time.perf_counter() - began)
         return self.fused if keep else self.plain
-
 
     def _steps_may_differ(self, times: dict, args) -> bool:
         """Whether the training step must be timed too (the class docstring): not where the
@@ -253,7 +253,7 @@ class GraphChoice:
         so_far = self.fused_so_far()  # (None: the pass did not see the backward, which a cache gave)
         if so_far is None:
             return True
-        kept = so_far - self.regions
+        kept = self.backward_kept = so_far - self.regions
         if kept <= 0:
             log.info("backend: the fused graph's backward kept no fused region: the two training steps "
                      "differ in the forward alone, not timed")

@@ -241,7 +241,7 @@ def test_dynamic_lengths_tune_and_run_per_shape_through_the_backend(tmp_path):
     is lowered, autotuned on its real inputs and compiled on its first call; forward and
     backward match eager within bf16 tolerance."""
     import torch.nn.functional as F
-    from comfuse import backend
+    from comfuse import backend, graph_check
     torch.manual_seed(0)
     lin = torch.nn.Linear(1024, 1024).to("cuda", torch.bfloat16)
     norm = torch.nn.LayerNorm(1024).to("cuda", torch.bfloat16)
@@ -275,7 +275,7 @@ def test_the_backend_times_a_fused_graph_against_inductors_on_the_gpu(tmp_path, 
     were timed (with grad on, the training step too), one was kept, and the result and the
     gradients match eager."""
     import torch.nn.functional as F
-    from comfuse import backend
+    from comfuse import backend, graph_check
     torch.manual_seed(0)
     lin = torch.nn.Linear(1024, 1024).to("cuda", torch.bfloat16)
     norm = torch.nn.LayerNorm(1024).to("cuda", torch.bfloat16)
@@ -304,8 +304,12 @@ def test_the_backend_times_a_fused_graph_against_inductors_on_the_gpu(tmp_path, 
             assert ((gx - x.grad.float()).norm() / x.grad.float().norm()).item() < 2e-2
     checks = backend.GRAPH_CHECKS[before:]
     assert len(checks) == 1 and checks[0]["regions"] >= 1 and checks[0]["kept"] in ("fused", "inductor")
-    timed = ("fused_ms", "inductor_ms") + (("fused_step_ms", "inductor_step_ms") if grad else ())
-    assert all(0 < checks[0][k] < 100 for k in timed), checks[0]
+    c = checks[0]
+    # (the steps are timed where the forward won and the fused backward kept a fused region:
+    # otherwise the two forms' steps differ in the forward alone)
+    stepped = grad and (c["fused_ms"] <= c["inductor_ms"] * graph_check.GRAPH_MARGIN and c["backward_regions"] != 0)
+    timed = ("fused_ms", "inductor_ms") + (("fused_step_ms", "inductor_step_ms") if stepped else ())
+    assert all(0 < c[k] < 100 for k in timed) and (stepped or "fused_step_ms" not in c), c
 
 
 @pytest.mark.parametrize("forced", [True, False], ids=["ws_stages", "autotuned"])
