@@ -58,6 +58,9 @@ MEASURED_CLASSES = {
     "row_in_cta/batched/16/flat": {"7c36a48abb7806cf": 1.7695, "e39b553b2a8f0237": 1.8053},
     "tile/batched/16/flat": {"7c36a48abb7806cf": 1.1014, "e39b553b2a8f0237": 1.3147},  # attention's bmm
     "tile/single/18/flat": {"4c4e1e1e0cc31c05": 1.1825, "a02ebf9cd38d57be": 1.0256},  # GEMM + GELU
+    # GPT-2's MLP up projection with its GELU (8192 x 768 x 3072; training and inference graphs;
+    # an H100, 2026-12-06: bench/results/2026-12-06-h100-region-replay/): 2.7-3.0 s of tuning a graph
+    "tile/single/17/flat": {"354d29f4bd9b5fab": 1.0307, "c029c7d73c5b9adc": 1.3821},
     "tile/single/19/deep": {"1503987c2a4fc3e4": 0.8996},  # the decoder's weight gradient (30522 x 768 x 16384)
     # LM heads with their loss that return the logits (GPT-2's 8192 x 768 x 50257, Llama's
     # 8192 x 2048 x 32000; training and inference graphs; H100 and H200, 2026-12-05:
