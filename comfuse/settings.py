@@ -142,17 +142,10 @@ def overrides_now() -> tuple:
     return tuple(sorted(_overrides.items(), key=lambda kv: kv[0]))
 
 
-@contextlib.contextmanager
-def beneath(pinned: tuple) -> Iterator[None]:
-    """``pinned`` (an ``overrides_now()``) in force for a block, beneath the overrides set now."""
-    values = {k: v for k, v in pinned if k not in _overrides}
-    saved = dict(_overrides)
-    _overrides.update(values)
-    try:
-        yield
-    finally:
-        _overrides.clear()
-        _overrides.update(saved)
+def beneath(pinned: tuple):
+    """``pinned`` (an ``overrides_now()``) in force for a block, beneath the overrides set now
+    (an ``override`` of the names not overridden now)."""
+    return override(**{k: v for k, v in pinned if k not in _overrides})
 
 
 def chosen(name: str) -> bool:
