@@ -220,3 +220,37 @@ def test_compiled_regions_are_replayed_on_the_gpu(schedule, tmp_path, caplog):
         [(type(m).__name__, getattr(m, "kernel", None) is not None, getattr(m, "tuned", None),
           getattr(m, "validated", None), getattr(m, "prefer_unfused", None), getattr(m, "failed", None),
           m.__dict__.get("_replay")) for m in modules], caplog.text[-3000:])
+
+
+def test_binding_another_layout_keeps_nothing_new(monkeypatch):
+    """The LM head's template binds a launch per layout of its tensors, and keeps that launch's
+    layout-free arguments (workspace, dummy tile, counters). Those must be the tensors made once
+    for its sizes: a tensor allocated at a later bind (a layout first seen inside Inductor's
+    CUDA-graph warm-up) stays in the graphs' memory pool untracked, and Inductor then refuses
+    every later run of that pool, its own graph's too (GPT-2 under reduce-overhead, 2026-12-06).
+    The JIT launch is stood in for: what is bound and kept is checked, not the kernel."""
+    import torch.nn.functional as F
+
+    from comfuse.planner import plan
+    from comfuse.runtime import build, strip_kernel
+    from test_template import ce_region
+    with settings.override(schedule="ws_split"):
+        p = plan(ce_region(lambda x, w, t: F.cross_entropy(x @ w, t, reduction="none")), target="cuda")
+    kernel = build.build(p)
+    bound = []
+
+    def fake_launch(fn, grid, args, options, fresh):
+        bound.append([None if j in fresh else v for j, v in enumerate(args)])
+        return (lambda *a: None), bound[-1]
+    for name, stand_in in (("sm90_only", lambda *a: None), ("sm_count", lambda d: 132),
+                           ("launch_direct", fake_launch)):
+        monkeypatch.setattr(strip_kernel, name, stand_in)
+    M, K, N = 256, 64, 1024
+    a, targets = torch.randn(M, K, dtype=torch.bfloat16), torch.randint(0, N, (M,))
+    b = torch.randn(K, N, dtype=torch.bfloat16)
+    b_strided = torch.randn(K, N + 64, dtype=torch.bfloat16)[:, :N]  # (another layout: rows of N + 64)
+    for operand in (b, b_strided):
+        kernel.bind(a, operand, targets, None)
+    kept = [[v for v in args if isinstance(v, torch.Tensor)] for args in bound]
+    assert len(kept[0]) == 2 and all(x is y for x, y in zip(kept[0], kept[1], strict=True))
+    assert {id(t) for t in kept[0]} <= replay.held_tensors(kernel)

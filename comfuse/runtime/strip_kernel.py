@@ -112,7 +112,7 @@ class LseKernel:
     plan: Plan
     source: KernelSource  # the combine's
     combine_fn: object
-    _scratch: dict = dataclasses.field(default_factory=dict)  # (device, M, N) -> (workspace, dummy tile); ("no targets", device, M) -> -1s
+    _scratch: dict = dataclasses.field(default_factory=dict)  # (device, M, N) -> (workspace, dummy tile, counters); ("no targets", device, M) -> -1s
     _bound: dict = dataclasses.field(default_factory=dict)  # tensor layout -> (template run, statics, config)
 
     @property
@@ -151,11 +151,17 @@ class LseKernel:
         return a3[0], b, self._scratch[key]
 
     def workspace(self, device, M: int, N: int):
+        """(workspace, dummy tile, counters) for [M, N], made at the first call for them and
+        kept: a call that binds another layout allocates nothing it keeps (inside a CUDA-graph
+        warm-up, a tensor kept from it would sit in the graphs' memory pool untracked, and
+        Inductor refuses every later run of that pool). KIND_LSE counts no arrivals; its
+        counters are a placeholder the kernel never reads."""
         key = (str(device), M, N)
         if key not in self._scratch:
             numel = strip.workspace_numel(M, N, strip.KIND_LSE, self.plan.form.template.exact_max)
             self._scratch[key] = (torch.empty(numel, dtype=torch.float32, device=device),
-                                  torch.empty(strip.BM, strip.BN, dtype=torch.bfloat16, device=device))
+                                  torch.empty(strip.BM, strip.BN, dtype=torch.bfloat16, device=device),
+                                  torch.zeros(1, dtype=torch.int64, device=device))
         return self._scratch[key]
 
     def combine(self, a3, b3, ins, outs, ws) -> None:
@@ -185,7 +191,7 @@ class LseKernel:
         """Run the template alone (writing the logits where the region has them); its workspace
         (a view, valid until the next launch)."""
         a, b, targets = self.operands(a3, b3, ins)
-        ws, dummy = self.workspace(a.device, a.shape[0], b3.shape[2])
+        ws, dummy, _ = self.workspace(a.device, a.shape[0], b3.shape[2])
         out = self.logits(outs, dummy)
         layout = layout_key((a3, b3, *ins, out))
         bound = self._bound.get(("stats", layout))
@@ -210,9 +216,9 @@ class LseKernel:
         cfg = self.config()
         M = a.shape[0]
         N = b.shape[0] if cfg.b_kmajor else b.shape[1]
-        ws, dummy = self.workspace(dev, M, N)
-        grid, args, options = strip.arguments(cfg, a, b, out, ws=ws, targets=targets, num_sms=sm_count(dev),
-                                              tile=dummy)
+        ws, dummy, counters = self.workspace(dev, M, N)
+        grid, args, options = strip.arguments(cfg, a, b, out, ws=ws, counters=counters, targets=targets,
+                                              num_sms=sm_count(dev), tile=dummy)
         if len(self._bound) > 64:
             self._bound.clear()
         return (*launch_direct(strip.strip_kernel, grid, args, options, set(range(strip.PER_CALL))), cfg)
