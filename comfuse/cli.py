@@ -98,7 +98,8 @@ def main(argv=None) -> int:
                          help="paper suite: measure each workload at these M,K,N (';'-separated), e.g. "
                               "8191,1024,1024;8192,1024,768; 'suite': each workload at its own shapes, "
                               "without the extra sweep")
-    p_bench.add_argument("--resume", action="store_true", help="keep the cases already in OUT/results.json")
+    p_bench.add_argument("--resume", action="store_true", help="keep the cases already in OUT/results.json (models suite: the rows that ran without "
+                              "error, on the same GPU and software)")
     p_bench.add_argument("--repeat", type=int, default=1,
                          help="time the candidates in this many interleaved rounds; report the median "
                               "of the rounds' medians and their range (for noisy machines)")
@@ -171,7 +172,8 @@ def main(argv=None) -> int:
             picked = [m for m in args.only.split(",") if m] or list(models.DEFAULT_MODELS)
             forms = [c for c in args.candidates.split(",") if c] or list(models.FORMS)
             results = models.run(picked, forms, args.out, args.layers or None, args.small, args.rounds,
-                                 not args.no_warm, args.device, progress=lambda m: print(m, file=sys.stderr))
+                                 not args.no_warm, args.device, progress=lambda m: print(m, file=sys.stderr),
+                                 resume=args.resume)
         for path in models.write(results, args.out):
             print(f"wrote {path}")
         print(models.markdown(results))

@@ -362,7 +362,45 @@ def test_models_suite_runs_each_model_and_form_in_processes_of_their_own(tmp_pat
     assert "| gpt2 (1 layer) | comfuse |" in table and "n/a: CUDA graphs need a GPU" in table
     assert any(p.name == "models.png" for p in written)
     assert not (tmp_path / "caches").exists() or not any((tmp_path / "caches").iterdir())
+    logs = {p.name for p in (tmp_path / "logs").iterdir()}  # (each process's stderr: comfuse's log)
+    assert logs == {"gpt2-eager.log", "gpt2-comfuse.log", "gpt2-comfuse-warm.log"}, logs
+    # resumed: the rows that ran are kept, nothing runs again; another GPU's rows are refused
+    said = []
+    again = models.run(["gpt2"], ["eager", "comfuse"], tmp_path, small=True, rounds=1, device="cpu",
+                       progress=said.append, resume=True)
+    assert said == [] and again["rows"] == [rows["eager"], rows["comfuse"]]
+    other = json.loads((tmp_path / "results.json").read_text())
+    other["meta"]["gpu"] = "another GPU"
+    (tmp_path / "results.json").write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="--resume: .* other gpu"):
+        models.run(["gpt2"], ["eager"], tmp_path, small=True, rounds=1, device="cpu", resume=True)
     with pytest.raises(SystemExit, match="unknown models"):
         models.run(["gpt3"], ["eager"], tmp_path, device="cpu")
     with pytest.raises(SystemExit, match="unknown candidates"):
         models.run(["gpt2"], ["comfuse@fast"], tmp_path, device="cpu")
+
+
+def test_a_failed_models_suite_row_names_what_was_raised():
+    """A child's error is the exception's line after its traceback, not the debugging hints
+    that follow it (Inductor's CUDA-graph pool check ends with "Data Pointer: ..., history:")."""
+    from comfuse.bench.models import error_line
+    stderr = ("comfuse: region at mm: fused\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
+              "RuntimeError: Detected 1 tensor(s) in the cudagraph pool not tracked as outputs.\nDebugging:\n"
+              "- Set a flag\nAllocations:\nData Pointer: 1407, history: \n")
+    assert error_line(stderr) == "RuntimeError: Detected 1 tensor(s) in the cudagraph pool not tracked as outputs."
+    assert error_line("killed\n") == "killed" and error_line("") == "no output"
+
+
+def test_the_index_lists_a_models_suite_run(tmp_path):
+    """``python -m comfuse.bench.report``: a models-suite folder (rows, not cases) gets its
+    section, each row's times or why it has none."""
+    from comfuse.bench import report
+    row = {"model": "gpt2", "form": "comfuse", "layers": 12, "forward_ms": [6.398, 6.298, 6.649],
+           "step_ms": [22.611, 22.468, 22.843], "step_peak_gib": 6.028, "first_step_s": 53.74}
+    failed = {"model": "gpt2", "form": "comfuse@reduce-overhead", "layers": 12, "error": "RuntimeError: pool"}
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "results.json").write_text(json.dumps(
+        {"meta": {"suite": "models", "gpu": "NVIDIA H100", "rounds": 5, "date": "2026-12-06"}, "rows": [row, failed]}))
+    text = report.write_index(tmp_path).read_text()
+    assert "| gpt2 (12 layers) | comfuse | 6.398 | 22.611 | 6.028 | 53.74 |" in text
+    assert "| gpt2 (12 layers) | comfuse@reduce-overhead | error: RuntimeError: pool |" in text

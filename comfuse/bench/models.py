@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -206,7 +207,7 @@ def measure(name: str, form: str, layers: int, small: bool, rounds: int, device:
         backend, _, mode = form.partition("@")
         options = {"backend": backend, **({"mode": mode} if mode else {})}
         run, run_loss = torch.compile(model, **options), torch.compile(loss_only, **options)
-    loss = step(run, model, kwargs).float()
+    loss = step(run, model, kwargs).detach().float()
     sync()
     row["first_step_s"] = round(time.perf_counter() - began, 2)
     row["loss_rel_err"] = float((loss - want).abs() / want.abs())
@@ -225,26 +226,44 @@ def measure(name: str, form: str, layers: int, small: bool, rounds: int, device:
     row["step_peak_gib"] = peak_gib(lambda: step(run, model, kwargs), device)
     with torch.no_grad():  # (an evaluation loop's call: the loss alone, no gradient)
         row["loss_forward_ms"] = time_ms(lambda: run_loss(**kwargs), rounds, device)
-    loss = step(run_loss, model, kwargs).float()
+    loss = step(run_loss, model, kwargs).detach().float()
     row["loss_step_rel_err"] = [float((loss - want).abs() / want.abs()), rel(grads(model), want_grads)]
     row["loss_step_ms"] = time_ms(lambda: step(run_loss, model, kwargs), rounds, device)
     row["loss_step_peak_gib"] = peak_gib(lambda: step(run_loss, model, kwargs), device)
     return row
 
 
-def _child(args: list, env: dict) -> dict:
+def _child(args: list, env: dict, log: Path | None = None) -> dict:
+    """One ``measure`` in a process of its own: its row, or {"error": the exception's line}.
+    ``log``: where its stderr goes (comfuse's log, warnings, a traceback)."""
     done = subprocess.run([sys.executable, "-m", "comfuse.bench.models", *args], env=env, capture_output=True,
                           text=True)
+    if log is not None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(done.stderr)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode or not lines:
-        return {"error": " ".join((done.stderr.strip().splitlines() or ["no output"])[-1].split())[:300]}
+        return {"error": error_line(done.stderr)}
     return json.loads(lines[-1])
 
 
+def error_line(stderr: str) -> str:
+    """What a failed child raised: the exception's line after its last traceback (what
+    follows it, such as a debugging hint, is left out), else the last line printed."""
+    lines = stderr.strip().splitlines() or ["no output"]
+    last = max((i for i, line in enumerate(lines) if line.startswith("Traceback")), default=len(lines))
+    raised = [line for line in lines[last + 1:] if re.match(r"[\w.]+(Error|Exception|Interrupt|Exit)\b", line)]
+    return " ".join((raised or lines)[-1 if not raised else 0].split())[:300]
+
+
 def run(models=DEFAULT_MODELS, forms=FORMS, out_dir="bench/results/latest", layers: int | None = None,
-        small: bool = False, rounds: int = 5, warm: bool = True, device: str = "auto", progress=print) -> dict:
+        small: bool = False, rounds: int = 5, warm: bool = True, device: str = "auto", progress=print,
+        resume: bool = False) -> dict:
     """Every (model, form) in processes of their own (``measure``), cold then warm; the results,
-    also written to ``out_dir``/results.json after each."""
+    also written to ``out_dir``/results.json after each, each process's log to
+    ``out_dir``/logs/ (comfuse's at COMFUSE_LOG=info unless set). ``resume``: keep the rows
+    of ``out_dir``/results.json that ran without error (measured on the same GPU and
+    software) and run only the others, so that the suite can run in several sittings."""
     from .env import environment
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     unknown = sorted(set(forms) - set(FORMS))
@@ -256,10 +275,14 @@ def run(models=DEFAULT_MODELS, forms=FORMS, out_dir="bench/results/latest", laye
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results = {"meta": dict(environment(device), suite="models", small=small, rounds=rounds), "rows": []}
+    done = _resumed(out / "results.json", results["meta"]) if resume else {}
     for name in models:
         depth = layers or (1 if small else DEPTH.get(name, 2))
         for form in forms:
             row = {"model": name, "form": form, "layers": depth}
+            if (name, form, depth) in done:
+                results["rows"].append(done[name, form, depth])
+                continue
             why = why_not(name, form, device)
             if why:
                 results["rows"].append({**row, "skipped": why})
@@ -268,18 +291,37 @@ def run(models=DEFAULT_MODELS, forms=FORMS, out_dir="bench/results/latest", laye
             shutil.rmtree(caches, ignore_errors=True)
             env = dict(os.environ, COMFUSE_CACHE_DIR=str(caches / "comfuse"), TRITON_CACHE_DIR=str(caches / "triton"),
                        TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"))
+            env.setdefault("COMFUSE_LOG", "info")
+            log = out / "logs" / f"{name}-{form.replace('@', '-')}"
             args = ["--child", name, "--form", form, "--layers", str(depth), "--rounds", str(rounds),
                     "--device", device] + (["--small"] if small else [])
             progress(f"{name} ({depth} layer{'' if depth == 1 else 's'}), {form}: cold ...")
-            row.update(_child(args, env))
+            row.update(_child(args, env, log.with_suffix(".log")))
             if warm and form not in ("eager", "liger") and "error" not in row:
                 progress(f"{name}, {form}: warm, in a new process ...")
-                again = _child(args + ["--first-calls-only"], env)
+                again = _child(args + ["--first-calls-only"], env, log.with_name(log.name + "-warm.log"))
                 row["warm"] = {k: again[k] for k in ("first_step_s", "first_forward_s", "error") if k in again}
             shutil.rmtree(caches, ignore_errors=True)
             results["rows"].append(row)
             (out / "results.json").write_text(json.dumps(results, indent=1))
     return results
+
+
+def _resumed(path: Path, meta: dict) -> dict:
+    """(model, form, layers) -> row, for the rows of an earlier run at ``path`` that ran
+    without error; SystemExit where it ran on another GPU or other software, or at other
+    sizes or rounds (its rows would not compare with this run's)."""
+    if not path.exists():
+        return {}
+    before = json.loads(path.read_text())
+    keys = ("gpu", "torch", "triton", "small", "rounds")
+    differ = [k for k in keys if before.get("meta", {}).get(k) != meta.get(k)]
+    if differ:
+        raise SystemExit(f"--resume: {path} was measured with other {', '.join(differ)} "
+                         f"({', '.join(str(before.get('meta', {}).get(k)) for k in differ)}); "
+                         "choose another --out")
+    return {(r["model"], r["form"], r["layers"]): r for r in before.get("rows", [])
+            if "error" not in r and "skipped" not in r}
 
 
 def _fmt(t) -> str:

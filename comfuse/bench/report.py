@@ -323,6 +323,26 @@ def index_section(name: str, results: dict) -> list:
     return lines
 
 
+def models_index_section(name: str, results: dict) -> list:
+    """A ``comfuse bench --suite models`` folder's lines in the index: per model and form the
+    forward with its loss, the training step (median ms), the step's peak and the cold first
+    step, or why the row has none."""
+    meta = results["meta"]
+    lines = [f"## [`{name}/`]({name}/results.md)", "",
+             f"- suite: models; date: {meta.get('date')}; GPU: {meta.get('gpu')} (driver {meta.get('driver', '?')})",
+             f"- torch {meta.get('torch')}, triton {meta.get('triton')}, CUDA {meta.get('cuda')}; "
+             f"{meta.get('rounds')} rounds of back-to-back calls, host time included", "",
+             "| model | form | forward ms | step ms | step peak GiB | first step s |", "|---|---|---|---|---|---|"]
+    for r in results["rows"]:
+        what = f"{r['model']} ({r['layers']} layer{'' if r['layers'] == 1 else 's'}) | {r['form']}"
+        if "error" in r or "skipped" in r:
+            lines.append(f"| {what} | {'error' if 'error' in r else 'n/a'}: {r.get('error') or r.get('skipped')} | | | |")
+            continue
+        lines.append(f"| {what} | {r['forward_ms'][0]:.3f} | {r['step_ms'][0]:.3f} | {r.get('step_peak_gib')} "
+                     f"| {r.get('first_step_s')} |")
+    return lines
+
+
 def write_index(results_dir: str | Path) -> Path:
     """``results_dir``/README.md: one section per ``*/results.json`` under it, newest first."""
     root = Path(results_dir)
@@ -338,7 +358,8 @@ def write_index(results_dir: str | Path) -> Path:
              "max-autotune measured; ceiling: the best baseline over cuBLAS's GEMM alone (the speedup of a "
              "fused kernel exactly as fast as the GEMM).", ""]
     for name, results in runs:
-        lines += index_section(name, results) + [""]
+        section = models_index_section if "rows" in results else index_section  # (older "models": blocks)
+        lines += section(name, results) + [""]
     path = root / "README.md"
     path.write_text("\n".join(lines))
     return path
