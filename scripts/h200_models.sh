@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Whole models against Inductor on one GPU machine, in one command: the GPU tests in two parts
+# Whole models against Inductor on one GPU machine, in one command: the GPU tests in three parts
 # (each under its own limit), then scripts/models_check.py for each model (Inductor and the
 # comfuse backend compiled in one process, the first call, forward and training step timed,
 # gradients against eager, profiles). Everything lands under $OUT/models-run/ and goes back
 # packed in $OUT/all.tgz; a short table is printed last.
 #
 # Knobs: MODELS (gpt2,llama,bert,llama8b; empty runs none), LAYERS (2; llama8b runs 1), ROUNDS (5), FORMS
-# (inductor,comfuse), MODEL_S (limit a model, 200 s), TESTS ("heads,rest"; empty skips them),
+# (inductor,comfuse), MODEL_S (limit a model, 200 s), TESTS ("heads,kernels,rest": the LM head's
+# tests, the generated kernels' and the template's, the others; empty skips them),
 # TESTS_S (limit a part, 300 s), COMMIT (the commit to record, where the tree carries no git
 # history of its own). Each model starts with empty caches (comfuse's, Inductor's, Triton's),
 # so its first calls are cold on a machine that ran something before; autotuning's decisions
@@ -26,10 +27,14 @@ trap 'rm -rf "$RUN"/*/cache "$RUN"/*/caches; tgz=$(mktemp); (cd "$OUT" && tar cz
   date -u
 } > "$RUN/env.txt" 2>&1
 cat "$RUN/env.txt"
-HEADS="ws_split or lse or head or cross"
-IFS=, read -ra parts <<< "${TESTS-heads,rest}"
+HEADS="ws_split or lse or head or cross" KERNELS="generated or template"
+IFS=, read -ra parts <<< "${TESTS-heads,kernels,rest}"
 for part in "${parts[@]}"; do
-  [ "$part" = heads ] && k="$HEADS" || k="not ($HEADS)"
+  case $part in
+    heads) k="$HEADS" ;;
+    kernels) k="($KERNELS) and not ($HEADS)" ;;  # (the kernels' own tests, each form and shape)
+    *) k="not ($HEADS) and not ($KERNELS)" ;;
+  esac
   mkdir -p "$RUN/tests-$part"; s=$(date +%s)
   COMFUSE_CACHE_DIR=$RUN/tests-$part/cache timeout "${TESTS_S:-300}" python3 -m pytest -q -p no:cacheprovider -rfEs \
     tests/test_gpu.py -k "$k" > "$RUN/tests-$part/pytest.txt" 2>&1
