@@ -98,8 +98,9 @@ def main(argv=None) -> int:
                          help="paper suite: measure each workload at these M,K,N (';'-separated), e.g. "
                               "8191,1024,1024;8192,1024,768; 'suite': each workload at its own shapes, "
                               "without the extra sweep")
-    p_bench.add_argument("--resume", action="store_true", help="keep the cases already in OUT/results.json (models suite: the rows that ran without "
-                              "error, on the same GPU and software)")
+    p_bench.add_argument("--resume", action="store_true",
+                         help="keep the cases already in OUT/results.json (models suite: the rows that ran "
+                              "without error, on the same GPU and software)")
     p_bench.add_argument("--repeat", type=int, default=1,
                          help="time the candidates in this many interleaved rounds; report the median "
                               "of the rounds' medians and their range (for noisy machines)")

@@ -253,7 +253,7 @@ def error_line(stderr: str) -> str:
     lines = stderr.strip().splitlines() or ["no output"]
     last = max((i for i, line in enumerate(lines) if line.startswith("Traceback")), default=len(lines))
     raised = [line for line in lines[last + 1:] if re.match(r"[\w.]+(Error|Exception|Interrupt|Exit)\b", line)]
-    return " ".join((raised or lines)[-1 if not raised else 0].split())[:300]
+    return " ".join((raised[0] if raised else lines[-1]).split())[:300]
 
 
 def run(models=DEFAULT_MODELS, forms=FORMS, out_dir="bench/results/latest", layers: int | None = None,
