@@ -364,11 +364,18 @@ def test_models_suite_runs_each_model_and_form_in_processes_of_their_own(tmp_pat
     assert not (tmp_path / "caches").exists() or not any((tmp_path / "caches").iterdir())
     logs = {p.name for p in (tmp_path / "logs").iterdir()}  # (each process's stderr: comfuse's log)
     assert logs == {"gpt2-eager.log", "gpt2-comfuse.log", "gpt2-comfuse-warm.log"}, logs
-    # resumed: the rows that ran are kept, nothing runs again; another GPU's rows are refused
+    # resumed: the rows that ran are kept, nothing runs again; a row past its limit is stopped
+    # (its process group killed) and says so, the earlier rows of other forms kept beside it
     said = []
     again = models.run(["gpt2"], ["eager", "comfuse"], tmp_path, small=True, rounds=1, device="cpu",
                        progress=said.append, resume=True)
     assert said == [] and again["rows"] == [rows["eager"], rows["comfuse"]]
+    stopped = models.run(["gpt2"], ["comfuse@max-autotune-no-cudagraphs"], tmp_path, small=True, rounds=1,
+                         device="cpu", progress=lambda m: None, resume=True, row_limit=0.5)
+    assert stopped["rows"][:2] == [rows["eager"], rows["comfuse"]]
+    assert stopped["rows"][2]["error"] == "stopped after 0.5 s (the row limit)"
+    assert (tmp_path / "logs" / "gpt2-comfuse-max-autotune-no-cudagraphs.log").exists()
+    # another GPU's rows are refused
     other = json.loads((tmp_path / "results.json").read_text())
     other["meta"]["gpu"] = "another GPU"
     (tmp_path / "results.json").write_text(json.dumps(other))

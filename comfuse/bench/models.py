@@ -26,6 +26,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -233,17 +234,27 @@ def measure(name: str, form: str, layers: int, small: bool, rounds: int, device:
     return row
 
 
-def _child(args: list, env: dict, log: Path | None = None) -> dict:
+def _child(args: list, env: dict, log: Path | None = None, limit: float = 0) -> dict:
     """One ``measure`` in a process of its own: its row, or {"error": the exception's line}.
-    ``log``: where its stderr goes (comfuse's log, warnings, a traceback)."""
-    done = subprocess.run([sys.executable, "-m", "comfuse.bench.models", *args], env=env, capture_output=True,
-                          text=True)
+    ``log``: where its stderr goes (comfuse's log, warnings, a traceback). ``limit``: seconds
+    after which the process and its own (compile workers) are stopped (0: none)."""
+    child = subprocess.Popen([sys.executable, "-m", "comfuse.bench.models", *args], env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    stopped = False
+    try:
+        stdout, stderr = child.communicate(timeout=limit or None)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        stdout, stderr = child.communicate()
+        stopped = True
     if log is not None:
         log.parent.mkdir(parents=True, exist_ok=True)
-        log.write_text(done.stderr)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode or not lines:
-        return {"error": error_line(done.stderr)}
+        log.write_text(stderr)
+    if stopped:
+        return {"error": f"stopped after {limit:g} s (the row limit)"}
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    if child.returncode or not lines:
+        return {"error": error_line(stderr)}
     return json.loads(lines[-1])
 
 
@@ -258,12 +269,14 @@ def error_line(stderr: str) -> str:
 
 def run(models=DEFAULT_MODELS, forms=FORMS, out_dir="bench/results/latest", layers: int | None = None,
         small: bool = False, rounds: int = 5, warm: bool = True, device: str = "auto", progress=print,
-        resume: bool = False) -> dict:
+        resume: bool = False, row_limit: float = 0) -> dict:
     """Every (model, form) in processes of their own (``measure``), cold then warm; the results,
     also written to ``out_dir``/results.json after each, each process's log to
     ``out_dir``/logs/ (comfuse's at COMFUSE_LOG=info unless set). ``resume``: keep the rows
     of ``out_dir``/results.json that ran without error (measured on the same GPU and
-    software) and run only the others, so that the suite can run in several sittings."""
+    software), run only the others asked for, and keep the earlier rows of models and forms
+    not asked for, so that the suite can run in several sittings.
+    ``row_limit``: seconds a process may take (0: no limit); one stopped is a row with that error."""
     from .env import environment
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     unknown = sorted(set(forms) - set(FORMS))
@@ -276,8 +289,11 @@ def run(models=DEFAULT_MODELS, forms=FORMS, out_dir="bench/results/latest", laye
     out.mkdir(parents=True, exist_ok=True)
     results = {"meta": dict(environment(device), suite="models", small=small, rounds=rounds), "rows": []}
     done = _resumed(out / "results.json", results["meta"]) if resume else {}
+    depths = {name: layers or (1 if small else DEPTH.get(name, 2)) for name in models}
+    asked = {(name, form, depths[name]) for name in models for form in forms}
+    results["rows"] = [row for key, row in done.items() if key not in asked]  # (other models' and forms')
     for name in models:
-        depth = layers or (1 if small else DEPTH.get(name, 2))
+        depth = depths[name]
         for form in forms:
             row = {"model": name, "form": form, "layers": depth}
             if (name, form, depth) in done:
@@ -296,10 +312,10 @@ def run(models=DEFAULT_MODELS, forms=FORMS, out_dir="bench/results/latest", laye
             args = ["--child", name, "--form", form, "--layers", str(depth), "--rounds", str(rounds),
                     "--device", device] + (["--small"] if small else [])
             progress(f"{name} ({depth} layer{'' if depth == 1 else 's'}), {form}: cold ...")
-            row.update(_child(args, env, log.with_suffix(".log")))
+            row.update(_child(args, env, log.with_suffix(".log"), row_limit))
             if warm and form not in ("eager", "liger") and "error" not in row:
                 progress(f"{name}, {form}: warm, in a new process ...")
-                again = _child(args + ["--first-calls-only"], env, log.with_name(log.name + "-warm.log"))
+                again = _child(args + ["--first-calls-only"], env, log.with_name(log.name + "-warm.log"), row_limit)
                 row["warm"] = {k: again[k] for k in ("first_step_s", "first_forward_s", "error") if k in again}
             shutil.rmtree(caches, ignore_errors=True)
             results["rows"].append(row)
