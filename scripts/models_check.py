@@ -62,7 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import comfuse  # noqa: E402,F401  (registers the backend)
 from comfuse import inductor_pass, settings  # noqa: E402
 from comfuse.bench import models as bench_models  # noqa: E402
-from comfuse.bench.models import grads, loss_of, peak_gib, rel, step  # noqa: E402,F401
+from comfuse.bench.models import error_line, grads, loss_of, peak_gib, rel, step  # noqa: E402,F401
 from comfuse.runtime.timing import kernel_times, profiled  # noqa: E402
 
 MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
@@ -305,7 +305,7 @@ def first_calls(name: str, layers: int, backends: list, out, out_dir: Path, smal
             (out_dir / f"first-call-{name}-{backend}-{run}.log").write_text(done.stderr)
             lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
             if done.returncode or not lines:
-                row[run] = {"error": (done.stderr.strip().splitlines() or ["no output"])[-1][:300]}
+                row[run] = {"error": error_line(done.stderr)}
             else:
                 row[run] = {**json.loads(lines[-1]), "process_s": round(time.perf_counter() - t0, 1)}
         if (caches / "comfuse" / "tuning").is_dir():  # (autotuning's decisions: each candidate's plan and time)

@@ -275,7 +275,7 @@ def run(models=DEFAULT_MODELS, forms=FORMS, out_dir="bench/results/latest", laye
     ``out_dir``/logs/ (comfuse's at COMFUSE_LOG=info unless set). ``resume``: keep the rows
     of ``out_dir``/results.json that ran without error (measured on the same GPU and
     software), run only the others asked for, and keep the earlier rows of models and forms
-    not asked for, so that the suite can run in several sittings.
+    not asked for, so that a long suite can run as several shorter commands.
     ``row_limit``: seconds a process may take (0: no limit); one stopped is a row with that error."""
     from .env import environment
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
@@ -330,12 +330,11 @@ def _resumed(path: Path, meta: dict) -> dict:
     if not path.exists():
         return {}
     before = json.loads(path.read_text())
-    keys = ("gpu", "torch", "triton", "small", "rounds")
-    differ = [k for k in keys if before.get("meta", {}).get(k) != meta.get(k)]
+    then = before.get("meta", {})
+    differ = [k for k in ("gpu", "torch", "triton", "small", "rounds") if then.get(k) != meta.get(k)]
     if differ:
         raise SystemExit(f"--resume: {path} was measured with other {', '.join(differ)} "
-                         f"({', '.join(str(before.get('meta', {}).get(k)) for k in differ)}); "
-                         "choose another --out")
+                         f"({', '.join(str(then.get(k)) for k in differ)}); choose another --out")
     return {(r["model"], r["form"], r["layers"]): r for r in before.get("rows", [])
             if "error" not in r and "skipped" not in r}
 

@@ -296,8 +296,16 @@ GROUP_M = 8  # KIND_LSE's grouped order: row blocks of A in flight together (a p
 
 
 def arguments(cfg: StripConfig, a, b, out, *, bias=None, residual=None, gamma=None, beta=None, eps=1e-5,
-              ws=None, counters=None, num_sms: int = 132, targets=None, tile=None) -> tuple:
-    """(grid, positional arguments, options) of one launch: see ``launch``."""
+              ws, counters, num_sms: int = 132, targets=None, tile=None) -> tuple:
+    """(grid, positional arguments, options) of one launch of ``strip_kernel``: ``a`` [M, K]
+    row-major, ``b`` [K, N] (or [N, K] when cfg.b_kmajor) with unit inner stride, ``out`` [M, N]
+    contiguous, all bf16; bias / gamma / beta [N]; residual [M, N] contiguous; ``ws`` (float32,
+    at least workspace_numel) and ``counters`` (int64, M / 128 entries, zero before the first
+    launch, never reset), both the caller's to keep (runtime/strip_kernel.py: made once per
+    size, so that a launch bound for another layout allocates nothing it keeps). KIND_LSE:
+    ``targets`` int64 [M] and ``out`` any bf16 [BM, BN] tensor (nothing is written to it; the
+    results are in ``ws``), or with ``lse_out`` the [M, N] logits (rows 16-byte aligned); it
+    reads no counters."""
     import torch
     M, K = a.shape
     if cfg.kind == KIND_LSE:
@@ -316,24 +324,8 @@ def arguments(cfg: StripConfig, a, b, out, *, bias=None, residual=None, gamma=No
     if cfg.kind != KIND_LSE and tiles_n > num_sms:
         raise ValueError(f"a strip of {tiles_n} tiles cannot be resident at once on {num_sms} SMs")
     grid = (min(num_sms, (M // BM) * tiles_n), )
-    args = [*call_arguments(cfg, a, b, out, bias, residual, gamma, beta, targets, tile), ws if ws is not None else out,
-            counters if counters is not None else torch.zeros(1, dtype=torch.int64, device=out.device),
-            M, N, K, eps]
+    args = [*call_arguments(cfg, a, b, out, bias, residual, gamma, beta, targets, tile), ws, counters, M, N, K, eps]
     return grid, args, dict(cfg.constexprs(tiles_n, N % BN == 0), num_warps=8, maxnreg=cfg.maxnreg)
-
-
-def launch(cfg: StripConfig, a, b, out, **kw) -> int:
-    """One launch through Triton's JIT: ``a`` [M, K] row-major, ``b`` [K, N] (or [N, K] when
-    cfg.b_kmajor) with unit inner stride, ``out`` [M, N] contiguous, all bf16; bias / gamma /
-    beta [N]; residual [M, N] contiguous; ``ws`` (float32, at least workspace_numel) and
-    ``counters`` (int64, M / 128 entries, zero before the first launch, never reset). KIND_LSE:
-    ``targets`` int64 [M] and ``out`` any bf16 [BM, BN] tensor (nothing is written to it; the
-    results are in ``ws``), or with ``lse_out`` the [M, N] logits (rows 16-byte aligned).
-    Returns the grid size. (runtime/strip_kernel.py launches the compiled kernel directly after
-    its first call per layout.)"""
-    grid, args, options = arguments(cfg, a, b, out, **kw)
-    strip_kernel[grid](*args, **options)
-    return grid[0]
 
 
 def workspace_numel(M: int, N: int, kind: int = KIND_LAYERNORM, exact_max: bool = False) -> int:
