@@ -119,6 +119,9 @@ def main(argv=None) -> int:
     p_bench.add_argument("--row-limit", type=float, default=0,
                          help="models suite: stop a model and form's process after this many seconds (its row "
                               "says so; --resume runs it again); 0: no limit")
+    p_bench.add_argument("--profile", action="store_true",
+                         help="models suite: profile each form's forward, step and loss-only step kernel by "
+                              "kernel (tables in OUT/profiles/; GPU time and launch host time in the report)")
     p_bench.add_argument("--no-warm", action="store_true",
                          help="models suite: skip the warm first calls (a second process per model and form)")
     p_prof = sub.add_parser("profile", help="DRAM bytes of a fused kernel and its unfused pipeline (ncu)")
@@ -177,7 +180,7 @@ def main(argv=None) -> int:
             forms = [c for c in args.candidates.split(",") if c] or list(models.FORMS)
             results = models.run(picked, forms, args.out, args.layers or None, args.small, args.rounds,
                                  not args.no_warm, args.device, progress=lambda m: print(m, file=sys.stderr),
-                                 resume=args.resume, row_limit=args.row_limit)
+                                 resume=args.resume, row_limit=args.row_limit, profile=args.profile)
         for path in models.write(results, args.out):
             print(f"wrote {path}")
         print(models.markdown(results))

@@ -51,7 +51,6 @@ import argparse
 import json
 import logging
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -62,8 +61,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import comfuse  # noqa: E402,F401  (registers the backend)
 from comfuse import inductor_pass, settings  # noqa: E402
 from comfuse.bench import models as bench_models  # noqa: E402
+from comfuse.bench.kernels import profile  # noqa: E402
 from comfuse.bench.models import error_line, grads, loss_of, peak_gib, rel, step  # noqa: E402,F401
-from comfuse.runtime.timing import kernel_times, profiled  # noqa: E402
 
 MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # (the CPU: --first-calls at small sizes only)
@@ -76,28 +75,6 @@ def build(name: str, layers: int, small: bool = False):
 
 def time_ms(call, rounds: int) -> tuple:
     return bench_models.time_ms(call, rounds, "cuda")
-
-
-def launch_kind(name: str) -> str:
-    if name == "comfuse::region":
-        return "comfuse::region op"
-    if name.startswith("comfuse_"):
-        return "comfuse kernel, Inductor's launch"
-    if name.startswith("triton_"):
-        return "Inductor kernel launch"
-    return ""
-
-
-def host_us(call, calls: int = 5) -> dict:
-    """kind -> [launches per call, median host us per launch]: the profiler's CPU records of
-    kernel launches (Inductor records each Triton launch under the kernel's name)."""
-    prof = profiled(call, "CPU", calls)
-    durations: dict = {}
-    for e in prof.events():
-        kind = launch_kind(e.name)
-        if kind:
-            durations.setdefault(kind, []).append(e.cpu_time_total)
-    return {k: [len(v) // calls, round(statistics.median(v), 1)] for k, v in sorted(durations.items())}
 
 
 def region_rows() -> list:
@@ -114,16 +91,6 @@ def region_rows() -> list:
                      "schedules": sorted({x.schedule for x in fused}),
                      "saved_alone_ms": round(sum(u - f for f, u in tuned), 4) if tuned else None})
     return rows
-
-
-def profile(tag: str, call, out_dir: Path) -> dict:
-    gpu_ms, rows = kernel_times(call)
-    lines = [f"# {tag}: {gpu_ms:.3f} ms of GPU time a call", "| ms | launches | kernel |", "|---|---|---|"]
-    lines += [f"| {ms:.4f} | {n} | {name[:120]} |" for ms, n, name in rows]
-    (out_dir / "profiles").mkdir(exist_ok=True)
-    name = tag.replace("@", "-mode-")  # (a file name of letters, digits, '-', '.' and '_' only)
-    (out_dir / "profiles" / f"{name}.md").write_text("\n".join(lines) + "\n")
-    return {"gpu_ms": round(gpu_ms, 4), "kernels": sum(n for _, n, _ in rows), "host_us": host_us(call)}
 
 
 def configure(form: str):

@@ -411,3 +411,23 @@ def test_the_index_lists_a_models_suite_run(tmp_path):
     text = report.write_index(tmp_path).read_text()
     assert "| gpt2 (12 layers) | comfuse | 6.398 | 22.611 | 6.028 | 53.74 |" in text
     assert "| gpt2 (12 layers) | comfuse@reduce-overhead | error: RuntimeError: pool |" in text
+
+
+def test_models_suite_profiles_are_reported_beside_the_times():
+    """``--profile``: a row's profiles (GPU ms a call of its forward, step and loss-only step,
+    and the step's launches by kind) get a table of their own under the times; a profile's file
+    name keeps only letters, digits, '-', '.' and '_'."""
+    from comfuse.bench import kernels, models
+    launches = {"Inductor kernel launch": [120, 14.5], "comfuse::region op": [2, 25.0]}
+    row = {"model": "gpt2", "form": "comfuse@reduce-overhead", "layers": 12, "batch": 8, "seq": 1024,
+           "forward_ms": [6.4, 6.3, 6.5], "step_ms": [22.6, 22.4, 22.8],
+           "profile": {"forward": {"gpu_ms": 6.1, "kernels": 90, "host_us": {}},
+                       "step": {"gpu_ms": 21.95, "kernels": 300, "host_us": launches},
+                       "loss_step": {"gpu_ms": 21.5, "kernels": 290, "host_us": {}}}}
+    table = models.markdown({"meta": {}, "rows": [row, {"model": "gpt2", "form": "inductor", "layers": 12,
+                                                         "error": "x"}]})
+    assert ("| gpt2 | comfuse@reduce-overhead | 6.100 | 21.950 | 21.500 | Inductor kernel launch 120 x 14.5; "
+            "comfuse::region op 2 x 25.0 |") in table
+    assert "GPU time a call by the profiler" not in models.markdown({"meta": {}, "rows": [dict(row, profile=None)]})
+    assert kernels.file_name("gpt2-comfuse@reduce-overhead-step") == "gpt2-comfuse-mode-reduce-overhead-step"
+    assert kernels.file_name("a b/c") == "a-b-c"

@@ -578,6 +578,49 @@ def test_linear_cross_entropy_trains_through_the_backend_with_the_template_force
         assert err < 2e-2, err
 
 
+def test_linear_cross_entropy_with_the_template_under_reduce_overhead_trains_and_infers():
+    """The template's head under mode "reduce-overhead", as GPT-2 runs it: training steps,
+    then inference calls, at two batch sizes (each a graph of its own, the template bound for
+    a second layout inside Inductor's CUDA-graph warm-up). Nothing the template keeps may land
+    in Inductor's graph pool untracked (its pool check refuses every later run of that pool);
+    the loss and the gradients match eager's."""
+    from comfuse import inductor_pass
+    torch._dynamo.reset()
+    inductor_pass.REPORTS.clear()
+    torch.manual_seed(0)
+    lm = torch.nn.Linear(768, 50257, bias=False, device="cuda", dtype=torch.bfloat16)
+
+    def fn(x, t):
+        return torch.nn.functional.cross_entropy(lm(x).float(), t)
+    opts = {"mode": "reduce-overhead", "schedule": "ws_split", "autotune": "0"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", comfuse.ComfuseWarning)
+        compiled = torch.compile(fn, backend="comfuse", dynamic=False, options=opts)
+        for rows in (4096, 2048):
+            x = torch.randn(rows, 768, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            t = torch.randint(0, 50257, (rows, ), device="cuda")
+            for _ in range(3):  # (warm-up, recording, replay)
+                torch.compiler.cudagraph_mark_step_begin()
+                x.grad = None
+                lm.zero_grad()
+                loss = compiled(x, t)
+                loss.backward()
+            got = torch.cat([loss.detach().float().view(1), x.grad.flatten().float(), lm.weight.grad.flatten().float()])
+            with torch.no_grad():
+                for _ in range(3):
+                    torch.compiler.cudagraph_mark_step_begin()
+                    inferred = compiled(x, t).float().clone()
+            x.grad = None
+            lm.zero_grad()
+            ref = fn(x, t)
+            ref.backward()
+            want = torch.cat([ref.detach().float().view(1), x.grad.flatten().float(), lm.weight.grad.flatten().float()])
+            assert ((got - want).norm() / want.norm()).item() < 2e-2
+            torch.testing.assert_close(inferred, ref.detach().float(), rtol=2e-2, atol=1e-2)
+    fused = [r for rep in inductor_pass.REPORTS for r in rep.regions if r.fused]
+    assert any(r.schedule == "ws_split" for r in fused), inductor_pass.REPORTS
+
+
 @pytest.mark.parametrize("name", ["multi_stage", "ln_postnorm", "rmsnorm", "softmax", "mblr"])
 @pytest.mark.parametrize("shape", [(8192, 1024, 1024), (2048, 1024, 3072)], ids=["paper", "N3072"])
 @pytest.mark.parametrize("form", ["", "lanes=32", "lanes=32,tail=64", "tail=96"],

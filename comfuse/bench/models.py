@@ -178,8 +178,9 @@ def why_not(name: str, form: str, device: str) -> str:
 
 
 def measure(name: str, form: str, layers: int, small: bool, rounds: int, device: str,
-            first_calls_only: bool = False) -> dict:
-    """One (model, form) in this process: first calls, checks against eager, times, memory."""
+            first_calls_only: bool = False, profile_dir: str | None = None) -> dict:
+    """One (model, form) in this process: first calls, checks against eager, times, memory;
+    with ``profile_dir`` (a GPU), each call's kernels too (``kernels.profile``)."""
     import comfuse  # noqa: F401  (registers the backend)
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -231,6 +232,13 @@ def measure(name: str, form: str, layers: int, small: bool, rounds: int, device:
     row["loss_step_rel_err"] = [float((loss - want).abs() / want.abs()), rel(grads(model), want_grads)]
     row["loss_step_ms"] = time_ms(lambda: step(run_loss, model, kwargs), rounds, device)
     row["loss_step_peak_gib"] = peak_gib(lambda: step(run_loss, model, kwargs), device)
+    if profile_dir and device == "cuda":
+        from .kernels import profile
+        tag = f"{name}-{form}"
+        with torch.no_grad():
+            row["profile"] = {"forward": profile(f"{tag}-forward", lambda: run(**kwargs), profile_dir)}
+        row["profile"]["step"] = profile(f"{tag}-step", lambda: step(run, model, kwargs), profile_dir)
+        row["profile"]["loss_step"] = profile(f"{tag}-loss-step", lambda: step(run_loss, model, kwargs), profile_dir)
     return row
 
 
@@ -269,14 +277,15 @@ def error_line(stderr: str) -> str:
 
 def run(models=DEFAULT_MODELS, forms=FORMS, out_dir="bench/results/latest", layers: int | None = None,
         small: bool = False, rounds: int = 5, warm: bool = True, device: str = "auto", progress=print,
-        resume: bool = False, row_limit: float = 0) -> dict:
+        resume: bool = False, row_limit: float = 0, profile: bool = False) -> dict:
     """Every (model, form) in processes of their own (``measure``), cold then warm; the results,
     also written to ``out_dir``/results.json after each, each process's log to
     ``out_dir``/logs/ (comfuse's at COMFUSE_LOG=info unless set). ``resume``: keep the rows
     of ``out_dir``/results.json that ran without error (measured on the same GPU and
     software), run only the others asked for, and keep the earlier rows of models and forms
     not asked for, so that a long suite can run as several shorter commands.
-    ``row_limit``: seconds a process may take (0: no limit); one stopped is a row with that error."""
+    ``row_limit``: seconds a process may take (0: no limit); one stopped is a row with that error.
+    ``profile``: each call's kernels too, tables in ``out_dir``/profiles/ (a GPU)."""
     from .env import environment
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     unknown = sorted(set(forms) - set(FORMS))
@@ -312,7 +321,8 @@ def run(models=DEFAULT_MODELS, forms=FORMS, out_dir="bench/results/latest", laye
             args = ["--child", name, "--form", form, "--layers", str(depth), "--rounds", str(rounds),
                     "--device", device] + (["--small"] if small else [])
             progress(f"{name} ({depth} layer{'' if depth == 1 else 's'}), {form}: cold ...")
-            row.update(_child(args, env, log.with_suffix(".log"), row_limit))
+            row.update(_child(args + (["--profile-dir", str(out)] if profile else []), env, log.with_suffix(".log"),
+                              row_limit))
             if warm and form not in ("eager", "liger") and "error" not in row:
                 progress(f"{name}, {form}: warm, in a new process ...")
                 again = _child(args + ["--first-calls-only"], env, log.with_name(log.name + "-warm.log"), row_limit)
@@ -375,6 +385,16 @@ def markdown(results: dict) -> str:
                      f"{r.get('first_forward_s', '-')} / {warm.get('first_forward_s', '-')} | "
                      f"{r.get('loss_rel_err', float('nan')):.1e} | {r.get('grads_rel_err', float('nan')):.1e} | "
                      + _loss_step(r, base_loss))
+    profiled = [r for r in results["rows"] if r.get("profile")]
+    if profiled:
+        lines += ["", "GPU time a call by the profiler (kernel tables in profiles/), and the host time of a launch:", "",
+                  "| model | form | forward GPU ms | step GPU ms | loss-only step GPU ms | step's launches: per call, us each |",
+                  "|---|---|---|---|---|---|"]
+        for r in profiled:
+            p = r["profile"]
+            host = "; ".join(f"{k} {n} x {us}" for k, (n, us) in p["step"].get("host_us", {}).items()) or "-"
+            lines.append(f"| {r['model']} | {r['form']} | {p['forward']['gpu_ms']:.3f} | {p['step']['gpu_ms']:.3f} | "
+                         f"{p['loss_step']['gpu_ms']:.3f} | {host} |")
     return "\n".join(lines) + "\n"
 
 
@@ -451,8 +471,10 @@ def _main(argv: list) -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--first-calls-only", action="store_true")
+    parser.add_argument("--profile-dir", default=None)
     a = parser.parse_args(argv)
-    print(json.dumps(measure(a.child, a.form, a.layers, a.small, a.rounds, a.device, a.first_calls_only)), flush=True)
+    print(json.dumps(measure(a.child, a.form, a.layers, a.small, a.rounds, a.device, a.first_calls_only,
+                             a.profile_dir)), flush=True)
 
 
 if __name__ == "__main__":
