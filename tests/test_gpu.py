@@ -807,3 +807,27 @@ def test_inside_the_backend_candidates_compile_in_workers_and_are_timed_by_graph
     assert workers._pool and not workers._pool[0].broken
     want = fn(*(a.double() for a in args))
     torch.testing.assert_close(got.double(), want, rtol=3e-2, atol=3e-2)
+
+
+def test_kept_memory_stays_out_of_a_cuda_graph_pool():
+    """With this thread's allocations routed to a CUDA-graph memory pool (as Inductor routes them
+    while it warms up a graph under reduce-overhead), what a kernel keeps (``kept.allocate``) is
+    made outside the pool: the pool then holds only the routed tensor, the one Inductor tracks.
+    The counters are zero when the caller reads them."""
+    from comfuse.runtime import kept
+    dev = torch.cuda.current_device()
+    pool = torch.cuda.graph_pool_handle()
+    torch._C._cuda_beginAllocateCurrentThreadToPool(dev, pool)
+    try:
+        routed = torch.empty(1 << 20, device="cuda")
+        ws, counters = kept.allocate("cuda", lambda: (torch.empty(1 << 20, device="cuda"),
+                                                      torch.zeros(64, dtype=torch.int64, device="cuda")))
+    finally:
+        torch._C._cuda_endAllocateToPool(dev, pool)
+    try:
+        assert torch._C._cuda_checkPoolLiveAllocations(dev, pool, {routed.untyped_storage().data_ptr()})
+        assert not torch._C._cuda_checkPoolLiveAllocations(dev, pool, set())  # (the check sees the routed one)
+        assert counters.sum().item() == 0 and ws.numel() == 1 << 20
+    finally:
+        del routed
+        torch._C._cuda_releasePool(dev, pool)

@@ -254,3 +254,27 @@ def test_binding_another_layout_keeps_nothing_new(monkeypatch):
     kept = [[v for v in args if isinstance(v, torch.Tensor)] for args in bound]
     assert len(kept[0]) == 2 and all(x is y for x, y in zip(kept[0], kept[1], strict=True))
     assert {id(t) for t in kept[0]} <= replay.held_tensors(kernel)
+
+
+def test_kept_memory_is_made_on_a_thread_of_its_own_for_cuda(monkeypatch):
+    """What a kernel keeps (``runtime.kept.allocate``) is made on the caller's thread for a CPU,
+    and for a CUDA device on a thread of its own (whose allocations no CUDA-graph pool takes),
+    returned to the caller; inside a stream capture, on the caller's thread. (The GPU test
+    ``test_kept_memory_stays_out_of_a_cuda_graph_pool`` checks the pool itself.)"""
+    import threading
+
+    from comfuse.runtime import kept
+    here = threading.current_thread()
+    made_on = []
+
+    def make():
+        made_on.append(threading.current_thread())
+        return torch.zeros(2)
+    assert kept.allocate("cpu", make).tolist() == [0.0, 0.0] and made_on == [here]
+    monkeypatch.setattr(kept, "_made", lambda device, fn: fn())  # (no CUDA here: the thread is what is checked)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    kept.allocate("cuda:0", make)
+    assert made_on[-1] is not here
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    kept.allocate("cuda:0", make)
+    assert made_on[-1] is here

@@ -17,7 +17,7 @@ from ..codegen.source import KernelSource
 from ..errors import UnsupportedLayout
 from ..planner import Plan
 from ..planner.onepass import parts
-from . import cache
+from . import cache, kept
 from .launch import bind_tensors, filled, interpreting, layout_key, wide_index
 
 
@@ -177,9 +177,9 @@ class Kernel:
         key = str(device)
         ws, cnt = self._scratch.get(key, (None, None))
         if ws is None or ws.numel() < numel or cnt.numel() < counters:
-            ws = torch.empty(max(numel, 1), dtype=torch.float32, device=device)
-            cnt = torch.zeros(max(counters, 1), dtype=torch.int64, device=device)
-            self._scratch[key] = (ws, cnt)
+            ws, cnt = self._scratch[key] = kept.allocate(device, lambda: (
+                torch.empty(max(numel, 1), dtype=torch.float32, device=device),
+                torch.zeros(max(counters, 1), dtype=torch.int64, device=device)))
         return ws, cnt
 
     @staticmethod

@@ -15,7 +15,7 @@ from ..codegen.source import KernelSource
 from ..errors import UnsupportedLayout
 from ..planner import Plan
 from ..planner.gluon import tma_residual
-from . import cache
+from . import cache, kept
 from .launch import launch_direct, layout_key, sm90_only, sm_count, tma_ready
 
 
@@ -134,9 +134,10 @@ class StagesKernel:
         N = b.shape[0] if self._kmajor else b.shape[1]
         key = (str(dev), M, N)
         if key not in self._scratch:
-            self._scratch[key] = (torch.empty(stages.workspace_numel(M, N, self.plan.stages, self.plan.form.moments),
-                                              dtype=torch.float32, device=dev),
-                                  torch.zeros(M // parts.BM, dtype=torch.int64, device=dev))  # (int64: never wraps)
+            numel = stages.workspace_numel(M, N, self.plan.stages, self.plan.form.moments)
+            self._scratch[key] = kept.allocate(dev, lambda: (
+                torch.empty(numel, dtype=torch.float32, device=dev),
+                torch.zeros(M // parts.BM, dtype=torch.int64, device=dev)))  # (int64: never wraps)
         ws, counters = self._scratch[key]
         if N // self.plan.block_n > sm_count(dev):
             raise UnsupportedLayout(f"ws_stages: a strip of {N // self.plan.block_n} tiles cannot be resident at once")

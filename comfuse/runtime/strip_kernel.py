@@ -18,7 +18,7 @@ from ..codegen.triton import emit
 from ..codegen.triton.split import as_split
 from ..planner import Plan
 from ..planner.onepass import parts
-from . import cache
+from . import cache, kept
 from .kernel import Kernel
 from .launch import bind_tensors, filled, interpreting, launch_direct, layout_key, sm90_only, sm_count, tma_ready
 
@@ -88,8 +88,9 @@ class StripKernel:
         M, N = out.shape
         key = (dev, M, N)
         if key not in self._scratch:
-            self._scratch[key] = (torch.empty(strip.workspace_numel(M, N), dtype=torch.float32, device=dev),
-                                  torch.zeros(M // strip.BM, dtype=torch.int64, device=dev))  # (int64: never wraps)
+            self._scratch[key] = kept.allocate(dev, lambda: (
+                torch.empty(strip.workspace_numel(M, N), dtype=torch.float32, device=dev),
+                torch.zeros(M // strip.BM, dtype=torch.int64, device=dev)))  # (int64: never wraps)
         ws, counters = self._scratch[key]
         cfg = config(self.plan)
         grid, args, options = strip.arguments(cfg, a, b, out, bias=bias, residual=residual, gamma=gamma, beta=beta,
@@ -147,7 +148,8 @@ class LseKernel:
             return a3[0], b, ins[t.target].reshape(-1).contiguous()
         key = ("no targets", str(a3.device), M)  # (read, never written: one tensor for every call)
         if key not in self._scratch:
-            self._scratch[key] = torch.full((M, ), -1, dtype=torch.int64, device=a3.device)
+            self._scratch[key] = kept.allocate(a3.device, lambda: torch.full((M, ), -1, dtype=torch.int64,
+                                                                             device=a3.device))
         return a3[0], b, self._scratch[key]
 
     def workspace(self, device, M: int, N: int):
@@ -159,9 +161,10 @@ class LseKernel:
         key = (str(device), M, N)
         if key not in self._scratch:
             numel = strip.workspace_numel(M, N, strip.KIND_LSE, self.plan.form.template.exact_max)
-            self._scratch[key] = (torch.empty(numel, dtype=torch.float32, device=device),
-                                  torch.empty(strip.BM, strip.BN, dtype=torch.bfloat16, device=device),
-                                  torch.zeros(1, dtype=torch.int64, device=device))
+            self._scratch[key] = kept.allocate(device, lambda: (
+                torch.empty(numel, dtype=torch.float32, device=device),
+                torch.empty(strip.BM, strip.BN, dtype=torch.bfloat16, device=device),
+                torch.zeros(1, dtype=torch.int64, device=device)))
         return self._scratch[key]
 
     def combine(self, a3, b3, ins, outs, ws) -> None:
