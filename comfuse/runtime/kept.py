@@ -13,10 +13,20 @@ allocation is."""
 from __future__ import annotations
 
 import concurrent.futures
+import os
 
 import torch
 
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _forget_the_thread() -> None:
+    global _pool
+    _pool = None  # (a forked child has none of its parent's threads)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_the_thread)
 
 
 def allocate(device, make):
