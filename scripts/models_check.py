@@ -61,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import comfuse  # noqa: E402,F401  (registers the backend)
 from comfuse import inductor_pass, settings  # noqa: E402
 from comfuse.bench import models as bench_models  # noqa: E402
-from comfuse.bench.kernels import profile  # noqa: E402
+from comfuse.bench.kernels import profile, regions_by_graph  # noqa: E402
 from comfuse.bench.models import error_line, grads, loss_of, peak_gib, rel, step  # noqa: E402,F401
 
 MODES = ("default", "reduce-overhead", "max-autotune-no-cudagraphs")
@@ -75,22 +75,6 @@ def build(name: str, layers: int, small: bool = False):
 
 def time_ms(call, rounds: int) -> tuple:
     return bench_models.time_ms(call, rounds, "cuda")
-
-
-def region_rows() -> list:
-    """Per graph Inductor lowered: fused/found regions, who launches them, and the sum of the
-    fused regions' autotuned ms minus their unfused ops' ms."""
-    rows = []
-    for r in inductor_pass.REPORTS:
-        if not r.regions:
-            continue
-        fused = [x for x in r.regions if x.fused]
-        tuned = [x.tuned_ms for x in fused if x.tuned_ms]
-        rows.append({"graph": r.function, "fused": len(fused), "found": len(r.regions),
-                     "by_inductor": sum(x.launch.startswith("Inductor") for x in fused),
-                     "schedules": sorted({x.schedule for x in fused}),
-                     "saved_alone_ms": round(sum(u - f for f, u in tuned), 4) if tuned else None})
-    return rows
 
 
 def configure(form: str):
@@ -150,7 +134,7 @@ def run(name: str, layers: int, rounds: int, out, forms, out_dir: Path) -> list:
                 row["step_peak_gib"] = peak_gib(lambda: step(cm, model, kwargs))
                 row["step_profile"] = profile(f"{name}-{form}-step", lambda: step(cm, model, kwargs), out_dir)
                 if compile_args["backend"] != "inductor":
-                    row["regions"] = region_rows()
+                    row["regions"] = regions_by_graph()
                     row["graph_checks"] = [{k: v for k, v in c.items() if isinstance(v, (int, float, str, bool))}
                                            for c in comfuse.backend.GRAPH_CHECKS]
                 calls[form] = cm
@@ -216,7 +200,7 @@ def modes(name: str, mode: str, out, forced: bool = False, sizes: int = 2, backe
                                      "loss_rel_err": float((loss - want).abs() / want.abs()),
                                      "grads_rel_err": rel(got, grads(model))})
             if backend != "inductor":
-                row["regions"] = region_rows()
+                row["regions"] = regions_by_graph()
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     print(json.dumps(row), file=out, flush=True)

@@ -415,8 +415,9 @@ def test_the_index_lists_a_models_suite_run(tmp_path):
 
 def test_models_suite_profiles_are_reported_beside_the_times():
     """``--profile``: a row's profiles (GPU ms a call of its forward, step and loss-only step,
-    and the step's launches by kind) get a table of their own under the times; a profile's file
-    name keeps only letters, digits, '-', '.' and '_'."""
+    and the step's launches by kind) get a table of their own under the times; a comfuse row's
+    regions fused per graph and its whole-graph checks are listed; a profile's file name keeps
+    only letters, digits, '-', '.' and '_'."""
     from comfuse.bench import kernels, models
     launches = {"Inductor kernel launch": [120, 14.5], "comfuse::region op": [2, 25.0]}
     row = {"model": "gpt2", "form": "comfuse@reduce-overhead", "layers": 12, "batch": 8, "seq": 1024,
@@ -429,5 +430,11 @@ def test_models_suite_profiles_are_reported_beside_the_times():
     assert ("| gpt2 | comfuse@reduce-overhead | 6.100 | 21.950 | 21.500 | Inductor kernel launch 120 x 14.5; "
             "comfuse::region op 2 x 25.0 |") in table
     assert "GPU time a call by the profiler" not in models.markdown({"meta": {}, "rows": [dict(row, profile=None)]})
+    fused = dict(row, profile=None, regions=[{"graph": "forward_1", "fused": 1, "found": 13, "schedules": ["ws_split"]}],
+                 graph_checks=[{"regions": 1, "training": True, "fused_ms": 6.4, "inductor_ms": 6.8, "fused_step_ms": 22.5,
+                                "inductor_step_ms": 21.0, "kept": "inductor"}])
+    text = models.markdown({"meta": {}, "rows": [fused]})
+    assert "- forward_1: 1 of 13 (ws_split)" in text
+    assert "- check (training, 1 region(s)): forward 6.400 vs 6.800; step 22.500 vs 21.000; kept inductor" in text
     assert kernels.file_name("gpt2-comfuse@reduce-overhead-step") == "gpt2-comfuse-mode-reduce-overhead-step"
     assert kernels.file_name("a b/c") == "a-b-c"

@@ -1,5 +1,6 @@
-"""A compiled model's calls kernel by kernel: the torch profiler's GPU time of each kernel a
-call launches, and the host time of each launch, written as a table per call.
+"""What a compiled model ran: the torch profiler's GPU time of each kernel a call launches and
+the host time of each launch, written as a table per call; the regions comfuse's pass fused in
+each graph, and what the whole-graph checks kept.
 
 Used by the models suite (``comfuse bench --suite models --profile``) and by
 ``scripts/models_check.py``: two forms of one model (Inductor's and comfuse's) profiled alike,
@@ -33,6 +34,49 @@ def host_us(call, calls: int = 5) -> dict:
         if kind:
             durations.setdefault(kind, []).append(e.cpu_time_total)
     return {k: [len(v) // calls, round(statistics.median(v), 1)] for k, v in sorted(durations.items())}
+
+
+def regions_by_graph() -> list:
+    """Per graph Inductor lowered in this process (the last 16): fused/found regions, who
+    launches them, their schedules, and the sum of the fused regions' autotuned ms minus their
+    unfused ops' ms (what they should save inside the model)."""
+    from .. import inductor_pass
+    rows = []
+    for r in inductor_pass.REPORTS:
+        if not r.regions:
+            continue
+        fused = [x for x in r.regions if x.fused]
+        tuned = [x.tuned_ms for x in fused if x.tuned_ms]
+        rows.append({"graph": r.function, "fused": len(fused), "found": len(r.regions),
+                     "by_inductor": sum(x.launch.startswith("Inductor") for x in fused),
+                     "schedules": sorted({x.schedule for x in fused}),
+                     "saved_alone_ms": round(sum(u - f for f, u in tuned), 4) if tuned else None})
+    return rows
+
+
+def graph_checks() -> list:
+    """The whole-graph checks made in this process (the last 16): each graph's fused and
+    Inductor's times and which was kept."""
+    from .. import graph_check
+    return [dict(c) for c in graph_check.GRAPH_CHECKS]
+
+
+def fused_lines(rows: list) -> list:
+    """Lines saying, per comfuse row, what each graph fused and what its whole-graph check kept."""
+    lines = []
+    for r in rows:
+        if not (r.get("regions") or r.get("graph_checks")):
+            continue
+        lines += ["", f"{r['model']}, {r['form']}: regions fused of those found, per graph Inductor lowered "
+                      "(schedules); the whole-graph checks (ms, fused against Inductor's):"]
+        lines += [f"- {g['graph']}: {g['fused']} of {g['found']}" + (f" ({', '.join(g['schedules'])})"
+                                                                     if g["schedules"] else "") for g in r.get("regions", [])]
+        for c in r.get("graph_checks", []):
+            times = "; ".join(f"{what} {c[f'fused{w}_ms']:.3f} vs {c[f'inductor{w}_ms']:.3f}"
+                              for w, what in (("", "forward"), ("_step", "step")) if f"fused{w}_ms" in c)
+            lines.append(f"- check ({'training' if c.get('training') else 'inference'}, {c.get('regions')} "
+                         f"region(s)): {times or 'not timed'}; kept {c.get('kept')}")
+    return lines
 
 
 def file_name(tag: str) -> str:

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from .kernels import fused_lines
+
 MODELS = ("bert", "gpt2", "llama8b", "llama", "qwen2", "t5", "vit")
 DEFAULT_MODELS = ("bert", "gpt2", "llama8b")
 DEPTH = {"bert": 12, "gpt2": 12, "llama8b": 1}  # BERT-base, GPT-2 small, one Llama-3-8B-shaped layer
@@ -239,6 +241,9 @@ def measure(name: str, form: str, layers: int, small: bool, rounds: int, device:
             row["profile"] = {"forward": profile(f"{tag}-forward", lambda: run(**kwargs), profile_dir)}
         row["profile"]["step"] = profile(f"{tag}-step", lambda: step(run, model, kwargs), profile_dir)
         row["profile"]["loss_step"] = profile(f"{tag}-loss-step", lambda: step(run_loss, model, kwargs), profile_dir)
+    if form.startswith("comfuse"):
+        from .kernels import graph_checks, regions_by_graph
+        row["regions"], row["graph_checks"] = regions_by_graph(), graph_checks()
     return row
 
 
@@ -395,6 +400,7 @@ def markdown(results: dict) -> str:
             host = "; ".join(f"{k} {n} x {us}" for k, (n, us) in p["step"].get("host_us", {}).items()) or "-"
             lines.append(f"| {r['model']} | {r['form']} | {p['forward']['gpu_ms']:.3f} | {p['step']['gpu_ms']:.3f} | "
                          f"{p['loss_step']['gpu_ms']:.3f} | {host} |")
+    lines += fused_lines(results["rows"])
     return "\n".join(lines) + "\n"
 
 
