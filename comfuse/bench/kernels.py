@@ -61,6 +61,23 @@ def graph_checks() -> list:
     return [dict(c) for c in graph_check.GRAPH_CHECKS]
 
 
+def profile_lines(rows: list) -> list:
+    """A table of the rows' profiles (``profile``'s, per call of a models-suite row): GPU ms a
+    call of the forward, the step and the loss-only step, and the step's launches by kind."""
+    profiled = [r for r in rows if r.get("profile")]
+    if not profiled:
+        return []
+    lines = ["", "GPU time a call by the profiler (kernel tables in profiles/), and the host time of a launch:", "",
+             "| model | form | forward GPU ms | step GPU ms | loss-only step GPU ms | step's launches: per call, us each |",
+             "|---|---|---|---|---|---|"]
+    for r in profiled:
+        p = r["profile"]
+        host = "; ".join(f"{k} {n} x {us}" for k, (n, us) in p["step"].get("host_us", {}).items()) or "-"
+        lines.append(f"| {r['model']} | {r['form']} | {p['forward']['gpu_ms']:.3f} | {p['step']['gpu_ms']:.3f} | "
+                     f"{p['loss_step']['gpu_ms']:.3f} | {host} |")
+    return lines
+
+
 def fused_lines(rows: list) -> list:
     """Lines saying, per comfuse row, what each graph fused and what its whole-graph check kept."""
     lines = []

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from .kernels import fused_lines
+from .kernels import fused_lines, graph_checks, profile, profile_lines, regions_by_graph
 
 MODELS = ("bert", "gpt2", "llama8b", "llama", "qwen2", "t5", "vit")
 DEFAULT_MODELS = ("bert", "gpt2", "llama8b")
@@ -235,14 +235,12 @@ def measure(name: str, form: str, layers: int, small: bool, rounds: int, device:
     row["loss_step_ms"] = time_ms(lambda: step(run_loss, model, kwargs), rounds, device)
     row["loss_step_peak_gib"] = peak_gib(lambda: step(run_loss, model, kwargs), device)
     if profile_dir and device == "cuda":
-        from .kernels import profile
         tag = f"{name}-{form}"
         with torch.no_grad():
             row["profile"] = {"forward": profile(f"{tag}-forward", lambda: run(**kwargs), profile_dir)}
         row["profile"]["step"] = profile(f"{tag}-step", lambda: step(run, model, kwargs), profile_dir)
         row["profile"]["loss_step"] = profile(f"{tag}-loss-step", lambda: step(run_loss, model, kwargs), profile_dir)
     if form.startswith("comfuse"):
-        from .kernels import graph_checks, regions_by_graph
         row["regions"], row["graph_checks"] = regions_by_graph(), graph_checks()
     return row
 
@@ -390,17 +388,7 @@ def markdown(results: dict) -> str:
                      f"{r.get('first_forward_s', '-')} / {warm.get('first_forward_s', '-')} | "
                      f"{r.get('loss_rel_err', float('nan')):.1e} | {r.get('grads_rel_err', float('nan')):.1e} | "
                      + _loss_step(r, base_loss))
-    profiled = [r for r in results["rows"] if r.get("profile")]
-    if profiled:
-        lines += ["", "GPU time a call by the profiler (kernel tables in profiles/), and the host time of a launch:", "",
-                  "| model | form | forward GPU ms | step GPU ms | loss-only step GPU ms | step's launches: per call, us each |",
-                  "|---|---|---|---|---|---|"]
-        for r in profiled:
-            p = r["profile"]
-            host = "; ".join(f"{k} {n} x {us}" for k, (n, us) in p["step"].get("host_us", {}).items()) or "-"
-            lines.append(f"| {r['model']} | {r['form']} | {p['forward']['gpu_ms']:.3f} | {p['step']['gpu_ms']:.3f} | "
-                         f"{p['loss_step']['gpu_ms']:.3f} | {host} |")
-    lines += fused_lines(results["rows"])
+    lines += profile_lines(results["rows"]) + fused_lines(results["rows"])
     return "\n".join(lines) + "\n"
 
 

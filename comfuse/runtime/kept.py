@@ -41,6 +41,13 @@ def allocate(device, make):
     return _pool.submit(_made, device, make).result()
 
 
+def once(store: dict, key, device, make):
+    """``store[key]``, made by ``allocate(device, make)`` the first time it is asked for."""
+    if key not in store:
+        store[key] = allocate(device, make)
+    return store[key]
+
+
 def _made(device, make):
     with torch.cuda.device(device):
         kept = make()

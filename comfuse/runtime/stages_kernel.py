@@ -133,12 +133,10 @@ class StagesKernel:
         M = a.shape[0]
         N = b.shape[0] if self._kmajor else b.shape[1]
         key = (str(dev), M, N)
-        if key not in self._scratch:
-            numel = stages.workspace_numel(M, N, self.plan.stages, self.plan.form.moments)
-            self._scratch[key] = kept.allocate(dev, lambda: (
-                torch.empty(numel, dtype=torch.float32, device=dev),
-                torch.zeros(M // parts.BM, dtype=torch.int64, device=dev)))  # (int64: never wraps)
-        ws, counters = self._scratch[key]
+        ws, counters = kept.once(self._scratch, key, dev, lambda: (
+            torch.empty(stages.workspace_numel(M, N, self.plan.stages, self.plan.form.moments),
+                        dtype=torch.float32, device=dev),
+            torch.zeros(M // parts.BM, dtype=torch.int64, device=dev)))  # (int64: never wraps)
         if N // self.plan.block_n > sm_count(dev):
             raise UnsupportedLayout(f"ws_stages: a strip of {N // self.plan.block_n} tiles cannot be resident at once")
         args = self.arguments(tensors, ws, counters)

@@ -87,11 +87,9 @@ class StripKernel:
             tma_ready(residual, "the residual")
         M, N = out.shape
         key = (dev, M, N)
-        if key not in self._scratch:
-            self._scratch[key] = kept.allocate(dev, lambda: (
-                torch.empty(strip.workspace_numel(M, N), dtype=torch.float32, device=dev),
-                torch.zeros(M // strip.BM, dtype=torch.int64, device=dev)))  # (int64: never wraps)
-        ws, counters = self._scratch[key]
+        ws, counters = kept.once(self._scratch, key, dev, lambda: (
+            torch.empty(strip.workspace_numel(M, N), dtype=torch.float32, device=dev),
+            torch.zeros(M // strip.BM, dtype=torch.int64, device=dev)))  # (int64: never wraps)
         cfg = config(self.plan)
         grid, args, options = strip.arguments(cfg, a, b, out, bias=bias, residual=residual, gamma=gamma, beta=beta,
                                               eps=self.plan.form.template.eps, ws=ws, counters=counters,
@@ -147,10 +145,8 @@ class LseKernel:
         if t.target is not None:
             return a3[0], b, ins[t.target].reshape(-1).contiguous()
         key = ("no targets", str(a3.device), M)  # (read, never written: one tensor for every call)
-        if key not in self._scratch:
-            self._scratch[key] = kept.allocate(a3.device, lambda: torch.full((M, ), -1, dtype=torch.int64,
-                                                                             device=a3.device))
-        return a3[0], b, self._scratch[key]
+        return a3[0], b, kept.once(self._scratch, key, a3.device,
+                                   lambda: torch.full((M, ), -1, dtype=torch.int64, device=a3.device))
 
     def workspace(self, device, M: int, N: int):
         """(workspace, dummy tile, counters) for [M, N], made at the first call for them and
@@ -158,14 +154,11 @@ class LseKernel:
         warm-up, a tensor kept from it would sit in the graphs' memory pool untracked, and
         Inductor refuses every later run of that pool). KIND_LSE counts no arrivals; its
         counters are a placeholder the kernel never reads."""
-        key = (str(device), M, N)
-        if key not in self._scratch:
-            numel = strip.workspace_numel(M, N, strip.KIND_LSE, self.plan.form.template.exact_max)
-            self._scratch[key] = kept.allocate(device, lambda: (
-                torch.empty(numel, dtype=torch.float32, device=device),
-                torch.empty(strip.BM, strip.BN, dtype=torch.bfloat16, device=device),
-                torch.zeros(1, dtype=torch.int64, device=device)))
-        return self._scratch[key]
+        return kept.once(self._scratch, (str(device), M, N), device, lambda: (
+            torch.empty(strip.workspace_numel(M, N, strip.KIND_LSE, self.plan.form.template.exact_max),
+                        dtype=torch.float32, device=device),
+            torch.empty(strip.BM, strip.BN, dtype=torch.bfloat16, device=device),
+            torch.zeros(1, dtype=torch.int64, device=device)))
 
     def combine(self, a3, b3, ins, outs, ws) -> None:
         """The combine kernel alone, on a workspace as the template leaves it (runs under
