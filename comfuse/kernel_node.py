@@ -234,7 +234,7 @@ def launch_from_inductor(graph: fx.Graph, call: fx.Node, module, ext_nodes: list
     # the graph tensors a launch argument may start at: (fake value, node)
     bases = [(vals[i], ext_nodes[i]) for i in range(len(vals)) if isinstance(vals[i], torch.Tensor)]
     a3, b3 = operand3(a, region.gemm.batched), operand3(b, region.gemm.batched)
-    ins = [prepare(vals[bind.ext], bind, device) for bind in module.cand_inputs]
+    ins = [prepare(vals[bind.ext], bind, device) for bind in module.cand_inputs] + module.second_b(vals)
     with a.fake_mode:
         results = module.empty_outputs(device)
     outs = [r.view(canon) for r, (canon, _) in zip(results, module.canon_outs)]

@@ -99,10 +99,33 @@ class Builder:
         self._ext_index: dict = {}
         self.values: dict = {}
         self.operands = (self.external(a_node), self.external(b_node))
-        labels = tuple(ax if size > 1 else None
-                       for ax, size in zip(("B", "M", "N") if batched else ("M", "N"), out))
-        tile = frozenset({"B", "M", "N"} if batched else {"M", "N"})
-        self.values[anchor] = Value(self.add(Op.ACC, (), torch.float32, axes=tile), labels)
+        self.second = None  # the product of A with another B, once the region takes one
+        self.values[anchor] = Value(self.add(Op.ACC, (), torch.float32, axes=self._tile()), self._labels(out))
+
+    def _tile(self) -> frozenset:
+        return frozenset({"B", "M", "N"} if self.batched else {"M", "N"})
+
+    def _labels(self, out: tuple) -> tuple:
+        return tuple(ax if size > 1 else None
+                     for ax, size in zip(("B", "M", "N") if self.batched else ("M", "N"), out))
+
+    def second_product(self, node: fx.Node) -> None:
+        """Take ``node``, the anchor's A times another B (``regions._second_product``), as the
+        region's second accumulator (``Gemm.b2``)."""
+        self.second = node
+        self.operands = self.operands + (self.external(node.args[1]),)
+        self.values[node] = Value(self.add(Op.ACC, (), torch.float32, arg=1, axes=self._tile()),
+                                  self._labels(shape_of(node)))
+
+    def snapshot(self) -> tuple:
+        """What ``restore`` needs to undo the nodes, inputs and values added after this."""
+        return (len(self.nodes), dict(self._cse), len(self.inputs), len(self.bindings), dict(self._input_cse),
+                len(self.externals), dict(self._ext_index), dict(self.values), self.operands, self.second)
+
+    def restore(self, state: tuple) -> None:
+        (n, self._cse, i, j, self._input_cse, e, self._ext_index, self.values, self.operands,
+         self.second) = state
+        del self.nodes[n:], self.inputs[i:], self.bindings[j:], self.externals[e:]
 
     # ---- IR construction -------------------------------------------------------------
     def add(self, op: Op, src: tuple, dtype: torch.dtype, arg=None, axes=None) -> int:

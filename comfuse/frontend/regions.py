@@ -137,6 +137,55 @@ def _unpadded(anchor: fx.Node) -> Unpadded | None:
     return Unpadded(pad.args[0], keep, slices, pad) if slices else None
 
 
+_PASS_THROUGH = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, *_CASTS)
+
+
+def _same_value(p, q) -> bool:
+    """Whether fx values ``p`` and ``q`` are one tensor: one node, or one view of one tensor."""
+    return p is q or (isinstance(p, fx.Node) and isinstance(q, fx.Node) and p.op == q.op == "call_function"
+                      and p.target is q.target and p.target in _PASS_THROUGH and p.args == q.args
+                      and p.kwargs == q.kwargs)
+
+
+def _second_product(anchor: fx.Node, value: fx.Node, taken) -> list | None:
+    """Where ``value``, a side input of ``anchor``'s region, is another product of the anchor's
+    A (``mm(A, B2)``, maybe viewed or cast: SwiGLU's up projection read by ``silu(gate) * up``),
+    that product and the views and casts from it to ``value``, in graph order; else None. The
+    region then computes both products in one mainloop (``Gemm.b2``), and the second one never
+    goes to memory unless something else reads it. ``taken``: nodes already in a region."""
+    path = [value]
+    while path[-1].target in _PASS_THROUGH and len(path[-1].all_input_nodes) == 1:
+        path.append(path[-1].all_input_nodes[0])
+    base = path[-1]
+    if anchor.target is not aten.mm.default or base.op != "call_function" or base.target is not aten.mm.default \
+            or any(n in taken for n in path) or not _same_value(base.args[0], anchor.args[0]) \
+            or _unfusible_anchor(base) or shape_of(base) != shape_of(anchor) \
+            or dtype_of(base.args[1]) != dtype_of(anchor.args[1]):
+        return None
+    return path[::-1]
+
+
+def _take_second_product(b: Builder, node: fx.Node, anchor: fx.Node, taken) -> list:
+    """The nodes of a second product (``_second_product``) among ``node``'s inputs, lowered into
+    ``b``; [] where there is none or it cannot be lowered."""
+    if b.second is not None or anchor.target is not aten.mm.default:
+        return []
+    for i in node.all_input_nodes:
+        path = None if i in taken else _second_product(anchor, i, taken)
+        if not path:
+            continue
+        state = b.snapshot()
+        try:
+            b.second_product(path[0])
+            for n in path[1:]:
+                b.values[n] = RULES[n.target](b, n)
+        except Unfusible:
+            b.restore(state)
+            continue
+        return path
+    return []
+
+
 def grow(anchor: fx.Node, order: dict, claimed: frozenset = frozenset()) -> Candidate:
     cand = Candidate(anchor=anchor)
     cand.reason = _unfusible_anchor(anchor)
@@ -170,11 +219,21 @@ def grow(anchor: fx.Node, order: dict, claimed: frozenset = frozenset()) -> Cand
         if rule is None:
             cand.notes.append(f"{node.name}: {node.target} is not an epilogue op comfuse fuses")
             continue
+        state = b.snapshot() if b.second is None and not unpadded else None
+        second = _take_second_product(b, node, anchor, claimed | member_set) if state else []
         try:
             value = rule(b, node)
         except Unfusible as e:
+            if second:  # (the second product only joins with the node that reads it)
+                b.restore(state)
             cand.notes.append(f"{node.name}: {e}")
             continue
+        if second:
+            members += second
+            member_set.update(second)
+            downstream |= descendants([second[0]])
+            cand.through.append(f"{second[0].name}: {anchor.args[0].name}'s product with {second[0].args[1].name}, "
+                                f"computed in {anchor.name}'s mainloop")
         b.values[node] = value
         members.append(node)
         member_set.add(node)
@@ -197,9 +256,11 @@ def grow(anchor: fx.Node, order: dict, claimed: frozenset = frozenset()) -> Cand
             outputs.append(Output(value.idx, dtype_of(m), frozenset(axes), m.name))
             cand.outputs.append(OutputBinding(m, shape_of(m)))
     a_node, b_node = anchor.args[0], (unpadded.b if unpadded else anchor.args[1])
+    b2 = b.second.args[1] if b.second is not None else None
     gemm = Gemm(Operand(a_node.name, dtype_of(a_node), _major(a_node, "K", "M")),
                 Operand(b_node.name, dtype_of(b_node), _major(b_node, "N", "K")),
-                ANCHORS[anchor.target], dtype_of(anchor))
+                ANCHORS[anchor.target], dtype_of(anchor),
+                Operand(b2.name, dtype_of(b2), _major(b2, "N", "K")) if b2 is not None else None)
     cand.region = Region("gemm_epilogue", gemm, tuple(b.inputs), tuple(b.nodes), tuple(outputs),
                          b.sizes)
     return cand
@@ -207,29 +268,47 @@ def grow(anchor: fx.Node, order: dict, claimed: frozenset = frozenset()) -> Cand
 
 def find_regions(gm: fx.GraphModule) -> list:
     """One candidate per anchor, in graph order; a node joins at most one region (the
-    first anchor's that reaches it), so regions never overlap."""
+    first anchor's that reaches it), so regions never overlap. An anchor whose product a
+    later product of the same A reads in its epilogue (``silu(x @ wg) * (x @ wu)`` written up
+    projection first) is taken by that later anchor's region as its second product instead."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     claimed: set = set()
     cands = []
     for n in gm.graph.nodes:
-        if n.op == "call_function" and n.target in ANCHORS:
-            cand = grow(n, order, frozenset(claimed))
-            claimed.update(cand.members)
-            cands.append(cand)
+        if n.op != "call_function" or n.target not in ANCHORS or n in claimed:  # (a second product's)
+            continue
+        cand = _taken_by_a_later_product(n, order, frozenset(claimed)) or grow(n, order, frozenset(claimed))
+        claimed.update(cand.members)
+        cands.append(cand)
     return cands
+
+
+def _taken_by_a_later_product(anchor: fx.Node, order: dict, claimed: frozenset) -> Candidate | None:
+    """The region of a later product of ``anchor``'s A that takes ``anchor`` as its second
+    product, if one does."""
+    if anchor.target is not aten.mm.default:
+        return None
+    for later in list(anchor.graph.nodes)[order[anchor] + 1:]:
+        if later.target is aten.mm.default and later not in claimed and _same_value(later.args[0], anchor.args[0]):
+            cand = grow(later, order, claimed)
+            if cand.region is not None and not cand.reason and anchor in cand.members:
+                return cand
+    return None
 
 
 def find_chains(cands: list) -> list:
     """Back-to-back GEMMs: lists of candidate indices where an output of candidate i is the
     A operand of candidate i+1's GEMM and nothing else reads it."""
     by_output = {}
+    single = [c.region is not None and not c.reason and not c.region.dual for c in cands]  # (a chain's
+    # kernels compute one product a GEMM)
     for i, c in enumerate(cands):
-        if c.region is not None and not c.reason:
+        if single[i]:
             for k, ob in enumerate(c.outputs):
                 by_output[ob.node] = (i, k)
     nxt = {}
     for j, c in enumerate(cands):
-        if c.region is None or c.reason:
+        if not single[j]:
             continue
         a = c.anchor.args[0]
         if a in by_output and set(a.users) == {c.anchor}:

@@ -40,10 +40,18 @@ def canonical_shape(region: Region, axes) -> tuple[int, int, int]:
     return tuple(s.of(a) if a in axes else 1 for a in ("B", "M", "N"))
 
 
+def second_b(region: Region, inputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The second product's B operand (``Gemm.b2``), which comes after the side inputs."""
+    if not region.dual or len(inputs) <= len(region.inputs):
+        raise ValueError("the region's second product needs its B operand after the side inputs")
+    return inputs[len(region.inputs)]
+
+
 def evaluate(region: Region, a: torch.Tensor, b: torch.Tensor, inputs: Sequence[torch.Tensor],
              compute_dtype: torch.dtype | None = torch.float64) -> list[torch.Tensor]:
     """Evaluate ``region`` on operands ``a`` ([B?, M, K]), ``b`` ([B?, K, N]) and side
-    inputs in canonical 3-D layout; return the outputs in canonical 3-D layout."""
+    inputs in canonical 3-D layout (then a second product's B); return the outputs in
+    canonical 3-D layout."""
     return run_nodes(region, a, b, inputs, compute_dtype)[0]
 
 
@@ -68,7 +76,8 @@ def evaluate_by_rows(region: Region, a: torch.Tensor, b: torch.Tensor, inputs: S
     for m0 in range(0, M, rows):
         m = min(rows, M - m0)
         part = dataclasses.replace(region, sizes=dataclasses.replace(region.sizes, M=m))
-        ins = [t if t.shape[1] == 1 else t[:, m0:m0 + m] for t in inputs]
+        n = len(region.inputs)  # (a second product's B, after them, is the whole of B2)
+        ins = [t if j >= n or t.shape[1] == 1 else t[:, m0:m0 + m] for j, t in enumerate(inputs)]
         parts.append(evaluate(part, a[:, m0:m0 + m], b, ins))
     return [torch.cat([p[k] for p in parts], 1) if region.outputs[k].axes & {"M"} else parts[0][k]
             for k in range(len(region.outputs))]
@@ -146,12 +155,13 @@ def run_nodes(region: Region, a, b, inputs, compute_dtype, with_scale: bool = Fa
         op = node.op
         if op is Op.ACC:
             dt = compute_dtype if exact else region.gemm.out_dtype
+            rhs = second_b(region, inputs) if node.arg == 1 else b
             if acc is not None:
                 v = acc.reshape(s.B, s.M, s.N)
             elif gemm_dtype is not None:
-                v = torch.matmul(a.to(gemm_dtype), b.to(gemm_dtype)).to(dt).reshape(s.B, s.M, s.N)
+                v = torch.matmul(a.to(gemm_dtype), rhs.to(gemm_dtype)).to(dt).reshape(s.B, s.M, s.N)
             else:
-                v = torch.matmul(a.to(dt), b.to(dt)).reshape(s.B, s.M, s.N)
+                v = torch.matmul(a.to(dt), rhs.to(dt)).reshape(s.B, s.M, s.N)
         elif op is Op.INPUT:
             v = inputs[node.arg]
             if v.dim() != 3:
@@ -190,7 +200,8 @@ def run_nodes(region: Region, a, b, inputs, compute_dtype, with_scale: bool = Fa
         vals.append(fix(v.to(device), node.dtype))
         if with_scale:
             if op is Op.ACC:
-                sc = torch.matmul(a.to(compute_dtype).abs(), b.to(compute_dtype).abs()).reshape(s.B, s.M, s.N)
+                rhs = second_b(region, inputs) if node.arg == 1 else b
+                sc = torch.matmul(a.to(compute_dtype).abs(), rhs.to(compute_dtype).abs()).reshape(s.B, s.M, s.N)
             elif op in (Op.INPUT, Op.CONST, Op.IOTA):
                 sc = vals[-1].abs().to(torch.float64) if vals[-1].dtype.is_floating_point else \
                     torch.zeros(vals[-1].shape, dtype=torch.float64, device=vals[-1].device)

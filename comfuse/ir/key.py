@@ -20,6 +20,8 @@ def structural_text(region: Region) -> str:
     g = region.gemm
     parts = [region.kind, f"gemm {g.a.dtype} {g.b.dtype} {g.out_dtype} batched={g.batched} "
                           f"major={g.a.major},{g.b.major}"]
+    if g.b2 is not None:
+        parts.append(f"gemm2 {g.b2.dtype} major={g.b2.major}")
     parts += [f"in {i.dtype} {sort_axes(i.axes)}" for i in region.inputs]
     parts += [f"{n.op.value} {n.src} {n.dtype} {sort_axes(n.axes)} {_canon(n.arg)}" for n in region.nodes]
     parts += [f"out {o.node} {o.dtype} {sort_axes(o.axes)}" for o in region.outputs]

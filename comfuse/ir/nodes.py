@@ -32,7 +32,7 @@ AXES_ORDER = ("B", "M", "N")
 
 class Op(enum.Enum):
     # leaves
-    ACC = "acc"  # the GEMM accumulator tile (fp32)
+    ACC = "acc"  # the GEMM accumulator tile (fp32); arg 1: the second product's (Gemm.b2)
     INPUT = "input"  # a side input; arg = index into Region.inputs
     CONST = "const"  # a Python scalar; arg = value
     IOTA = "iota"  # global index along one axis; arg = "M" or "N"
@@ -136,10 +136,17 @@ class Operand:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Gemm:
+    """The anchor's product A @ B, and optionally a second one, A @ B2, over the same A and the
+    same output tiles (SwiGLU's up projection beside its gate projection: the two products meet
+    in the epilogue, ``silu(g) * u``, and neither goes to memory unless an output needs it).
+    The first product is the ``ACC`` node with no ``arg``, the second the one with ``arg`` 1.
+    Wherever a region's tensors are passed as (A, B, side inputs), B2 (as [B?, K, N]) comes
+    last among the side inputs: a kernel's and the reference interpreter's."""
     a: Operand
     b: Operand
     batched: bool
     out_dtype: torch.dtype  # dtype eager gives the product
+    b2: Operand | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -182,6 +189,11 @@ class Region:
     @property
     def tile_axes(self) -> frozenset[str]:
         return frozenset({"B", "M", "N"} if self.gemm.batched else {"M", "N"})
+
+    @property
+    def dual(self) -> bool:
+        """Whether the region computes a second product over A (``Gemm.b2``)."""
+        return self.gemm.b2 is not None
 
     def reductions(self) -> list[int]:
         return [i for i, n in enumerate(self.nodes) if n.op in REDUCE]

@@ -23,7 +23,7 @@ def format_node(region: Region, i: int) -> str:
     args = ", ".join(f"%{s}" for s in node.src)
     if node.op is Op.ACC:
         g = region.gemm
-        rhs = f"acc = {g.a.name} @ {g.b.name}"
+        rhs = f"acc = {g.a.name} @ {(g.b2 if node.arg == 1 else g.b).name}"
     elif node.op is Op.INPUT:
         rhs = f"input {region.inputs[node.arg].name}"
     elif node.op is Op.CONST:
@@ -50,6 +50,9 @@ def format_region(region: Region) -> str:
     major = f" ({g.a.major or '?'}-major @ {g.b.major or '?'}-major)" if (g.a.major or g.b.major) else ""
     lines.append(f"  gemm   {g.a.name}: {dtype_name(g.a.dtype)} {a_axes} @ {g.b.name}: "
                  f"{dtype_name(g.b.dtype)} {b_axes} -> fp32 accumulator{major}")
+    if g.b2 is not None:
+        lines.append(f"  gemm2  {g.a.name} @ {g.b2.name}: {dtype_name(g.b2.dtype)} {b_axes} -> a second fp32 "
+                     f"accumulator ({g.b2.major or '?'}-major B)")
     for j, inp in enumerate(region.inputs):
         lines.append(f"  in{j}    {inp.name}: {dtype_name(inp.dtype)} {axes_text(inp.axes)}")
     for i in range(len(region.nodes)):

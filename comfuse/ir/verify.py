@@ -23,6 +23,8 @@ def verify(region: Region) -> Region:
     g = region.gemm
     if g.a.dtype not in GEMM_DTYPES or g.b.dtype != g.a.dtype:
         fail(f"GEMM operand dtypes {g.a.dtype}, {g.b.dtype} are not one of {GEMM_DTYPES}")
+    if g.b2 is not None and (g.b2.dtype != g.b.dtype or g.batched):
+        fail("a second product needs B's dtype and an unbatched GEMM")
     tile = region.tile_axes
     for s in ("B", "M", "N", "K"):
         if region.sizes.of(s) < 0:
@@ -42,6 +44,8 @@ def verify(region: Region) -> Region:
         if node.op is Op.ACC:
             if node.axes != tile or node.dtype != torch.float32:
                 fail(f"{where} must be fp32 over the whole tile")
+            if node.arg not in (None, 1) or (node.arg == 1 and not region.dual):
+                fail(f"{where} names product {node.arg!r}; the GEMM has {'two' if region.dual else 'one'}")
         elif node.op is Op.INPUT:
             if not isinstance(node.arg, int) or not 0 <= node.arg < len(region.inputs):
                 fail(f"{where} names input {node.arg!r}, which does not exist")

@@ -54,6 +54,8 @@ def _shapes(base: Plan, target: str, sm_count: int) -> list:
     """``base`` in each of its schedule's other tile shapes (TILE_SHAPES)."""
     out = []
     for bm, bn, bk, warps in TILE_SHAPES[base.schedule]:
+        if base.region.dual and bm * bn > 128 * 128:  # (two accumulators a program)
+            continue
         changes = dict(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=3)
         if base.schedule == "cooperative":
             tiles = cdiv(base.region.sizes.N, bn)

@@ -38,6 +38,8 @@ def _gluon_blocker(region: Region, transposed: bool, target: str) -> str:
         return "Gluon kernels do not run in Triton's interpreter (sm_90 GPUs only)"
     if transposed:
         return "the kernel reduces along N only"
+    if region.dual:
+        return "the warp-specialised kernels compute one product (this region has a second one)"
     return ""
 
 

@@ -394,6 +394,8 @@ def one_pass(region: Region, link: int | None = None) -> OnePass:
     field) instead of requiring it to be a per-row value."""
     if region.gemm.batched and link is None:
         raise NotOnePass("batched GEMMs are not split")
+    if region.dual:
+        raise NotOnePass("the split kernels compute one product (this region has a second one)")
     if not region.reductions():
         raise NotOnePass("no reduction")
     if any(n.op in REDUCE and n.arg != "N" for n in region.nodes):

@@ -77,6 +77,8 @@ def tma_blocker(region: Region) -> str:
     g, s = region.gemm, region.sizes
     if g.batched:
         return "batched GEMMs use pointer loads"
+    if g.b2 is not None:
+        return "a second product's operands are loaded by pointers"
     size = g.a.dtype.itemsize
     extent = {("a", "K"): s.K, ("a", "M"): s.M, ("b", "N"): s.N, ("b", "K"): s.K}
     for name, op in (("a", g.a), ("b", g.b)):
@@ -269,6 +271,9 @@ def plan(region: Region, target: str = "cuda", settings=None, sm_count: int = 13
     if why:
         return NotFused(why, tuple(ir_forms))
     transposed = axis == "M"
+    if transposed and region.dual:
+        return NotFused("a second product with reductions along M: column strips multiply the other way "
+                        "round, and the two products share A, not B", tuple(ir_forms))
     if transposed:
         region = verify(passes.transpose(region))  # column strip -> row strip over C^T
         ir_forms.append(("transposed", region))

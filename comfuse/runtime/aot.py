@@ -66,8 +66,8 @@ def compile_for_gpu(plan: Plan, arch: int = 90, tf32: bool = False) -> dict:
     r = plan.region
     sig = {}
     for p in kernel.source.params:
-        if p.role in ("a", "b"):
-            sig[p.name] = _PTR[(r.gemm.a if p.role == "a" else r.gemm.b).dtype]
+        if p.role in ("a", "b", "b2"):
+            sig[p.name] = _PTR[_operand(r, p.role).dtype]
         elif p.role == "in":
             sig[p.name] = _PTR[r.inputs[p.index].dtype]
         elif p.role == "out":
@@ -98,6 +98,11 @@ def compile_for_gpu(plan: Plan, arch: int = 90, tf32: bool = False) -> dict:
             "registers": getattr(compiled, "n_regs", None)}
 
 
+def _operand(region, role: str):
+    """The GEMM operand a kernel parameter of ``role`` ("a", "b" or "b2") takes."""
+    return {"a": region.gemm.a, "b": region.gemm.b, "b2": region.gemm.b2}[role]
+
+
 def warmup_arguments(plan: Plan) -> tuple:
     """(JIT function, arguments, options) of ``plan``'s kernel as its first launch on
     contiguous tensors passes them, dtypes standing for tensors (as ``JITFunction.warmup``
@@ -110,8 +115,8 @@ def warmup_arguments(plan: Plan) -> tuple:
              "groups": -(-r.sizes.M // plan.block_m) * r.sizes.B}
     args = []
     for p in kernel.source.params:
-        if p.role in ("a", "b"):
-            args.append((r.gemm.a if p.role == "a" else r.gemm.b).dtype)
+        if p.role in ("a", "b", "b2"):
+            args.append(_operand(r, p.role).dtype)
         elif p.role in ("in", "out"):
             args.append((r.inputs if p.role == "in" else r.outputs)[p.index].dtype)
         else:
@@ -130,6 +135,8 @@ def _launch_values(kernel, plan: Plan) -> dict:
     values = {"M": s.M, "N": s.N, "K": s.K, "NUM_B": s.B}
     operand = {"stride_a": (("B", "M", "K"), r.gemm.a.major or "K"),
                "stride_b": (("B", "K", "N"), r.gemm.b.major or "N")}
+    if r.dual:
+        operand["stride_b2"] = (("B", "K", "N"), r.gemm.b2.major or "N")
     for p in kernel.source.params:
         if p.role in operand:
             axes, minor = operand[p.role]

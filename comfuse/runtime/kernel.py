@@ -205,6 +205,8 @@ class Kernel:
                 args.append(a3)
             elif p.role == "b":
                 args.append(b3)
+            elif p.role == "b2":  # (after the side inputs: ir.Gemm)
+                args.append(ins[p.index])
             elif p.role == "a_desc":
                 args.append(self.descriptor(a3[0], self.plan.region.gemm.a.major, "K",
                                             (self.plan.block_m, self.plan.block_k)))
@@ -231,8 +233,8 @@ class Kernel:
                 args.append(self.plan.form.tiles_per_chunk)
             elif p.role == "stride_a":
                 args.append(a3.stride({"B": 0, "M": 1, "K": 2}[p.axis]))
-            elif p.role == "stride_b":
-                args.append(b3.stride({"B": 0, "K": 1, "N": 2}[p.axis]))
+            elif p.role in ("stride_b", "stride_b2"):
+                args.append((b3 if p.role == "stride_b" else ins[p.index]).stride({"B": 0, "K": 1, "N": 2}[p.axis]))
             elif p.role == "stride_in":
                 args.append(ins[p.index].stride(dims3[p.axis]))
             elif p.role == "stride_out":

@@ -133,6 +133,7 @@ class FusedRegion(Fused):
         batched = self.region.gemm.batched
         a3, b3 = operand3(ext[self.operands[0]], batched), operand3(ext[self.operands[1]], batched)
         ins = [self._views(j, ext[bind.ext], bind, device) for j, bind in enumerate(self.cand_inputs)]
+        ins += self.second_b(ext)
         # each output allocated in its own shape, the kernel given its canonical view: the
         # tensors returned are bases of their own (no view of a temporary for a caller to inspect)
         results = self.empty_outputs(device)
@@ -159,7 +160,12 @@ class FusedRegion(Fused):
         a, b = ext[self.operands[0]], ext[self.operands[1]]
         batched = self.region.gemm.batched
         return operand3(a, batched), operand3(b, batched), [prepare(ext[bind.ext], bind, a.device)
-                                                            for bind in self.cand_inputs]
+                                                            for bind in self.cand_inputs] + self.second_b(ext)
+
+    def second_b(self, ext) -> list:
+        """[the second product's B as [1, K, N]] for a region with one (``ir.Gemm.b2``: it comes
+        after the side inputs), else []."""
+        return [operand3(ext[self.operands[2]], False)] if self.region.dual else []
 
     def exact(self, ext) -> list:
         """The region's outputs in float64 (the IR's reference interpreter), shaped like a

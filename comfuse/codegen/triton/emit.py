@@ -59,6 +59,8 @@ class Emitter(Exprs):
         else:
             args = [("a_ptr", Param("a_ptr", "a"), f"{r.gemm.a.name}: the A operand"),
                     ("b_ptr", Param("b_ptr", "b"), f"{r.gemm.b.name}: the B operand")]
+        if r.dual:  # (its tensor comes after the side inputs: ir.Gemm)
+            args.append(("b2_ptr", Param("b2_ptr", "b2", len(r.inputs)), f"{r.gemm.b2.name}: the second product's B"))
         for j, inp in enumerate(r.inputs):
             args.append((f"in{j}_ptr", Param(f"in{j}_ptr", "in", j), f"{inp.name}"))
         for k, out in enumerate(r.outputs):
@@ -88,6 +90,10 @@ class Emitter(Exprs):
             for axis in axes:
                 name = f"stride_{prefix}_{axis.lower()}"
                 args.append((name, Param(name, f"stride_{role}", None, axis), None))
+        if r.dual:
+            for axis in ("K", "N"):
+                name = f"stride_b2_{axis.lower()}"
+                args.append((name, Param(name, "stride_b2", len(r.inputs), axis), None))
         for j, inp in enumerate(r.inputs):
             for axis in ("B", "M", "N"):
                 if axis in inp.axes:
@@ -142,13 +148,19 @@ class Emitter(Exprs):
         self.tile_offsets()
         self.line()
         self.prefetch_inputs()
+        if self.plan.mainloop == "tma" and g.b2 is not None:
+            raise ValueError("a second product's operands are loaded by pointers (planner.tma_blocker)")
         if self.plan.mainloop == "tma":
             self.line("# ---- mainloop: tensor-descriptor (TMA) tile loads, zero past the edges; fp32 accumulation ----")
         else:
             self.line("# ---- mainloop: acc = A[rows, :] @ B[:, cols] with fp32 accumulation ----")
             self.line(f"a_rows = {'a_ptr + pid_b * stride_a_b' if g.batched else 'a_ptr'} + offs_m[:, None] * stride_a_m")
             self.line(f"b_cols = {'b_ptr + pid_b * stride_b_b' if g.batched else 'b_ptr'} + offs_n[None, :] * stride_b_n")
+        if g.b2 is not None:
+            self.line("b2_cols = b2_ptr + offs_n[None, :] * stride_b2_n  # the second product's B: the same A tile")
         self.line("acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
+        if g.b2 is not None:
+            self.line("acc2 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
         self.line("for k0 in range(0, K, BLOCK_K):")
         if self.plan.mainloop == "tma":
             if g.a.major == "K":
@@ -168,10 +180,17 @@ class Emitter(Exprs):
                       "mask=mask_m[:, None] & mask_k[None, :], other=0.0)", 2)
             self.line("b = tl.load(b_cols + offs_k[:, None] * stride_b_k, "
                       "mask=mask_k[:, None] & mask_n[None, :], other=0.0)", 2)
+            if g.b2 is not None:
+                self.line("b2 = tl.load(b2_cols + offs_k[:, None] * stride_b2_k, "
+                          "mask=mask_k[:, None] & mask_n[None, :], other=0.0)", 2)
         self.line("if UPCAST_OPERANDS:  # Triton 3.6's interpreter multiplies bf16 bit patterns", 2)
         self.line("a = a.to(tl.float32)", 3)
         self.line("b = b.to(tl.float32)", 3)
+        if g.b2 is not None:
+            self.line("b2 = b2.to(tl.float32)", 3)
         self.line("acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)", 2)
+        if g.b2 is not None:
+            self.line("acc2 = tl.dot(a, b2, acc2, input_precision=DOT_PRECISION)", 2)
 
     def prefetch_inputs(self) -> None:
         """Plans with ``prefetch``: load the side inputs that span the whole tile (a residual)

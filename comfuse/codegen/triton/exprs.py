@@ -141,7 +141,7 @@ class Exprs:
         op = node.op
         x = [self.ref(s) for s in node.src]
         if op is Op.ACC:
-            return self.acc
+            return f"{self.acc}2" if node.arg == 1 else self.acc
         if op is Op.INPUT:
             return self.load_input(node.arg)
         if op is Op.IOTA:
@@ -242,7 +242,7 @@ class Exprs:
         if node.op is Op.INPUT:
             return f"load {self.region.inputs[node.arg].name}"
         if node.op is Op.ACC:
-            return "GEMM result"
+            return "the second GEMM's result" if node.arg == 1 else "GEMM result"
         if node.op is Op.STAT:
             return f"statistic {node.arg}"
         return node.op.value + (f" {node.arg}" if node.arg is not None else "")
