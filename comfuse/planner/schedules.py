@@ -77,11 +77,9 @@ def tma_blocker(region: Region) -> str:
     g, s = region.gemm, region.sizes
     if g.batched:
         return "batched GEMMs use pointer loads"
-    if g.b2 is not None:
-        return "a second product's operands are loaded by pointers"
     size = g.a.dtype.itemsize
     extent = {("a", "K"): s.K, ("a", "M"): s.M, ("b", "N"): s.N, ("b", "K"): s.K}
-    for name, op in (("a", g.a), ("b", g.b)):
+    for name, op in (("a", g.a), ("b", g.b)) + ((("b", g.b2),) if g.b2 is not None else ()):
         if not op.major:
             return f"operand {op.name} has no unit-stride dimension"
         if extent[(name, op.major)] * size % 16:

@@ -72,8 +72,8 @@ def compile_for_gpu(plan: Plan, arch: int = 90, tf32: bool = False) -> dict:
             sig[p.name] = _PTR[r.inputs[p.index].dtype]
         elif p.role == "out":
             sig[p.name] = _PTR[r.outputs[p.index].dtype]
-        elif p.role in ("a_desc", "b_desc"):
-            op = r.gemm.a if p.role == "a_desc" else r.gemm.b
+        elif p.role in ("a_desc", "b_desc", "b2_desc"):
+            op = _operand(r, p.role.removesuffix("_desc"))
             if p.role == "a_desc":
                 block = [plan.block_m, plan.block_k] if op.major == "K" else [plan.block_k, plan.block_m]
             else:

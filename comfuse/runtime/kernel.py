@@ -79,6 +79,8 @@ class Kernel:
         gemm = self.plan.region.gemm
         desc_roles = {"a_desc": (0, gemm.a.major, "K", (self.plan.block_m, self.plan.block_k)),
                       "b_desc": (1, gemm.b.major, "N", (self.plan.block_k, self.plan.block_n))}
+        if gemm.b2 is not None:  # (after the side inputs among the tensors: ir.Gemm)
+            desc_roles["b2_desc"] = (2 + len(self.plan.region.inputs), gemm.b2.major, "N", (self.plan.block_k, self.plan.block_n))
         bound = []
         # every launch takes the arguments of ``arguments``, one per source parameter
         descriptors = [(j, *desc_roles[q.role]) for j, q in enumerate(self.source.params) if q.role in desc_roles]
@@ -210,9 +212,10 @@ class Kernel:
             elif p.role == "a_desc":
                 args.append(self.descriptor(a3[0], self.plan.region.gemm.a.major, "K",
                                             (self.plan.block_m, self.plan.block_k)))
-            elif p.role == "b_desc":
-                args.append(self.descriptor(b3[0], self.plan.region.gemm.b.major, "N",
-                                            (self.plan.block_k, self.plan.block_n)))
+            elif p.role in ("b_desc", "b2_desc"):
+                gemm = self.plan.region.gemm
+                b, op = (b3, gemm.b) if p.role == "b_desc" else (ins[p.index], gemm.b2)
+                args.append(self.descriptor(b[0], op.major, "N", (self.plan.block_k, self.plan.block_n)))
             elif p.role == "in":
                 args.append(ins[p.index])
             elif p.role == "out":

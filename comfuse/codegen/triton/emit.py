@@ -59,7 +59,10 @@ class Emitter(Exprs):
         else:
             args = [("a_ptr", Param("a_ptr", "a"), f"{r.gemm.a.name}: the A operand"),
                     ("b_ptr", Param("b_ptr", "b"), f"{r.gemm.b.name}: the B operand")]
-        if r.dual:  # (its tensor comes after the side inputs: ir.Gemm)
+        if r.dual and tma:  # (its tensor comes after the side inputs: ir.Gemm)
+            args.append(("b2_desc", Param("b2_desc", "b2_desc", len(r.inputs)),
+                         f"{r.gemm.b2.name}: the second product's B, {r.gemm.b2.major}-major tensor descriptor"))
+        elif r.dual:
             args.append(("b2_ptr", Param("b2_ptr", "b2", len(r.inputs)), f"{r.gemm.b2.name}: the second product's B"))
         for j, inp in enumerate(r.inputs):
             args.append((f"in{j}_ptr", Param(f"in{j}_ptr", "in", j), f"{inp.name}"))
@@ -90,7 +93,7 @@ class Emitter(Exprs):
             for axis in axes:
                 name = f"stride_{prefix}_{axis.lower()}"
                 args.append((name, Param(name, f"stride_{role}", None, axis), None))
-        if r.dual:
+        if r.dual and not tma:
             for axis in ("K", "N"):
                 name = f"stride_b2_{axis.lower()}"
                 args.append((name, Param(name, "stride_b2", len(r.inputs), axis), None))
@@ -148,15 +151,13 @@ class Emitter(Exprs):
         self.tile_offsets()
         self.line()
         self.prefetch_inputs()
-        if self.plan.mainloop == "tma" and g.b2 is not None:
-            raise ValueError("a second product's operands are loaded by pointers (planner.tma_blocker)")
         if self.plan.mainloop == "tma":
             self.line("# ---- mainloop: tensor-descriptor (TMA) tile loads, zero past the edges; fp32 accumulation ----")
         else:
             self.line("# ---- mainloop: acc = A[rows, :] @ B[:, cols] with fp32 accumulation ----")
             self.line(f"a_rows = {'a_ptr + pid_b * stride_a_b' if g.batched else 'a_ptr'} + offs_m[:, None] * stride_a_m")
             self.line(f"b_cols = {'b_ptr + pid_b * stride_b_b' if g.batched else 'b_ptr'} + offs_n[None, :] * stride_b_n")
-        if g.b2 is not None:
+        if g.b2 is not None and self.plan.mainloop != "tma":
             self.line("b2_cols = b2_ptr + offs_n[None, :] * stride_b2_n  # the second product's B: the same A tile")
         self.line("acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)")
         if g.b2 is not None:
@@ -167,10 +168,11 @@ class Emitter(Exprs):
                 self.line("a = a_desc.load([pid_m * BLOCK_M, k0])", 2)
             else:
                 self.line("a = a_desc.load([k0, pid_m * BLOCK_M]).T  # A is stored M-major", 2)
-            if g.b.major == "N":
-                self.line("b = b_desc.load([k0, pid_n * BLOCK_N])", 2)
-            else:
-                self.line("b = b_desc.load([pid_n * BLOCK_N, k0]).T  # B is stored K-major", 2)
+            for b, op in (("b", g.b), ("b2", g.b2)) if g.b2 is not None else (("b", g.b),):
+                if op.major == "N":
+                    self.line(f"{b} = {b}_desc.load([k0, pid_n * BLOCK_N])", 2)
+                else:
+                    self.line(f"{b} = {b}_desc.load([pid_n * BLOCK_N, k0]).T  # {b.upper()} is stored K-major", 2)
         else:
             self.line("offs_k = k0 + tl.arange(0, BLOCK_K)", 2)
             self.line("if WIDE_INDEX:", 2)
