@@ -212,3 +212,17 @@ def test_two_products_compile_for_sm90_with_tensor_cores():
         assert info["wgmma"] > 0 and info["schedule"] == "tile", result
         assert info["shared_bytes"] <= 227 * 1024, result
     assert result["mainloop=tma"]["tma"] > 0, result
+
+
+def test_a_region_with_two_products_is_a_class_of_its_own_for_the_cost_model():
+    """The 8B MLP's single-product regions lost to their ops (MEASURED_CLASSES): that says nothing
+    of a region whose ops are both GEMMs, so it is tuned, not predicted to lose."""
+    from comfuse.ir import Sizes
+    from comfuse.planner.cost import plan_class, why_not_tuned
+    x, wg, wu = torch.randn(64, 32), torch.randn(32, 48), torch.randn(32, 48)
+    (dual,) = regions_of(swiglu, x, wg, wu)
+    (single,) = regions_of(lambda x, wg, u: F.silu(x @ wg) * u, x, wg, torch.randn(64, 48))
+    at_8b = Sizes(B=1, M=8192, N=14336, K=4096)
+    p_dual, p_single = (plan(c.region.replace(sizes=at_8b), target="cuda") for c in (dual, single))
+    assert plan_class(p_dual) == "tile/dual/19/flat" and plan_class(p_single) == "tile/single/19/flat"
+    assert why_not_tuned([p_single]) and not why_not_tuned([p_dual])

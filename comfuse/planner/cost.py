@@ -104,7 +104,7 @@ SM_COUNT = 132
 
 def plan_class(plan: Plan) -> str:
     """The class of regions a measurement of ``plan`` speaks for: its schedule, whether
-    the GEMM is batched, its size within a factor of 4 (B * M * N * K), and its shape: deep
+    the GEMM is batched or has a second product, its size within a factor of 4 (B * M * N * K), and its shape: deep
     (K at least the smaller side of its output: few output tiles, each with a long mainloop,
     as in a weight gradient) or flat. A weight gradient and a forward GEMM of the same size
     fare differently against cuBLAS (the decoder's weight gradient won at 0.90 of its ops'
@@ -112,7 +112,9 @@ def plan_class(plan: Plan) -> str:
     s = plan.region.sizes
     work = max(s.B * s.M * s.N * s.K, 1)
     shape = "deep" if s.K >= min(s.M, s.N) else "flat"
-    return f"{plan.schedule}/{'batched' if plan.region.gemm.batched else 'single'}/{round(math.log2(work) / 2)}/{shape}"
+    # (two products of one A: its ops are two GEMMs and their epilogue, another comparison)
+    kind = "batched" if plan.region.gemm.batched else "dual" if plan.region.dual else "single"
+    return f"{plan.schedule}/{kind}/{round(math.log2(work) / 2)}/{shape}"
 
 
 def _best(plan: Plan, measured: dict) -> tuple:
