@@ -835,10 +835,11 @@ def test_kept_memory_stays_out_of_a_cuda_graph_pool():
 
 @pytest.mark.parametrize("M", [8192, 1031])
 def test_every_plan_of_swiglus_two_products_matches_the_reference(M):
-    """SwiGLU at a Llama-3-8B MLP's widths (4096 -> 14336, bf16): every candidate plan of the
-    region that computes the gate and up products in one mainloop, against the float64
-    reference; the tuned choice and its time against the unfused ops are printed."""
+    """SwiGLU at a Llama-3-8B MLP's widths (4096 -> 14336, bf16): the region that computes the
+    gate and up products in one mainloop, autotuned (its choice and times printed), then every
+    candidate plan against the float64 reference."""
     import torch.nn.functional as F
+    from comfuse.planner.candidates import candidates
     from comfuse.runtime.build import build
 
     def swiglu(x, wg, wu):
@@ -850,15 +851,20 @@ def test_every_plan_of_swiglus_two_products_matches_the_reference(M):
         warnings.simplefilter("ignore", comfuse.ComfuseWarning)
         compiled = comfuse.compile(swiglu, args)
         out = compiled(*args)
-    (report,) = compiled.report.regions
+        assert compiled.report.regions[0].found.dual
+        assert_matches_reference(swiglu, args, out)
+        (module,) = compiled.fused_regions()
+        seen, forward = [], module.forward
+        module.forward = lambda *ext: seen.append(ext) or forward(*ext)
+        compiled(*args)
+        ext = seen[-1]
+        plans = candidates(module.region, "cuda")
+        assert any(p.mainloop == "tma" for p in plans)
+        for plan in plans:
+            (result,) = module.run(ext, ext[module.operands[0]].device, build(plan), check=True)
+            assert result.shape == (M, 14336)
+        with comfuse.settings.override(autotune="1"):
+            tuned = comfuse.compile(swiglu, args)
+            assert_matches_reference(swiglu, args, tuned(*args))
+    (report,) = tuned.report.regions
     print(f"\nswiglu M={M}: {report.plan or report.reason}")
-    assert report.found.dual
-    assert_matches_reference(swiglu, args, out)
-    (module,) = compiled.fused_regions()
-    seen, forward = [], module.forward
-    module.forward = lambda *ext: seen.append(ext) or forward(*ext)
-    compiled(*args)
-    ext = seen[-1]
-    for plan in module.alternatives:
-        (result,) = module.run(ext, ext[module.operands[0]].device, build(plan), check=True)
-        assert result.shape == (M, 14336)
