@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 import comfuse
 from comfuse.frontend.capture import capture
@@ -43,6 +43,7 @@ UNARY = {
 BINARY = {  # (name, side input kind)
     "add_row": "row", "mul_row": "row", "sub_col": "col", "add_full": "full", "max_full": "full",
     "where_full": "full", "scale": "scalar", "add_prev": None,
+    "mul_gemm": "weight",  # v * (x @ w2): the region's second product of x (row strips only)
 }
 CHAINED = ["softmax", "log_softmax", "layer_norm", "rms_norm", "sub_max", "div_abs_sum",
            "mul_mean", "sub_logsumexp"]
@@ -63,7 +64,8 @@ class Program:
     schedule: str = ""  # "" lets the planner choose; "cooperative" forces the exchanging strip
 
     def side_shapes(self):
-        shapes = {"row": (self.N,), "col": (self.M, 1), "full": (self.M, self.N), "scalar": ()}
+        shapes = {"row": (self.N,), "col": (self.M, 1), "full": (self.M, self.N), "scalar": (),
+                  "weight": (self.K, self.N)}
         return [shapes[kind] for op, kind in self.steps if op in BINARY and BINARY[op]]
 
 
@@ -114,6 +116,8 @@ def build(program: Program):
                     v = torch.where(v > 0, v, s)
                 elif op == "scale":
                     v = v * s
+                elif op == "mul_gemm":
+                    v = v * (x @ s)
             values.append(v)
         outs = [v]
         if program.extra_output >= 0:
@@ -135,6 +139,8 @@ def make_inputs(program: Program):
     x = torch.randn(program.M, program.K, generator=g)
     w = torch.randn(program.K, program.N, generator=g) / max(program.K, 1) ** 0.5
     side = [torch.randn(*s, generator=g) if s else torch.tensor(1.5) for s in program.side_shapes()]
+    side = [t / max(program.K, 1) ** 0.5 if kind == "weight" else t
+            for t, kind in zip(side, [k for op, k in program.steps if op in BINARY and BINARY[op]])]
     return tuple(t.to(dtype=program.dtype, device=DEVICE) for t in (x, w, *side))
 
 
@@ -147,10 +153,13 @@ def programs(draw):
     others = draw(st.lists(st.sampled_from(sorted(UNARY) + sorted(BINARY)), min_size=0, max_size=5))
     reds = draw(st.lists(st.sampled_from(CHAINED), min_size=n_red, max_size=n_red))
     ops = draw(st.permutations(others + reds))
+    axis = draw(st.sampled_from([-1, 0]))
+    if axis == 0:  # (a column strip multiplies the other way round: no second product of A)
+        ops = [op for op in ops if op != "mul_gemm"]
     steps = tuple((op, BINARY.get(op)) for op in ops)
     return Program(
         dtype=draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16])),
-        M=draw(SIZES), K=draw(SIZES), N=draw(SIZES), axis=draw(st.sampled_from([-1, 0])),
+        M=draw(SIZES), K=draw(SIZES), N=draw(SIZES), axis=axis,
         steps=steps, extra_output=draw(st.integers(-1, len(steps))),
         terminal=draw(st.sampled_from([""] + TERMINAL)), seed=draw(st.integers(0, 2**16)),
         schedule=draw(st.sampled_from(["", "cooperative"])))
@@ -158,6 +167,8 @@ def programs(draw):
 
 @pytest.mark.timeout(900)  # (on the GPU each example compiles its kernels for sm_90)
 @given(programs())
+@example(Program(torch.bfloat16, 17, 9, 40, -1, (("relu", None), ("mul_gemm", "weight"), ("softmax", None),
+                                                 ("layer_norm", None)), 1, "sum", 3, "cooperative"))
 def test_random_epilogues_fuse_and_match_float64(program):
     PROPERTY_COUNTS["random epilogues (fused vs float64)"] += 1
     torch._dynamo.reset()  # (every example compiles build's fn: Dynamo caches at most 256 graphs of one code)
@@ -170,6 +181,8 @@ def test_random_epilogues_fuse_and_match_float64(program):
         out = compiled(*args)
     (region,) = compiled.report.regions
     assert region.fused, f"{program}\n{compiled.report}"
+    if region.found.dual:
+        PROPERTY_COUNTS["random epilogues with a second product of x (fused vs float64)"] += 1
     assert_matches_reference(fn, args, out)
     assert [o.shape for o in as_tuple(out)] == [e.shape for e in as_tuple(fn(*args))]
 
@@ -189,10 +202,14 @@ def test_planner_passes_preserve_meaning(program):
                        dtype=torch.float64) if i.dtype.is_floating_point else
            torch.ones(*[s.of(ax) if ax in i.axes else 1 for ax in "BMN"], dtype=i.dtype)
            for i in region.inputs]
+    if region.dual:  # (the second product's B after the side inputs)
+        ins.append(torch.randn(1, s.K, s.N, generator=g, dtype=torch.float64))
     expect = evaluate(region, a, b, ins)
     simple = verify(cse(dce(region)))
     for e, o in zip(expect, evaluate(simple, a, b, ins)):
         torch.testing.assert_close(o, e, equal_nan=True)
+    if region.dual:
+        return
     flipped = verify(transpose(simple))
     outs = evaluate(flipped, b.transpose(1, 2), a.transpose(1, 2), [t.transpose(1, 2) for t in ins])
     for e, o in zip(expect, outs):

@@ -122,8 +122,11 @@ def transpose(region: Region) -> Region:
     """The same computation over the transposed tile: C^T = B^T A^T.
 
     Operand roles swap (the launcher passes B^T as the new A and A^T as the new B);
-    every axis set, IOTA and reduction swaps M and N.
+    every axis set, IOTA and reduction swaps M and N. Not for a region with a second product
+    (its two products share A: transposed, they would share B, which no kernel multiplies).
     """
+    if region.dual:
+        raise ValueError("a region with a second product is not transposed")
     nodes = []
     for n in region.nodes:
         arg = _SWAP[n.arg] if (n.op in REDUCE or n.op is Op.IOTA) else n.arg
