@@ -438,3 +438,20 @@ def test_models_suite_profiles_are_reported_beside_the_times():
     assert "- check (training, 1 region(s)): forward 6.400 vs 6.800; step 22.500 vs 21.000; kept inductor" in text
     assert kernels.file_name("gpt2-comfuse@reduce-overhead-step") == "gpt2-comfuse-mode-reduce-overhead-step"
     assert kernels.file_name("a b/c") == "a-b-c"
+
+
+def test_models_suite_compares_a_mode_with_inductor_in_the_same_mode():
+    """comfuse under reduce-overhead against Inductor's reduce-overhead where both ran; the
+    default form against Inductor's default."""
+    from comfuse.bench import models
+
+    def row(form, step, loss_step):
+        return {"model": "gpt2", "form": form, "layers": 12, "batch": 8, "seq": 1024, "forward_ms": [6.0] * 3,
+                "step_ms": [step] * 3, "loss_step_ms": [loss_step] * 3}
+    rows = [row("inductor", 24.0, 20.0), row("inductor@reduce-overhead", 22.0, 21.0),
+            row("comfuse@reduce-overhead", 20.0, 20.0), row("comfuse", 20.0, 20.0)]
+    lines = models.markdown({"meta": {}, "rows": rows}).splitlines()
+    ro = next(line for line in lines if "| comfuse@reduce-overhead |" in line)
+    default = next(line for line in lines if "| comfuse |" in line)
+    assert "| 1.100x |" in ro and "| 1.050x |" in ro  # 22 / 20 and 21 / 20
+    assert "| 1.200x |" in default and "| 1.000x |" in default

@@ -359,7 +359,7 @@ def _fmt(t) -> str:
 def markdown(results: dict) -> str:
     """The table: per model and form, times with their range, tokens a second, peak memory,
     first calls cold and warm, and the checks against eager; the step's speed against
-    Inductor's default mode."""
+    Inductor's in the same mode (``_baseline``)."""
     meta = results.get("meta", {})
     lines = [f"# Whole models: {meta.get('gpu') or meta.get('device', '')}, torch {meta.get('torch', '?')}, "
              f"{'small sizes' if meta.get('small') else 'real sizes'}", "",
@@ -368,9 +368,10 @@ def markdown(results: dict) -> str:
              "loss rel err | grads rel err | loss-only forward ms [range] | loss-only step ms [range] | "
              "vs Inductor | peak GiB | loss / grads rel err |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    base = {r["model"]: r["step_ms"][0] for r in results["rows"] if r.get("form") == "inductor" and r.get("step_ms")}
-    base_loss = {r["model"]: r["loss_step_ms"][0] for r in results["rows"]
-                 if r.get("form") == "inductor" and r.get("loss_step_ms")}
+    base = {(r["model"], r["form"]): r["step_ms"][0] for r in results["rows"]
+            if r.get("form", "").startswith("inductor") and r.get("step_ms")}
+    base_loss = {(r["model"], r["form"]): r["loss_step_ms"][0] for r in results["rows"]
+                 if r.get("form", "").startswith("inductor") and r.get("loss_step_ms")}
     for r in results["rows"]:
         layers = r.get("layers", "?")
         head = f"| {r['model']} ({layers} layer{'' if layers == 1 else 's'}) | {r['form']} |"
@@ -380,7 +381,8 @@ def markdown(results: dict) -> str:
             continue
         step_ms = r.get("step_ms")
         tokens = f"{r['batch'] * r['seq'] / step_ms[0] * 1e3:,.0f}" if step_ms else "-"
-        speed = f"{base[r['model']] / step_ms[0]:.3f}x" if step_ms and r["model"] in base else "-"
+        key = _baseline(r, base)
+        speed = f"{base[key] / step_ms[0]:.3f}x" if step_ms and key else "-"
         warm = r.get("warm", {})
         peaks = " / ".join(str(r.get(k) if r.get(k) is not None else "-") for k in ("forward_peak_gib", "step_peak_gib"))
         lines.append(f"{head} {_fmt(r.get('forward_ms'))} | {_fmt(step_ms)} | {tokens} | {speed} | {peaks} | "
@@ -392,13 +394,22 @@ def markdown(results: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _baseline(r: dict, base: dict):
+    """The (model, form) of Inductor's row that ``r`` compares with: Inductor in the same mode
+    (``comfuse@reduce-overhead`` against ``inductor@reduce-overhead``), else its default mode;
+    None where neither was measured."""
+    same = (r["model"], "inductor" + r["form"][len(r["form"].split("@")[0]):])
+    return same if same in base else (r["model"], "inductor") if (r["model"], "inductor") in base else None
+
+
 def _loss_step(r: dict, base: dict) -> str:
     """The cells of the compiled function that returns the loss alone: its forward (grad off)
     and its training step."""
     t = r.get("loss_step_ms")
     if not t:
         return "- | - | - | - | - |"
-    speed = f"{base[r['model']] / t[0]:.3f}x" if r["model"] in base else "-"
+    key = _baseline(r, base)
+    speed = f"{base[key] / t[0]:.3f}x" if key else "-"
     errs = r.get("loss_step_rel_err") or [float("nan")] * 2
     return (f"{_fmt(r.get('loss_forward_ms'))} | {_fmt(t)} | {speed} | {r.get('loss_step_peak_gib', '-')} | "
             f"{errs[0]:.1e} / {errs[1]:.1e} |")
