@@ -165,11 +165,12 @@ def _second_product(anchor: fx.Node, value: fx.Node, taken) -> list | None:
     return path[::-1]
 
 
-def _take_second_product(b: Builder, node: fx.Node, anchor: fx.Node, taken) -> list:
-    """The nodes of a second product (``_second_product``) among ``node``'s inputs, lowered into
-    ``b``; [] where there is none or it cannot be lowered."""
+def _take_second_product(b: Builder, node: fx.Node, anchor: fx.Node, taken) -> tuple[list, tuple | None]:
+    """(the nodes of a second product (``_second_product``) among ``node``'s inputs, lowered into
+    ``b``; ``b``'s state from before, for ``Builder.restore``), or ([], None) where there is none
+    or it cannot be lowered."""
     if b.second is not None or anchor.target is not aten.mm.default:
-        return []
+        return [], None
     for i in node.all_input_nodes:
         path = None if i in taken else _second_product(anchor, i, taken)
         if not path:
@@ -182,8 +183,8 @@ def _take_second_product(b: Builder, node: fx.Node, anchor: fx.Node, taken) -> l
         except Unfusible:
             b.restore(state)
             continue
-        return path
-    return []
+        return path, state
+    return [], None
 
 
 def grow(anchor: fx.Node, order: dict, claimed: frozenset = frozenset()) -> Candidate:
@@ -219,8 +220,7 @@ def grow(anchor: fx.Node, order: dict, claimed: frozenset = frozenset()) -> Cand
         if rule is None:
             cand.notes.append(f"{node.name}: {node.target} is not an epilogue op comfuse fuses")
             continue
-        state = b.snapshot() if b.second is None and not unpadded else None
-        second = _take_second_product(b, node, anchor, claimed | member_set) if state else []
+        second, state = ([], None) if unpadded else _take_second_product(b, node, anchor, claimed | member_set)
         try:
             value = rule(b, node)
         except Unfusible as e:
@@ -272,24 +272,25 @@ def find_regions(gm: fx.GraphModule) -> list:
     later product of the same A reads in its epilogue (``silu(x @ wg) * (x @ wu)`` written up
     projection first) is taken by that later anchor's region as its second product instead."""
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    mms = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is aten.mm.default]
+    later = {n: mms[i + 1:] for i, n in enumerate(mms)}
     claimed: set = set()
     cands = []
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.target not in ANCHORS or n in claimed:  # (a second product's)
             continue
-        cand = _taken_by_a_later_product(n, order, frozenset(claimed)) or grow(n, order, frozenset(claimed))
+        cand = _taken_by_a_later_product(n, later.get(n, ()), order, frozenset(claimed)) \
+            or grow(n, order, frozenset(claimed))
         claimed.update(cand.members)
         cands.append(cand)
     return cands
 
 
-def _taken_by_a_later_product(anchor: fx.Node, order: dict, claimed: frozenset) -> Candidate | None:
-    """The region of a later product of ``anchor``'s A that takes ``anchor`` as its second
-    product, if one does."""
-    if anchor.target is not aten.mm.default:
-        return None
-    for later in list(anchor.graph.nodes)[order[anchor] + 1:]:
-        if later.target is aten.mm.default and later not in claimed and _same_value(later.args[0], anchor.args[0]):
+def _taken_by_a_later_product(anchor: fx.Node, later_mms, order: dict, claimed: frozenset) -> Candidate | None:
+    """The region of one of ``later_mms`` (the ``mm`` nodes after ``anchor``) that multiplies
+    ``anchor``'s A and takes ``anchor`` as its second product, if one does."""
+    for later in later_mms:
+        if later not in claimed and _same_value(later.args[0], anchor.args[0]):
             cand = grow(later, order, claimed)
             if cand.region is not None and not cand.reason and anchor in cand.members:
                 return cand

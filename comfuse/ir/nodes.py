@@ -195,6 +195,11 @@ class Region:
         """Whether the region computes a second product over A (``Gemm.b2``)."""
         return self.gemm.b2 is not None
 
+    @property
+    def products(self) -> int:
+        """How many products of A the region computes (each with its own B of K x N)."""
+        return 2 if self.dual else 1
+
     def reductions(self) -> list[int]:
         return [i for i, n in enumerate(self.nodes) if n.op in REDUCE]
 

@@ -162,7 +162,7 @@ def moved_bytes(plan: Plan) -> int:
     and every output."""
     r, s = plan.region, plan.region.sizes
     a = r.gemm.a.dtype.itemsize
-    operands = (s.B * s.M * s.K + (s.B if r.gemm.batched else 1) * s.K * s.N * (2 if r.dual else 1)) * a
+    operands = (s.B * s.M * s.K + (s.B if r.gemm.batched else 1) * s.K * s.N * r.products) * a
     sides = sum(math.prod(s.of(x) for x in i.axes) * i.dtype.itemsize for i in r.inputs)
     outs = sum(math.prod(s.of(x) for x in o.axes) * o.dtype.itemsize for o in r.outputs)
     return operands + sides + outs
@@ -172,7 +172,7 @@ def gemm_ms(region) -> float:
     """The region's GEMM alone at the measured rate for its operands' dtype, ms."""
     s = region.sizes
     rate = GEMM_TFLOPS.get(region.gemm.a.dtype.itemsize, GEMM_TFLOPS[4]) * 1e12
-    return 2.0 * s.B * s.M * s.N * s.K * (2 if region.dual else 1) / rate * 1e3
+    return 2.0 * s.B * s.M * s.N * s.K * region.products / rate * 1e3
 
 
 def estimate_ms(plan: Plan, sm_count: int = SM_COUNT) -> float:
@@ -183,7 +183,7 @@ def estimate_ms(plan: Plan, sm_count: int = SM_COUNT) -> float:
     rate = GEMM_TFLOPS.get(r.gemm.a.dtype.itemsize, GEMM_TFLOPS[4]) * 1e12 / sm_count  # FLOP/s an SM
     tiles = s.B * cdiv(s.M, plan.block_m) * cdiv(s.N, plan.block_n)
     waves = cdiv(tiles, sm_count)
-    mainloop = waves * 2.0 * plan.block_m * plan.block_n * s.K * (2 if r.dual else 1) / rate * 1e3
+    mainloop = waves * 2.0 * plan.block_m * plan.block_n * s.K * r.products / rate * 1e3
     memory = moved_bytes(plan) / (COPY_TBPS * 1e12) * 1e3
     launches = 2 if plan.schedule in ("split", "ws_split") else 1
     return mainloop + memory + launches * LAUNCH_MS

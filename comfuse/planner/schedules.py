@@ -63,10 +63,9 @@ def blocks(region: Region, schedule: str, target: str) -> tuple[int, int, int, i
         bn = min(128, max(16, pow2(s.N)))
         bm = min(128, max(16, pow2(s.M)))
     bk = 64
-    bs = 2 if region.dual else 1  # B tiles a K step
-    while bk > 16 and (bm * bk + bk * bn * bs) * elem > 96 * 1024:
+    while bk > 16 and (bm * bk + bk * bn * region.products) * elem > 96 * 1024:  # (a B tile a product)
         bk //= 2
-    per_stage = (bm * bk + bk * bn * bs) * elem
+    per_stage = (bm * bk + bk * bn * region.products) * elem
     num_stages = max(1, min(4, (200 * 1024) // per_stage))
     num_warps = 8 if bm * bn >= 128 * 128 else 4
     return bm, bn, bk, num_warps, num_stages
