@@ -33,16 +33,24 @@ from . import settings  # noqa: E402
 
 def _log_handler() -> None:
     # COMFUSE_LOG=info (or debug): progress of long work (autotuning each region: which
-    # candidates, their times, the choice) on stderr. Without it the "comfuse" logger
-    # follows the application's logging configuration, as a library's should.
+    # candidates, their times, the choice) on stderr, each line with the seconds since
+    # comfuse was imported. Without it the "comfuse" logger follows the application's
+    # logging configuration, as a library's should.
     level = settings.get().log
     if not level:
         return
     import logging
+    import time
+    imported = time.time()
+
+    class Seconds(logging.Formatter):
+        def format(self, record):
+            record.seconds = record.created - imported
+            return super().format(record)
     logger = logging.getLogger("comfuse")
     if not logger.handlers:
         handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("comfuse: %(message)s"))
+        handler.setFormatter(Seconds("comfuse %(seconds)6.1fs: %(message)s"))
         logger.addHandler(handler)
     logger.setLevel(getattr(logging, level.upper()))
 

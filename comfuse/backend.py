@@ -131,7 +131,8 @@ def comfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = N
             return faster_graph(gm, example_inputs, compiled, 1, False, plain, on_choice=on_choice)
     if masks and not regions.fused:  # (the graph differs from Dynamo's in its masks alone: timed whole)
         with settings_mod.override(**opts["settings"]):
-            return faster_graph(gm, example_inputs, compiled, 0, False, plain, on_choice=on_choice)
+            return faster_graph(gm, example_inputs, compiled, 0, False, plain, on_choice=on_choice,
+                                kept_now=lambda: regions.fused)
     if not regions.fused:  # (nothing fused in the forward: the graph is Inductor's, its backward aside)
         with settings_mod.override(**opts["settings"]):
             return backward_checked(gm, example_inputs, compiled, regions, plain, on_choice=on_choice)

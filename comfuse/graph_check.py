@@ -141,7 +141,7 @@ def time_rounds(calls: dict, device, rounds: int) -> dict:
 
 
 def faster_graph(gm: fx.GraphModule, example_inputs, fused, regions: int, saves_memory: bool, compile_plain,
-                 plain=None, on_choice=None, fused_so_far=None):
+                 plain=None, on_choice=None, fused_so_far=None, kept_now=None):
     """``fused`` (Inductor's compilation of the graph with comfuse's regions in it) or, when
     the graph is checked (COMFUSE_GRAPH_CHECK), a ``GraphChoice`` between it and Inductor's
     compilation of ``gm`` as Dynamo gave it (``plain``, or ``compile_plain()`` when not given).
@@ -150,7 +150,8 @@ def faster_graph(gm: fx.GraphModule, example_inputs, fused, regions: int, saves_
     FUSED, UNFUSED or INDUCTOR). ``fused_so_far()``: the regions the graph's pass has kept so
     far, its backward's included once lowered, or None where the pass has not seen a backward
     (the two forms' backward graphs are the same until the pass fuses in one: see
-    ``GraphChoice``)."""
+    ``GraphChoice``). ``kept_now()``: the regions the pass has kept so far, for the log (a
+    backward lowered during the check counted)."""
     on_choice = on_choice or _told_no_one
     if not _checks_graph(gm, example_inputs):
         on_choice(FUSED)
@@ -170,7 +171,7 @@ def faster_graph(gm: fx.GraphModule, example_inputs, fused, regions: int, saves_
         fallback("compiling the graph without fused regions, to time it, failed", e, "the fused graph runs")
         on_choice(FUSED)
         return fused
-    return GraphChoice(fused, plain, regions, on_choice, fused_so_far)
+    return GraphChoice(fused, plain, regions, on_choice, fused_so_far, kept_now=kept_now)
 
 
 class GraphChoice:
@@ -188,8 +189,10 @@ class GraphChoice:
     the two forms' backward graphs are the same graph until the pass fuses in one; timing
     both steps compiled that backward twice (the 8B block's first step spent 10 s there)."""
 
-    def __init__(self, fused, plain, regions: int, on_choice=None, fused_so_far=None, forward_differs: bool = True):
+    def __init__(self, fused, plain, regions: int, on_choice=None, fused_so_far=None, forward_differs: bool = True,
+                 kept_now=None):
         self.fused, self.plain, self.regions = fused, plain, regions
+        self.kept_now = kept_now or fused_so_far or (lambda: regions)
         self.on_choice = on_choice or _told_no_one
         self.fused_so_far = fused_so_far
         self.backward_kept = None  # the fused backward's regions kept, where the check lowered it
@@ -234,7 +237,7 @@ class GraphChoice:
                              "kept": "fused" if keep else "inductor"})
         del GRAPH_CHECKS[:-16]
         log.info("backend: the graph with %d fused region(s) ran %s; Inductor's alone %s; keeping %s "
-                 "(checked in %.1f s)", self.regions, _times_text(times, "fused"), _times_text(times, "inductor"),
+                 "(checked in %.1f s)", self.kept_now() or self.regions, _times_text(times, "fused"), _times_text(times, "inductor"),
                  "the fused graph" if keep else "Inductor's", time.perf_counter() - began)
         return self.fused if keep else self.plain
 
