@@ -128,17 +128,18 @@ def comfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = N
         # Inductor's caches answered for a graph whose verdict is not stored (lost, or
         # written by no process): what it fuses is not known here, so it is checked whole
         with settings_mod.override(**opts["settings"]):
-            return faster_graph(gm, example_inputs, compiled, 1, False, plain, on_choice=on_choice)
+            return faster_graph(gm, example_inputs, compiled, 1, False, plain, on_choice=on_choice,
+                                cudagraphs=opts["cudagraphs"])
     if masks and not regions.fused:  # (the graph differs from Dynamo's in its masks alone: timed whole)
         with settings_mod.override(**opts["settings"]):
             return faster_graph(gm, example_inputs, compiled, 0, False, plain, on_choice=on_choice,
-                                kept_now=lambda: regions.fused)
+                                kept_now=lambda: regions.fused, cudagraphs=opts["cudagraphs"])
     if not regions.fused:  # (nothing fused in the forward: the graph is Inductor's, its backward aside)
         with settings_mod.override(**opts["settings"]):
             return backward_checked(gm, example_inputs, compiled, regions, plain, on_choice=on_choice)
     with settings_mod.override(**opts["settings"]):
         return faster_graph(gm, example_inputs, compiled, regions.fused, regions.saves_memory, plain,
-                            on_choice=on_choice, fused_so_far=_fused_so_far(regions))
+                            on_choice=on_choice, fused_so_far=_fused_so_far(regions), cudagraphs=opts["cudagraphs"])
 
 
 @dataclasses.dataclass
@@ -299,7 +300,7 @@ class PerShape:
         with settings_mod.override(**self.opts["settings"]):
             return faster_graph(self.gm, args, compiled, regions.fused, regions.saves_memory,
                                 lambda: self._static(gm, args), plain=self.dynamic, on_choice=self._chose,
-                                fused_so_far=_fused_so_far(regions))
+                                fused_so_far=_fused_so_far(regions), cudagraphs=self.opts["cudagraphs"])
 
     def _chose(self, kept: str) -> None:
         if kept != verdicts.FUSED:

@@ -900,6 +900,37 @@ def test_a_backward_that_fuses_where_the_forward_did_not_is_timed_against_induct
     assert_grads_close(got, (x.grad, model.w.grad))
 
 
+@pytest.mark.parametrize("cudagraphs", [False, True])
+def test_a_training_graph_under_cuda_graphs_is_timed_by_its_steps_alone(monkeypatch, cudagraphs):
+    """Under CUDA graphs a training graph's forward, called without its backward, does not
+    run as a replay: its times are not a training loop's (BERT under reduce-overhead: 65 ms
+    against 49, where the steps ran 33 against 58). There the check times the steps alone
+    and keeps the graph whose step is faster; elsewhere a forward that lost keeps Inductor's
+    without timing the steps (their backward compiled twice)."""
+    from comfuse import graph_check
+    timed = []
+
+    def time_graphs(calls, device):
+        outs = {n: fn() for n, fn in calls.items()}
+        step = isinstance(outs["fused"], tuple)
+        timed.append("step" if step else "forward")
+        return {"fused": 1.0, "inductor": 2.0} if step else {"fused": 3.0, "inductor": 2.0}
+    monkeypatch.setattr(graph_check, "_time_graphs", time_graphs)
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8)
+
+    def fused(w, x):
+        return x @ w
+
+    def plain(w, x):
+        return x @ w
+    choice = graph_check.GraphChoice(fused, plain, 1, cudagraphs=cudagraphs)
+    kept = choice.decide([w, x])
+    assert timed == (["step"] if cudagraphs else ["forward"])
+    assert kept is (fused if cudagraphs else plain)
+    assert graph_check.GRAPH_CHECKS[-1]["kept"] == ("fused" if cudagraphs else "inductor")
+
+
 def test_a_backward_that_fails_to_lower_with_regions_runs_inductors_compilation(monkeypatch, fused_regions_win):
     """Inductor lowers the backward at the first backward, after the pass, where comfuse's
     pass cannot catch what fails (on the H200 a kernel node's metadata failed Inductor's own
