@@ -868,3 +868,29 @@ def test_every_plan_of_swiglus_two_products_matches_the_reference(M):
             assert_matches_reference(swiglu, args, tuned(*args))
     (report,) = tuned.report.regions
     print(f"\nswiglu M={M}: {report.plan or report.reason}")
+
+
+def test_a_training_graph_under_reduce_overhead_is_checked_by_its_steps():
+    """BERT (2 layers, real widths) under mode "reduce-overhead": its training graph differs
+    from Inductor's in its attention mask (given a dense last dimension). The whole-graph check
+    times that graph by its steps alone (its forward alone runs no CUDA-graph replay) and keeps
+    the rewrite, whose steps run cuDNN's fused attention; the gradients match eager's."""
+    tf = pytest.importorskip("transformers")
+    from comfuse import backend
+    from comfuse.bench.models import grads, rel, step
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cfg = tf.BertConfig(num_hidden_layers=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = tf.BertForMaskedLM(cfg).to("cuda", torch.bfloat16)
+    ids = torch.randint(0, cfg.vocab_size, (16, 512), device="cuda")
+    kwargs = {"input_ids": ids, "labels": ids}
+    want = step(model, model, kwargs).float()
+    want_grads = grads(model)
+    backend.GRAPH_CHECKS.clear()
+    run = torch.compile(model, backend="comfuse", mode="reduce-overhead")
+    for _ in range(3):
+        loss = step(run, model, kwargs).detach().float()
+    assert rel(loss, want) < 1e-2 and rel(grads(model), want_grads) < 3e-2
+    (check, ) = [c for c in backend.GRAPH_CHECKS if c["training"]]
+    assert "fused_ms" not in check and "inductor_ms" not in check, check
+    assert check["kept"] == "fused" and check["fused_step_ms"] < check["inductor_step_ms"], check
