@@ -455,3 +455,11 @@ def test_models_suite_compares_a_mode_with_inductor_in_the_same_mode():
     default = next(line for line in lines if "| comfuse |" in line)
     assert "| 1.100x |" in ro and "| 1.050x |" in ro  # 22 / 20 and 21 / 20
     assert "| 1.200x |" in default and "| 1.000x |" in default
+    # the ratios' table: speeds, then memory and first step as fractions of Inductor's
+    rows[1].update(forward_ms=[5.0] * 3, loss_forward_ms=[4.0] * 3, step_peak_gib=2.0, first_step_s=20.0)
+    rows[2].update(loss_forward_ms=[5.0] * 3, step_peak_gib=1.0, first_step_s=50.0)
+    lines = models.markdown({"meta": {}, "rows": rows}).splitlines()
+    assert ("| gpt2 | comfuse@reduce-overhead | inductor@reduce-overhead | 0.833x | 0.800x | 1.100x | 1.050x | "
+            "0.500x | 2.500x |") in lines
+    assert "| gpt2 | comfuse | inductor | 1.000x | - | 1.200x | 1.000x | - | - |" in lines
+    assert not any(line.startswith("| gpt2 | inductor") for line in lines)
