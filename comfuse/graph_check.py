@@ -194,7 +194,10 @@ class GraphChoice:
     by its steps alone, always: its forward called again and again without its backward
     does not run as a replay, and its times say nothing of a training loop's (H200,
     2026-12-07, BERT-base under reduce-overhead: 65.1 ms a call against 49.4 for Inductor's,
-    where the steps ran 33.3 against 57.9 ms; the forward alone had kept Inductor's code)."""
+    where the steps ran 33.3 against 57.9 ms; the forward alone had kept Inductor's code).
+    Marking a new step before each forward would make them replays, but would also end the
+    CUDA-graph generation whose outputs an earlier graph of the caller's step (before a
+    graph break) still holds for its backward."""
 
     def __init__(self, fused, plain, regions: int, on_choice=None, fused_so_far=None, forward_differs: bool = True,
                  kept_now=None, cudagraphs: bool = False):
