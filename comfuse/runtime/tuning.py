@@ -84,8 +84,8 @@ def final_rounds(times: dict, call) -> dict:
     their first times, taken on a cooler GPU, are not comparable with the rounds'."""
     best = min(times.values(), default=math.inf)
     near = sorted((n for n, t in times.items() if math.isfinite(t) and t <= best * FINALIST_MARGIN), key=times.get)
-    near = near[:FINALISTS] + [n for n in near[FINALISTS:] if n == UNFUSED]
-    if near and UNFUSED not in near and math.isfinite(times.get(UNFUSED, math.inf)):
+    near = near[:FINALISTS]
+    if UNFUSED not in near and math.isfinite(times.get(UNFUSED, math.inf)):
         near.append(UNFUSED)
     if len(near) < 2:
         return {}
