@@ -31,10 +31,11 @@ import torch.fx as fx
 
 from . import settings as settings_mod
 from . import verdicts
-from .attention_masks import with_dense_attention_masks
+from .attention_masks import dense_masks_pay, with_dense_attention_masks
 from .errors import fallback, notice_once
 from .report import Report
-from .graph_check import GRAPH_CHECKS, backward_checked, faster_graph, later_compilation  # noqa: F401  (GRAPH_CHECKS: for inspection)
+from .graph_check import (GRAPH_CHECKS, backward_checked, checks_graph, faster_graph,  # noqa: F401  (GRAPH_CHECKS:
+                          later_compilation, training_call)  # for inspection)
 from .inductor_pass import REPORTS, RegionPass, settings_text, symbolic  # noqa: F401  (REPORTS: for inspection)
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -80,6 +81,30 @@ def _inductor(gm: fx.GraphModule, example_inputs, opts: dict):
     return compile_fx(gm, example_inputs, config_patches=patches) if patches else compile_fx(gm, example_inputs)
 
 
+def _dense_masks(gm: fx.GraphModule, example_inputs):
+    """(the graph Inductor compiles with comfuse's pass, the notes of its masks given a dense
+    last dimension, the graph Inductor compiles without comfuse's changes: the baseline of
+    the whole-graph check and of a verdict for Inductor's code). Where the dense masks were
+    timed alone (``dense_masks_pay``), the graph keeps them only where they paid and the
+    baseline has them too, so the whole-graph check judges the regions alone; where they
+    could not be, the baseline is ``gm`` as given and the whole graph is timed."""
+    try:  # (masks laid out so that PyTorch's fused attention kernels may take them)
+        dense, masks = with_dense_attention_masks(gm)
+    except Exception as e:
+        fallback("backend: giving an attention mask a dense last dimension", e, "the mask is passed as it was")
+        return gm, [], gm
+    if not masks or not checks_graph(gm, example_inputs):
+        return dense, masks, gm
+    try:
+        pays = dense_masks_pay(gm, training_call(example_inputs))
+    except Exception as e:
+        fallback("backend: timing the attention with dense masks alone", e, "the whole graph is timed instead")
+        return dense, masks, gm
+    if pays is None:
+        return dense, masks, gm
+    return (dense, masks, with_dense_attention_masks(gm, quiet=True)[0]) if pays else (gm, [], gm)
+
+
 def _fused_so_far(regions: RegionPass):
     """For the whole-graph check: the regions ``regions`` has kept fused so far, or None
     while the pass has lowered no graph after the forward (a backward from Inductor's cache)."""
@@ -96,26 +121,23 @@ def comfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = N
     dynamic shapes adds none)."""
     opts = _options(options, mode)
     quiet_library_logging()  # (for the graphs Dynamo traces from now on)
-    given, masks = gm, []  # (Dynamo's graph as given: Inductor's compilation of it is the baseline)
-    try:  # (masks laid out so that PyTorch's fused attention kernels may take them)
-        gm, masks = with_dense_attention_masks(gm)
-    except Exception as e:
-        fallback("backend: giving an attention mask a dense last dimension", e, "the mask is passed as it was")
+    given = gm  # (Dynamo's graph as given)
+    gm, masks, baseline = _dense_masks(gm, example_inputs)
     if passes is not None and masks:  # (explain lists them)
         passes.append(GraphRewrites([Report(function="Dynamo's graph", regions=[], notes=masks)]))
     key = _graph_key(gm, opts)
     if symbolic(example_inputs):  # (where the frame's static graph kept Inductor's code: the graph as given)
         settled = VERDICTS.get(key) is False
-        return PerShape(given if settled else gm, example_inputs, opts, settled=settled)
+        return PerShape(baseline if settled else gm, example_inputs, opts, settled=settled)
     # (a caller that reads the regions' reports gets every graph lowered: no stored verdict)
     stored = _stored_key(gm, example_inputs, opts) if passes is None else None
     record = verdicts.load(stored)
     if record is not None and record["kept"] == verdicts.INDUCTOR:
         _remember(key, verdicts.INDUCTOR)
-        return _inductor(given, example_inputs, opts)  # (as the first call's check compiled it: caches answer)
+        return _inductor(baseline, example_inputs, opts)  # (as the first call's check compiled it: caches answer)
     compiled, regions = _compile_with_regions(gm, example_inputs, opts, passes=passes, cacheable=passes is None)
     if compiled is None:
-        return _inductor(given, example_inputs, opts)
+        return _inductor(baseline, example_inputs, opts)
     if record is not None and (not regions.calls or regions.fused == record.get("forward_fused")):
         # as decided before, in this process or an earlier one (Inductor's caches may have
         # answered for the graph: the pass then lowered nothing)
@@ -123,14 +145,14 @@ def comfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = N
         return compiled
     on_choice = functools.partial(_decided, key, stored, regions.fused)
     # Inductor's compilation of the graph without regions, to time against the fused one
-    plain = later_compilation(lambda: _inductor(given, list(example_inputs), opts))
+    plain = later_compilation(lambda: _inductor(baseline, list(example_inputs), opts))
     if not regions.calls and passes is None:
         # Inductor's caches answered for a graph whose verdict is not stored (lost, or
         # written by no process): what it fuses is not known here, so it is checked whole
         with settings_mod.override(**opts["settings"]):
             return faster_graph(gm, example_inputs, compiled, 1, False, plain, on_choice=on_choice,
                                 cudagraphs=opts["cudagraphs"])
-    if masks and not regions.fused:  # (the graph differs from Dynamo's in its masks alone: timed whole)
+    if masks and baseline is given and not regions.fused:  # (differs from Dynamo's in masks not timed alone)
         with settings_mod.override(**opts["settings"]):
             return faster_graph(gm, example_inputs, compiled, 0, False, plain, on_choice=on_choice,
                                 kept_now=lambda: regions.fused, cudagraphs=opts["cudagraphs"])

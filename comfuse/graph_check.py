@@ -57,7 +57,7 @@ def _told_no_one(kept: str) -> None:
     """The default ``on_choice``: nobody is told what was kept."""
 
 
-def _checks_graph(gm: fx.GraphModule, example_inputs) -> bool:
+def checks_graph(gm: fx.GraphModule, example_inputs) -> bool:
     """Whether to time the fused graph against Inductor's (COMFUSE_GRAPH_CHECK): graphs on
     real tensors that write to none of their inputs (running them again repeats no write)."""
     from torch._subclasses.fake_tensor import FakeTensor
@@ -70,7 +70,8 @@ def _checks_graph(gm: fx.GraphModule, example_inputs) -> bool:
     return not mutates(gm)
 
 
-def _training(example_inputs) -> bool:
+def training_call(example_inputs) -> bool:
+    """Whether a call on ``example_inputs`` trains: grad on, and an input that requires it."""
     return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
 
 
@@ -154,7 +155,7 @@ def faster_graph(gm: fx.GraphModule, example_inputs, fused, regions: int, saves_
     backward lowered during the check counted). ``cudagraphs``: the graph runs as CUDA-graph
     replays (a training graph is then timed by its steps alone: see ``GraphChoice``)."""
     on_choice = on_choice or _told_no_one
-    if not _checks_graph(gm, example_inputs):
+    if not checks_graph(gm, example_inputs):
         on_choice(FUSED)
         return fused
     if saves_memory:  # Inductor's graph would hold (and, timed, allocate) that tensor
@@ -224,7 +225,7 @@ class GraphChoice:
 
     def _choose(self, args):
         device = next(t for t in args if isinstance(t, torch.Tensor)).device
-        training = _training(args)
+        training = training_call(args)
         began = time.perf_counter()
         try:
             # the random state is put back afterwards: the caller's first call draws the same
@@ -285,7 +286,7 @@ def backward_checked(gm: fx.GraphModule, example_inputs, compiled, regions, comp
     (COMFUSE_GRAPH_CHECK) and has regions, a ``BackwardChoice``. ``on_choice`` as in
     ``faster_graph`` (a graph the pass failed to lower gets no verdict)."""
     on_choice = on_choice or _told_no_one
-    if not regions.found or not (_training(example_inputs) and _checks_graph(gm, example_inputs)):
+    if not regions.found or not (training_call(example_inputs) and checks_graph(gm, example_inputs)):
         if not regions.failed:  # (no region, no GEMM: its backward has none either)
             on_choice(UNFUSED)
         return compiled
@@ -312,7 +313,7 @@ class BackwardChoice:
         return self.chosen(*args)
 
     def _choose(self, args):
-        if not _training(args):  # (a graph Dynamo compiled with grad on is called with grad on)
+        if not training_call(args):  # (a graph Dynamo compiled with grad on is called with grad on)
             self.on_choice(UNFUSED)
             return self.compiled
         device = next(t for t in args if isinstance(t, torch.Tensor)).device

@@ -100,12 +100,16 @@ def test_through_the_backend_the_rewritten_attention_trains_as_eager():
 
 
 @pytest.mark.parametrize("faster", ["rewritten", "given"])
-def test_the_graph_with_dense_masks_is_timed_against_inductors_of_the_graph_as_given(monkeypatch, faster):
-    """With the whole-graph check on, a graph that differs from Dynamo's in its masks alone is
-    timed against Inductor's compilation of Dynamo's graph, and the faster is kept (here the
-    timings are stand-ins: which one wins is the test's choice)."""
+def test_masks_not_timed_alone_have_the_whole_graph_timed_against_inductors_of_the_graph_as_given(monkeypatch,
+                                                                                                   faster):
+    """With the whole-graph check on, a graph that differs from Dynamo's in its masks alone,
+    where the attention could not be timed alone, is timed against Inductor's compilation of
+    Dynamo's graph, and the faster is kept (here the timings are stand-ins: which one wins is
+    the test's choice)."""
+    import comfuse.backend as backend
     import comfuse.graph_check as gc
     from comfuse import settings
+    monkeypatch.setattr(backend, "dense_masks_pay", lambda gm, training: None)
 
     def times(calls, device):
         return {n: (1.0 if (n == "fused") == (faster == "rewritten") else 2.0) for n in calls}
@@ -146,3 +150,67 @@ def test_a_new_length_recompiled_with_dynamic_sizes_keeps_the_dense_mask(caplog)
     rewrites = [r.getMessage() for r in caplog.records if "dense last dimension" in r.getMessage()]
     assert len(rewrites) >= 2 and any("(0, 32, 1, 0)" in m for m in rewrites)
     assert any("(0, 32, 1, 0)" not in m for m in rewrites)  # (the dynamic graph's, of symbolic strides)
+
+
+def compiled_graphs(monkeypatch) -> list:
+    """The code of each graph the backend hands Inductor with comfuse's pass, as it is handed."""
+    import comfuse.backend as backend
+    seen, compile_ = [], backend._compile_with_regions
+
+    def recording(gm, *args, **kwargs):
+        seen.append(gm.code)
+        return compile_(gm, *args, **kwargs)
+    monkeypatch.setattr(backend, "_compile_with_regions", recording)
+    return seen
+
+
+@pytest.mark.parametrize("faster", ["dense", "given"])
+def test_dense_masks_are_kept_only_where_their_attention_runs_faster_timed_alone(monkeypatch, caplog, faster):
+    """The attention is timed alone with each form of its mask (stand-in times: the test
+    chooses the winner); no whole-graph check is run for the masks, the graph keeps the
+    winner's form, and trains as eager."""
+    import logging
+
+    import comfuse.attention_masks as am
+    import comfuse.graph_check as gc
+    from comfuse import settings
+    timed = []
+
+    def times(calls, device, rounds):
+        timed.append(sorted(calls))
+        return {n: [1.0 if n == faster else 2.0] * rounds for n in calls}
+    monkeypatch.setattr(am, "time_rounds", times)
+    graphs = compiled_graphs(monkeypatch)
+    gc.GRAPH_CHECKS.clear()
+    torch._dynamo.reset()
+    with settings.override(graph_check="1", autotune="0"), caplog.at_level(logging.INFO, logger="comfuse.backend"):
+        trains_as_eager(torch.compile(attention, backend="comfuse"), 32, seed=3)
+    assert timed == [["dense", "given"]]  # (one call, timed once)
+    assert gc.GRAPH_CHECKS == []
+    assert graphs and ("contiguous" in graphs[0]) == (faster == "dense")
+    said = [r.getMessage() for r in caplog.records if "timed alone" in r.getMessage()]
+    assert len(said) == 1 and ("dense masks kept" if faster == "dense" else "the masks kept as given") in said[0]
+    assert "with their backward" in said[0]
+
+
+def test_the_attention_is_timed_alone_on_its_arguments_layouts():
+    """``dense_masks_pay`` times real calls: on this CPU it returns a verdict, and the calls it
+    times take tensors of the graph's sizes and strides, the mask's values kept by ``dense_like``."""
+    from comfuse.attention_masks import _found, _timed_call, dense_like, dense_masks_pay
+    keep = torch.ones(8, dtype=torch.bool)
+    mask = keep[:, None].as_strided((2, 1, 8, 8), (0, 8, 1, 0))
+    dense = dense_like(mask)
+    assert dense.stride(-1) == 1 and dense.stride(0) == 0 and torch.equal(dense, mask)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    torch._dynamo.reset()
+    q = torch.randn(2, 4, 8, 16, requires_grad=True)
+    torch.compile(attention, backend=backend)(q, q, q, keep)
+    (gm,) = graphs
+    assert dense_masks_pay(gm, training=True) in (True, False)
+    node, _, mask_node, value = _found(gm)[0]
+    _timed_call(node, mask_node, True, True)()  # (runs: forward and backward on the layouts)
+    assert tuple(value.stride()) == (0, 8, 1, 0)

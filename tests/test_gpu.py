@@ -870,14 +870,16 @@ def test_every_plan_of_swiglus_two_products_matches_the_reference(M):
     print(f"\nswiglu M={M}: {report.plan or report.reason}")
 
 
-def test_a_training_graph_under_reduce_overhead_is_checked_by_its_steps():
+def test_a_training_graph_under_reduce_overhead_is_checked_by_its_steps(monkeypatch):
     """BERT (2 layers, real widths) under mode "reduce-overhead": its training graph differs
-    from Inductor's in its attention mask (given a dense last dimension). The whole-graph check
-    times that graph by its steps alone (its forward alone runs no CUDA-graph replay) and keeps
-    the rewrite, whose steps run cuDNN's fused attention; the gradients match eager's."""
+    from Inductor's in its attention mask (given a dense last dimension), here not timed alone.
+    The whole-graph check times that graph by its steps alone (its forward alone runs no
+    CUDA-graph replay) and keeps the rewrite, whose steps run cuDNN's fused attention; the
+    gradients match eager's."""
     tf = pytest.importorskip("transformers")
     from comfuse import backend
     from comfuse.bench.models import grads, rel, step
+    monkeypatch.setattr(backend, "dense_masks_pay", lambda gm, training: None)
     torch._dynamo.reset()
     torch.manual_seed(0)
     cfg = tf.BertConfig(num_hidden_layers=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -894,3 +896,31 @@ def test_a_training_graph_under_reduce_overhead_is_checked_by_its_steps():
     (check, ) = [c for c in backend.GRAPH_CHECKS if c["training"]]
     assert "fused_ms" not in check and "inductor_ms" not in check, check
     assert check["kept"] == "fused" and check["fused_step_ms"] < check["inductor_step_ms"], check
+
+
+def test_bert_keeps_its_dense_masks_timed_alone_without_compiling_its_graph_twice(caplog):
+    """BERT (2 layers, real widths), default mode: the attention with the dense mask is timed
+    alone (forward and backward) and wins, so the training graph keeps it without a whole-graph
+    check of the rewrite (a check remains only for a region kept fused); loss and gradients
+    match eager's."""
+    import logging
+    tf = pytest.importorskip("transformers")
+    from comfuse import backend
+    from comfuse.bench.models import grads, rel, step
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    cfg = tf.BertConfig(num_hidden_layers=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = tf.BertForMaskedLM(cfg).to("cuda", torch.bfloat16)
+    ids = torch.randint(0, cfg.vocab_size, (16, 512), device="cuda")
+    kwargs = {"input_ids": ids, "labels": ids}
+    want = step(model, model, kwargs).float()
+    want_grads = grads(model)
+    backend.GRAPH_CHECKS.clear()
+    run = torch.compile(model, backend="comfuse")
+    with caplog.at_level(logging.INFO, logger="comfuse.backend"):
+        loss = step(run, model, kwargs).detach().float()
+    assert rel(loss, want) < 1e-2 and rel(grads(model), want_grads) < 3e-2
+    said = [r.getMessage() for r in caplog.records if "timed alone" in r.getMessage()]
+    print("\n" + "\n".join(said))
+    assert said and "dense masks kept" in said[0] and "with their backward" in said[0], said
+    assert all(c["regions"] > 0 for c in backend.GRAPH_CHECKS), backend.GRAPH_CHECKS
