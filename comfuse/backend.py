@@ -122,7 +122,8 @@ def comfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = N
     opts = _options(options, mode)
     quiet_library_logging()  # (for the graphs Dynamo traces from now on)
     given = gm  # (Dynamo's graph as given)
-    gm, masks, baseline = _dense_masks(gm, example_inputs)
+    with settings_mod.override(**opts["settings"]):
+        gm, masks, baseline = _dense_masks(gm, example_inputs)
     if passes is not None and masks:  # (explain lists them)
         passes.append(GraphRewrites([Report(function="Dynamo's graph", regions=[], notes=masks)]))
     key = _graph_key(gm, opts)
