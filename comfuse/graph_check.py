@@ -107,8 +107,11 @@ def _time_graphs(calls: dict, device) -> dict:
     one synchronisation at the end (what a model's caller waits for, host time included, as
     in a training or serving loop), in three interleaved rounds with a rotating order: the
     median of the rounds. 3 to 20 calls a round, fewer the slower a call (a one-second
-    training step costs ~20 s here, not minutes)."""
-    return {n: statistics.median(t) for n, t in time_rounds(calls, device, 3).items()}
+    training step costs ~20 s here, not minutes). The rounds' times are kept too, under
+    "<name> rounds"."""
+    rounds = time_rounds(calls, device, 3)
+    return {**{n: statistics.median(t) for n, t in rounds.items()},
+            **{f"{n} rounds": [round(x, 4) for x in t] for n, t in rounds.items()}}
 
 
 def time_rounds(calls: dict, device, rounds: int) -> dict:

@@ -31,8 +31,13 @@ def _capture_checks() -> list:
     decide = graph_check.GraphChoice.decide
 
     def keeping(self, args):
-        captured.append({"fused": self.fused, "plain": self.plain, "args": list(args)})
-        return decide(self, args)
+        fused, plain = self.fused, self.plain
+        captured.append({"fused": fused, "plain": plain, "args": list(args)})
+        chosen = decide(self, args)
+        # the check's own timing once more, twice, right after it: does the first one differ?
+        calls = {"fused": lambda: fused(*args), "inductor": lambda: plain(*args)}
+        captured[-1]["again"] = [graph_check.time_rounds(calls, args[0].device, 3) for _ in range(2)]
+        return chosen
     graph_check.GraphChoice.decide = keeping
     return captured
 
@@ -93,6 +98,8 @@ def main(argv=None) -> None:
     base, own = tables["check baseline"], tables["inductor"]
     diff = sorted(((base.get(k, 0.0) - own.get(k, 0.0), k) for k in set(base) | set(own)), key=lambda d: -abs(d[0]))
     result = {"model": a.model, "layers": layers, "errors": errors, "times_ms": times,
+              "check": graph_check.GRAPH_CHECKS[-1] if graph_check.GRAPH_CHECKS else None,
+              "check_again_rounds_ms": check["again"],
               "gpu_ms": {n: kernels[n][0] for n in kernels},
               "baseline_minus_inductor": [[round(d, 4), k] for d, k in diff[:25]]}
     (out / f"{a.model}-probe.json").write_text(json.dumps(result, indent=1, default=str))
@@ -101,6 +108,10 @@ def main(argv=None) -> None:
     print("|---|---|---|")
     for n in calls:
         print(f"| {n} | {times[n]} | {kernels[n][0]:.3f} |")
+    print("the check:", result["check"])
+    for i, again in enumerate(check["again"]):
+        print(f"its timing again ({i + 1}), ms a call in each round:",
+              {n: [round(t, 3) for t in ts] for n, ts in again.items()})
     print("kernels, check baseline minus Inductor's own (ms a call):")
     for d, k in diff[:12]:
         print(f"  {d:+.4f}  {k[:110]}")
