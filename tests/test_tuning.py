@@ -413,6 +413,12 @@ def test_autotuning_reports_its_progress_on_the_comfuse_logger(monkeypatch, fres
     assert "autotuning the region at" in text and "candidate plan(s)" in text and "chose" in text
 
 
+def test_the_log_of_an_unfused_choice_names_the_fastest_candidate_or_why_none_ran():
+    assert tuning._best_candidate({"unfused": 1.0, "a": 2.0, "b": 1.5}, {}) == "; fastest candidate b 1.5000 ms"
+    assert tuning._best_candidate({"unfused": 1.0, "a": float("inf")}, {"a": "out of shared memory"}) == \
+        "; no candidate ran: out of shared memory"
+
+
 def _corrupt_first_output(monkeypatch, cls):
     """Make every launch of ``cls`` (Kernel or ChainKernel) write twice the right value
     into its first output: a stand-in for a miscompiled kernel."""

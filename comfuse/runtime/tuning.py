@@ -73,6 +73,14 @@ COMPILE_IN_WORKERS = True
 INDUCTOR_FORMS = {"inductor": None, "inductor-max-autotune": "max-autotune-no-cudagraphs"}
 
 
+def _best_candidate(times: dict, rejected: dict) -> str:
+    """For the log where the unfused ops were chosen: the fastest candidate, or why none ran."""
+    ran = {n: t for n, t in times.items() if n != UNFUSED and math.isfinite(t)}
+    best = min(ran, key=ran.get) if ran else None
+    return (f"; fastest candidate {best} {ran[best]:.4f} ms" if best else
+            f"; no candidate ran: {next(iter(rejected.values()))}" if rejected else "")
+
+
 def final_rounds(times: dict, call) -> dict:
     """Time again, in ``FINAL_ROUNDS`` interleaved rounds with a rotating order, the
     contenders whose first time in ``times`` is within ``FINALIST_MARGIN`` of the fastest,
@@ -481,8 +489,9 @@ def decide(names: list, run_fused, run_unfused, device: torch.device, tol: float
         log.info("autotuning: %s (%.4f ms) is within %.0f %% of the unfused ops (%.4f ms): not kept", choice,
                  pool[choice], (1 - KEEP_MARGIN) * 100, pool[UNFUSED])
         choice = UNFUSED
-    log.info("autotuning: chose %s (%.4f ms; unfused %.4f ms) in %.1f s", choice, times[choice],
-             times[UNFUSED], time.perf_counter() - start)
+    log.info("autotuning: chose %s (%.4f ms; unfused %.4f ms%s) in %.1f s", choice, times[choice],
+             times[UNFUSED], _best_candidate(times, rejected) if choice == UNFUSED else "",
+             time.perf_counter() - start)
     decision = {"choice": choice, "times_ms": times, "rejected": rejected, "timing": timing}
     if first_pass:  # the finalists' first times; times_ms holds their rounds' medians
         decision["first_pass_ms"] = first_pass
