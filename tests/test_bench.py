@@ -408,9 +408,13 @@ def test_the_index_lists_a_models_suite_run(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "results.json").write_text(json.dumps(
         {"meta": {"suite": "models", "gpu": "NVIDIA H100", "rounds": 5, "date": "2026-12-06"}, "rows": [row, failed]}))
+    (tmp_path / "runs" / "second").mkdir(parents=True)  # (a folder of several runs)
+    (tmp_path / "runs" / "second" / "results.json").write_text(json.dumps(
+        {"meta": {"suite": "models", "gpu": "NVIDIA H200", "rounds": 3, "date": "2026-12-07"}, "rows": [row]}))
     text = report.write_index(tmp_path).read_text()
     assert "| gpt2 (12 layers) | comfuse | 6.398 | 22.611 | 6.028 | 53.74 |" in text
     assert "| gpt2 (12 layers) | comfuse@reduce-overhead | error: RuntimeError: pool |" in text
+    assert text.index("(runs/second/results.md)") < text.index("(run/results.md)")  # (newest first)
 
 
 def test_models_suite_profiles_are_reported_beside_the_times():

@@ -344,12 +344,14 @@ def models_index_section(name: str, results: dict) -> list:
 
 
 def write_index(results_dir: str | Path) -> Path:
-    """``results_dir``/README.md: one section per ``*/results.json`` under it, newest first."""
+    """``results_dir``/README.md: one section per ``*/results.json`` under it (or
+    ``*/*/results.json``: a folder of several runs), newest first."""
     root = Path(results_dir)
-    runs = [(p.parent.name, json.loads(p.read_text())) for p in root.glob("*/results.json")]
+    found = [*root.glob("*/results.json"), *root.glob("*/*/results.json")]
+    runs = [(p.parent.relative_to(root).as_posix(), json.loads(p.read_text())) for p in found]
     runs.sort(key=lambda r: (r[1]["meta"].get("date", ""), r[0]), reverse=True)
     lines = ["# Benchmark results", "",
-             "One folder per run, `<date>-<gpu>-<suite>[-what]/`, newest first, each as `comfuse bench` "
+             "One folder per run (or a folder of runs), `<date>-<gpu>-<suite>[-what]/`, newest first, each as `comfuse bench` "
              "writes it: `results.json` (every candidate's times, errors against float64, the machine), "
              "`results.md` (the tables), figures and comfuse's tuning decisions (`tuning/`) where kept. "
              "Older runs are in git history. `docs/results.md` summarises them. This page is written by "
