@@ -7,7 +7,11 @@ Inductor alone. The three are checked against each other, timed side by side (ro
 back-to-back calls, host time included) and profiled kernel by kernel; the kernels whose
 time differs most between the check's baseline and Inductor's own code are printed last.
 
-    python scripts/graph_check_probe.py --model llama8b --out OUT_DIR
+    python scripts/graph_check_probe.py --model llama8b --out OUT_DIR [--planner]
+
+``--planner``: the planner's own plans, untuned, with the check forced on, so that regions
+are fused and checked whatever autotuning would have kept (a run where tuning kept every
+region's ops has no check to probe).
 """
 from __future__ import annotations
 
@@ -36,7 +40,8 @@ def _capture_checks() -> list:
         chosen = decide(self, args)
         # the check's own timing once more, twice, right after it: does the first one differ?
         calls = {"fused": lambda: fused(*args), "inductor": lambda: plain(*args)}
-        captured[-1]["again"] = [graph_check.time_rounds(calls, args[0].device, 3) for _ in range(2)]
+        device = next(t for t in args if isinstance(t, torch.Tensor)).device
+        captured[-1]["again"] = [graph_check.time_rounds(calls, device, 3) for _ in range(2)]
         return chosen
     graph_check.GraphChoice.decide = keeping
     return captured
@@ -57,7 +62,16 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--out", default="out/graph-check-probe")
+    parser.add_argument("--planner", action="store_true", help="the planner's plans, untuned; the check forced on")
     a = parser.parse_args(argv)
+    if a.planner:
+        from comfuse import settings
+        with settings.override(autotune="0", graph_check="1"):
+            return _probe(a)
+    return _probe(a)
+
+
+def _probe(a) -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     import comfuse  # noqa: F401  (registers the backend)
