@@ -33,6 +33,10 @@ from .graph_check import time_rounds
 
 log = logging.getLogger("comfuse.backend")
 MASK_MARGIN = 0.99  # dense masks are kept where their attention runs at least 1 % faster
+# (SDPA, its arguments' layouts, training, device) -> {"given": ms, "dense": ms}: a call timed
+# once in a process, for every graph that makes it (a model's training, inference and
+# loss-only graphs make the same calls)
+MASK_TIMES: dict = {}
 _SDPA = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
 
 
@@ -185,8 +189,8 @@ def dense_masks_pay(gm: fx.GraphModule, training: bool) -> bool | None:
     """Whether the SDPA calls of ``gm`` (Dynamo's graph as given) whose masks
     ``needs_dense_last_dim`` run at least 1 % faster (``MASK_MARGIN``) with dense masks, in
     all: each distinct call timed alone (forward, and its backward where ``training``) on
-    tensors of its arguments' layouts, both forms in interleaved rounds, weighed by how many
-    calls share it. None where a call cannot be timed so (a symbolic size, an argument that
+    tensors of its arguments' layouts, both forms in interleaved rounds (once a process:
+    ``MASK_TIMES``), weighed by how many calls share it. None where a call cannot be timed so (a symbolic size, an argument that
     is not a tensor or a constant)."""
     counts: dict = {}
     for node, _, mask, value in _found(gm):
@@ -199,10 +203,14 @@ def dense_masks_pay(gm: fx.GraphModule, training: bool) -> bool | None:
     totals = {"given": 0.0, "dense": 0.0}
     device = next(iter(counts.values()))[1].meta["example_value"].device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        for node, mask, count in counts.values():
-            calls = {form: _timed_call(node, mask, form == "dense", training) for form in totals}
-            for form, ms in time_rounds(calls, device, 3).items():
-                totals[form] += statistics.median(ms) * count
+        for signature, (node, mask, count) in counts.items():
+            timed = MASK_TIMES.get((node.target, signature, training, str(device)))
+            if timed is None:
+                calls = {form: _timed_call(node, mask, form == "dense", training) for form in totals}
+                timed = {form: statistics.median(ms) for form, ms in time_rounds(calls, device, 3).items()}
+                MASK_TIMES[(node.target, signature, training, str(device))] = timed
+            for form in totals:
+                totals[form] += timed[form] * count
     pays = totals["dense"] <= totals["given"] * MASK_MARGIN
     log.info("backend: the attention calls with dense masks ran %.4f ms against %.4f ms with the masks as given "
              "(%d call(s), timed alone%s): %s", totals["dense"], totals["given"], sum(c for *_, c in counts.values()),
