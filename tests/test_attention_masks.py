@@ -218,3 +218,54 @@ def test_the_attention_is_timed_alone_on_its_arguments_layouts():
     node, _, mask_node, value = _found(gm)[0]
     _timed_call(node, mask_node, True, True)()  # (runs: forward and backward on the layouts)
     assert tuple(value.stride()) == (0, 8, 1, 0)
+
+
+class MaskedAttentionThenNorm(torch.nn.Module):
+    """Attention with a broadcast padding mask, then a linear layer, a residual and a
+    LayerNorm: a region to fuse beside the mask to rewrite."""
+
+    def __init__(self, d=32, h=48):
+        super().__init__()
+        self.lin = torch.nn.Linear(d, h)
+        self.ln = torch.nn.LayerNorm(h)
+
+    def forward(self, q, keep, r):
+        b, heads, s, dh = q.shape
+        x = attention(q, q, q, keep).transpose(1, 2).reshape(b, s, heads * dh)
+        return self.ln(self.lin(x) + r)
+
+
+@pytest.mark.parametrize("faster", ["dense", "given"])
+def test_the_whole_graph_checks_baseline_keeps_the_dense_masks_that_paid(monkeypatch, fused_regions_win, faster):
+    """Where a region is fused beside a rewritten mask, the whole-graph check times the fused
+    graph against Inductor's compilation of the graph with the masks as the attention's own
+    timing left them: dense where they paid, so the check judges the regions alone."""
+    import comfuse.attention_masks as am
+    import comfuse.graph_check as gc
+    from comfuse import backend
+    monkeypatch.setattr(am, "time_rounds",
+                        lambda calls, device, rounds: {n: [1.0 if n == faster else 2.0] * rounds for n in calls})
+    monkeypatch.setattr(am, "MASK_TIMES", {})
+    monkeypatch.setattr(gc, "_time_graphs", lambda calls, device: {n: 1.0 for n in calls})
+    baselines, inductor = [], backend._inductor
+
+    def recorded(gm, example_inputs, opts):
+        baselines.append(gm.code)
+        return inductor(gm, example_inputs, opts)
+    monkeypatch.setattr(backend, "_inductor", recorded)
+    gc.GRAPH_CHECKS.clear()
+    torch.manual_seed(4)
+    model = MaskedAttentionThenNorm()
+    q, r = torch.randn(2, 4, 16, 8), torch.randn(2, 16, 48)
+    keep = torch.rand(16) > 0.3
+    keep[0] = True
+
+    def comfuse_with_checks(gm, example_inputs):
+        return backend.comfuse_backend(gm, example_inputs, {"autotune": "1", "graph_check": "1"})
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(model, backend=comfuse_with_checks)(q, keep, r)
+        want = model(q, keep, r)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+    assert gc.GRAPH_CHECKS and gc.GRAPH_CHECKS[-1]["regions"] > 0
+    assert len(baselines) == 1 and ("contiguous" in baselines[0]) == (faster == "dense")
