@@ -12,7 +12,8 @@
 # models profiled kernel by kernel), TOTAL_S (the whole command's limit, 570 s), ROW_S (a
 # form's default limit, 250 s), ROUNDS (5), TESTS / TESTK / TESTS_S (pytest's files, -k and
 # limit), WHEELS (a folder of wheels installed first, e.g. Liger-Kernel's; .whl), SUITE_DIR
-# (where results.json accumulates, out/suite), COMMIT (recorded in env.txt).
+# (where results.json accumulates, out/suite), COMMIT (recorded in env.txt; pass it: a copy of
+# the working tree may carry a .git whose HEAD is older than the files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/comfuse-out}
@@ -27,7 +28,7 @@ if compgen -G "${WHEELS:-.whl}/*.whl" > /dev/null; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 {
-  echo "commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}"
+  echo "commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null) (from git HEAD: COMMIT not given)}"
   date -u
   nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
   python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)'
