@@ -201,7 +201,7 @@ def test_suites_list_the_paper_workloads():
     assert ("paper", "linear_ce", (8192, 4096, 32768)) in quick
     assert ("attention", "self_attention", None) in quick
     assert len(workloads.cases("paper")) > len(workloads.cases("paper", quick=True))
-    own = workloads.cases("paper", sweep=False)  # the suite's own shapes, as the issues name them
+    own = workloads.cases("paper", sweep=False)  # the suite's own shapes, as its definition names them
     assert len(own) == sum(len(wl.gpu_shapes) for wl in workloads.SUITE.values())
     assert sum(len(wl.gpu_shapes) for wl in workloads.SUITE.values() if wl.paper) == 11  # the paper's eleven
     assert ("paper", "ln_postnorm", (16384, 2048, 8192)) in own
