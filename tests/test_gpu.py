@@ -870,16 +870,13 @@ def test_every_plan_of_swiglus_two_products_matches_the_reference(M):
     print(f"\nswiglu M={M}: {report.plan or report.reason}")
 
 
-def test_a_training_graph_under_reduce_overhead_is_checked_by_its_steps(monkeypatch):
-    """BERT (2 layers, real widths) under mode "reduce-overhead": its training graph differs
-    from Inductor's in its attention mask (given a dense last dimension), here not timed alone.
-    The whole-graph check times that graph by its steps alone (its forward alone runs no
-    CUDA-graph replay) and keeps the rewrite, whose steps run cuDNN's fused attention; the
-    gradients match eager's."""
+def _bert_two_layers():
+    """BERT for masked LM, 2 layers at real widths (bf16, dropout off), on 16 x 512 tokens with
+    labels: (model, its keyword inputs, eager's loss of one step, eager's gradients as one
+    vector). Dynamo and the whole-graph checks start empty."""
     tf = pytest.importorskip("transformers")
     from comfuse import backend
-    from comfuse.bench.models import grads, rel, step
-    monkeypatch.setattr(backend, "dense_masks_pay", lambda gm, training: None)
+    from comfuse.bench.models import grads, step
     torch._dynamo.reset()
     torch.manual_seed(0)
     cfg = tf.BertConfig(num_hidden_layers=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -889,6 +886,19 @@ def test_a_training_graph_under_reduce_overhead_is_checked_by_its_steps(monkeypa
     want = step(model, model, kwargs).float()
     want_grads = grads(model)
     backend.GRAPH_CHECKS.clear()
+    return model, kwargs, want, want_grads
+
+
+def test_a_training_graph_under_reduce_overhead_is_checked_by_its_steps(monkeypatch):
+    """BERT (2 layers, real widths) under mode "reduce-overhead": its training graph differs
+    from Inductor's in its attention mask (given a dense last dimension), here not timed alone.
+    The whole-graph check times that graph by its steps alone (its forward alone runs no
+    CUDA-graph replay) and keeps the rewrite, whose steps run cuDNN's fused attention; the
+    gradients match eager's."""
+    from comfuse import backend
+    from comfuse.bench.models import grads, rel, step
+    monkeypatch.setattr(backend, "dense_masks_pay", lambda gm, training: None)
+    model, kwargs, want, want_grads = _bert_two_layers()
     run = torch.compile(model, backend="comfuse", mode="reduce-overhead")
     with comfuse.settings.override(autotune="auto"):  # (as users run it: graphs are timed)
         for _ in range(3):
@@ -905,18 +915,9 @@ def test_bert_keeps_its_dense_masks_timed_alone_without_compiling_its_graph_twic
     check of the rewrite (a check remains only for a region kept fused); loss and gradients
     match eager's."""
     import logging
-    tf = pytest.importorskip("transformers")
     from comfuse import backend
     from comfuse.bench.models import grads, rel, step
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    cfg = tf.BertConfig(num_hidden_layers=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    model = tf.BertForMaskedLM(cfg).to("cuda", torch.bfloat16)
-    ids = torch.randint(0, cfg.vocab_size, (16, 512), device="cuda")
-    kwargs = {"input_ids": ids, "labels": ids}
-    want = step(model, model, kwargs).float()
-    want_grads = grads(model)
-    backend.GRAPH_CHECKS.clear()
+    model, kwargs, want, want_grads = _bert_two_layers()
     run = torch.compile(model, backend="comfuse")
     with caplog.at_level(logging.INFO, logger="comfuse.backend"), comfuse.settings.override(autotune="auto"):
         loss = step(run, model, kwargs).detach().float()
