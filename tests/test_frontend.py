@@ -228,3 +228,61 @@ def test_padding_that_is_not_only_zero_columns_sliced_off_stays_as_it_is():
     for head in (_padded_head(value=1.0), _padded_head(start=1), _padded_head(keep=60)):
         (cand,) = find_regions(capture(head, args))
         assert cand.region.sizes.N == 64 and not any("padded" in n for n in cand.through), cand.through
+
+
+def _gelu_grad(a):
+    """GELU's derivative, as Inductor's decomposition of its backward computes it."""
+    return 0.5 * (1 + torch.erf(a * 0.7071067811865476)) + a * torch.exp(-0.5 * a * a) * 0.3989422804014327
+
+
+def test_a_side_input_computed_for_the_epilogue_alone_is_computed_by_the_region():
+    """A GELU backward after ``dY @ W``: the derivative, elementwise ops of the saved
+    activation that only the epilogue reads, is computed by the region from the activation
+    (read once, in its own dtype) rather than written by a kernel of its own and read back;
+    the unfused ops autotuning times against compute it too, as Inductor does in the model."""
+    import torch.fx as fx
+    from comfuse.rewrite import extract
+
+    def backward(dy, w, a):
+        dh = (dy @ w) * _gelu_grad(a.float())
+        return dh, dh.sum(0)
+    args = (randn(24, 16), randn(16, 40), randn(24, 40))
+    gm = capture(backward, args)
+    (cand,) = find_regions(gm)
+    ops = {m.target for m in cand.members}
+    assert aten.erf.default in ops and aten.exp.default in ops, [m.name for m in cand.members]
+    assert [i.name for i in cand.region.inputs] == ["a_1"], cand.region.inputs
+    assert any("itself, from what they read" in t for t in cand.through), cand.through
+    run = fx.Interpreter(gm, garbage_collect_values=False)
+    run.run(*args)
+    for got, want in zip(extract(gm, cand)(*(run.env[e] for e in cand.externals)), backward(*args)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with comfuse.settings.override(autotune="0"):
+        compiled = comfuse.compile(backward, args)
+        out = compiled(*args)
+    (region,) = compiled.report.regions
+    assert region.fused and "erf" in region.ops, str(compiled.report)
+    for got, want in zip(out, backward(*(a.double() for a in args))):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_side_input_read_elsewhere_too_is_read_from_memory():
+    """Where the value has another reader (here an output), it is written anyway: the region
+    reads it rather than computing it a second time."""
+    def backward(dy, w, a):
+        d = _gelu_grad(a)
+        return (dy @ w) * d, d
+    args = (randn(24, 16), randn(16, 40), randn(24, 40))
+    (cand,) = find_regions(capture(backward, args))
+    assert aten.erf.default not in {m.target for m in cand.members}
+    assert not any("itself" in t for t in cand.through), cand.through
+
+
+def test_a_gathers_index_computed_for_it_alone_stays_a_side_input():
+    """gather takes its index from outside the region: the elementwise ops computing the
+    index (ignored targets mapped to 0) are not drawn in, and the loss still joins."""
+    args = (randn(16, 32), randn(57, 32), torch.randint(0, 57, (16,)))
+    (cand,) = find_regions(capture(_padded_head(), args))
+    names = {m.name for m in cand.members}
+    assert "gather" in names and "where_1" in names, cand.notes  # (where_1: the loss's, after the gather)
+    assert not {"where", "unsqueeze"} & names, names  # (the index's)

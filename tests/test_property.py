@@ -45,6 +45,14 @@ BINARY = {  # (name, side input kind)
     "where_full": "full", "scale": "scalar", "add_prev": None,
     "mul_gemm": "weight",  # v * (x @ w2): the region's second product of x (row strips only)
 }
+# what elementwise ops compute a side input from before the epilogue reads it (the region
+# computes it itself: regions._prologue); "" reads the side input as given
+PROLOGUES = {
+    "": None,
+    "gelu_grad": lambda s: 0.5 * (1 + torch.erf(s * 0.7071067811865476)) + s * torch.exp(-0.5 * s * s) * 0.3989422804014327,
+    "sigmoid_scaled": lambda s: torch.sigmoid(s) * 2.0,
+    "square_plus_one": lambda s: s * s + 1.0,
+}
 CHAINED = ["softmax", "log_softmax", "layer_norm", "rms_norm", "sub_max", "div_abs_sum",
            "mul_mean", "sub_logsumexp"]
 TERMINAL = ["sum", "amax", "mean", "var"]
@@ -62,6 +70,7 @@ class Program:
     terminal: str  # a reduction whose result is an output, or ""
     seed: int
     schedule: str = ""  # "" lets the planner choose; "cooperative" forces the exchanging strip
+    prologue: str = ""  # PROLOGUES: elementwise ops computing each side input (a weight's aside) first
 
     def side_shapes(self):
         shapes = {"row": (self.N,), "col": (self.M, 1), "full": (self.M, self.N), "scalar": (),
@@ -104,6 +113,8 @@ def build(program: Program):
                 v = v + values[len(values) // 2]
             else:
                 s = side.pop(0)
+                if PROLOGUES[program.prologue] is not None and op != "mul_gemm":
+                    s = PROLOGUES[program.prologue](s)
                 if op in ("add_row", "add_full"):
                     v = v + s
                 elif op == "mul_row":
@@ -164,13 +175,15 @@ def programs(draw):
         M=draw(SIZES), K=draw(SIZES), N=draw(SIZES), axis=axis,
         steps=steps, extra_output=draw(st.integers(-1, len(steps))),
         terminal=draw(st.sampled_from([""] + TERMINAL)), seed=draw(st.integers(0, 2**16)),
-        schedule=draw(st.sampled_from(["", "cooperative"])))
+        schedule=draw(st.sampled_from(["", "cooperative"])), prologue=draw(st.sampled_from(sorted(PROLOGUES))))
 
 
 @pytest.mark.timeout(900)  # (on the GPU each example compiles its kernels for sm_90)
 @given(programs())
 @example(Program(torch.bfloat16, 17, 9, 40, -1, (("relu", None), ("mul_gemm", "weight"), ("softmax", None),
                                                  ("layer_norm", None)), 1, "sum", 3, "cooperative"))
+@example(Program(torch.bfloat16, 33, 16, 24, 0, (("add_full", "full"), ("layer_norm", None), ("add_row", "row"),
+                                                 ("softmax", None)), -1, "sum", 5, "", "gelu_grad"))
 def test_random_epilogues_fuse_and_match_float64(program):
     PROPERTY_COUNTS["random epilogues (fused vs float64)"] += 1
     torch._dynamo.reset()  # (every example compiles build's fn: Dynamo caches at most 256 graphs of one code)
@@ -185,6 +198,8 @@ def test_random_epilogues_fuse_and_match_float64(program):
     assert region.fused, f"{program}\n{compiled.report}"
     if region.found.dual:
         PROPERTY_COUNTS["random epilogues with a second product of x (fused vs float64)"] += 1
+    if any("itself, from what they read" in t for t in region.through):
+        PROPERTY_COUNTS["random epilogues computing a side input themselves (fused vs float64)"] += 1
     assert_matches_reference(fn, args, out)
     assert [o.shape for o in as_tuple(out)] == [e.shape for e in as_tuple(fn(*args))]
 

@@ -271,6 +271,14 @@ class Builder:
         j = self._input_cse[key]
         return self.add(Op.INPUT, (), dtype, j, axes=axes)
 
+    def leaf(self, x: fx.Node) -> Value:
+        """``x``, read from outside, as a region value with the one reading of its shape as
+        (B, M, N) (Unfusible where there is none or more than one): a value that ops the
+        region computes ahead of its epilogue read (``regions._prologue``)."""
+        shape = shape_of(x)
+        labels = self.infer_labels(shape, {})
+        return Value(self.side_input(x, labels, shape), labels)
+
     def as_float(self, i: int) -> int:
         if self.nodes[i].dtype.is_floating_point:
             return i

@@ -4,13 +4,18 @@ An anchor is an ``mm`` or ``bmm`` (``linear``, ``matmul``, ``addmm`` and ``baddb
 as these after capture). Its region grows over the nodes after it, in graph order: a node
 joins when its op has a lowering rule (rules.py), at least one of its operands is already in
 the region, and every other operand is independent of the anchor (a side input such as a
-bias, residual or gamma). That rule keeps the contracted graph acyclic. Where growth stops, a
-note says why, for ``explain``. Chains (``find_chains``): regions whose output feeds the next
-GEMM's A operand, run as one kernel.
+bias, residual or gamma). That rule keeps the contracted graph acyclic. A side input that
+elementwise ops compute for this node alone (a GELU's derivative from the saved activation,
+in a backward) is computed by the region from their inputs instead (``_prologue``): read as
+a tensor, it would be one more kernel writing it and the region reading it back, where
+Inductor, unfused, computes it inside the kernel that reads the product. Where growth stops,
+a note says why, for ``explain``. Chains (``find_chains``): regions whose output feeds the
+next GEMM's A operand, run as one kernel.
 """
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from typing import NamedTuple
 
@@ -18,7 +23,7 @@ import torch
 import torch.fx as fx
 
 from ..ir import GEMM_DTYPES, Gemm, Operand, Output, Region
-from .builder import Builder, Unfusible, dtype_of, meta_of, shape_of
+from .builder import Builder, Unfusible, dtype_of, fill_value, meta_of, shape_of
 from .capture import descendants
 from .rules import RULES
 
@@ -187,6 +192,74 @@ def _take_second_product(b: Builder, node: fx.Node, anchor: fx.Node, taken) -> t
     return [], None
 
 
+# ops a region may compute from their inputs ahead of its epilogue: every lowering rule but
+# the reductions and gather, which need values computed in the region along an axis
+_NOT_PROLOGUE = (aten.sum.dim_IntList, aten.sum.default, aten.amax.default, aten.amin.default, aten.gather.default)
+_MOVES_NOTHING = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
+                            aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default,
+                            aten.clone.default, aten.alias.default})  # (views: a prologue of these alone saves nothing)
+PROLOGUE_LIMIT = 32  # the most nodes a region computes for one side input
+
+
+def _prologue(node: fx.Node, order: dict, members: set, downstream: set, claimed, known) -> list:
+    """The nodes, in graph order, that compute ``node``'s side inputs and that the region may
+    compute itself: elementwise ops with a lowering rule, outside every region and not
+    downstream of the anchor, whose every reader is ``node`` or another of them (so their
+    values need never be written). ``known``: values the region already has."""
+    chain: set = set()
+    seen: set = set()
+    todo = [(-order[i], i) for i in node.all_input_nodes if i not in members and i not in known]
+    heapq.heapify(todo)
+    while todo:  # latest first: a node's readers are judged before it
+        _, p = heapq.heappop(todo)
+        if p in seen:
+            continue
+        seen.add(p)
+        if p.op != "call_function" or p.target not in RULES or p.target in _NOT_PROLOGUE or p in claimed \
+                or p in downstream or p in known or fill_value(p) is not None \
+                or any(u is not node and u not in chain for u in p.users):
+            continue
+        chain.add(p)
+        if len(chain) > PROLOGUE_LIMIT:
+            return []
+        for i in p.all_input_nodes:
+            heapq.heappush(todo, (-order[i], i))
+    if all(p.target in _MOVES_NOTHING for p in chain):
+        return []
+    return sorted(chain, key=order.__getitem__)
+
+
+def _take_prologue(b: Builder, node: fx.Node, order: dict, members: set, downstream: set,
+                   claimed) -> tuple[list, tuple | None]:
+    """(``_prologue``'s nodes for ``node``, lowered into ``b`` after the values they read from
+    outside; ``b``'s state from before), or ([], None) where there are none or they cannot be
+    lowered (their result is then read as a side input, as before)."""
+    chain = _prologue(node, order, members, downstream, claimed, b.values)
+    if not chain:
+        return [], None
+    state = b.snapshot()
+    inside = set(chain)
+    try:
+        for n in chain:
+            for i in n.all_input_nodes:
+                if i not in inside and i not in b.values and fill_value(i) is None:
+                    b.values[i] = b.leaf(i)
+            b.values[n] = RULES[n.target](b, n)
+    except (Unfusible, KeyError):  # (KeyError: a rule reading a constant fill as a value)
+        b.restore(state)
+        return [], None
+    return chain, state
+
+
+def _without_prologue(b: Builder, rule, node: fx.Node):
+    """``node`` lowered reading its side inputs from memory (a rule may need one computed
+    outside the region: gather's index), or None where it cannot be."""
+    try:
+        return rule(b, node)
+    except Unfusible:
+        return None
+
+
 def grow(anchor: fx.Node, order: dict, claimed: frozenset = frozenset()) -> Candidate:
     cand = Candidate(anchor=anchor)
     cand.reason = _unfusible_anchor(anchor)
@@ -221,13 +294,24 @@ def grow(anchor: fx.Node, order: dict, claimed: frozenset = frozenset()) -> Cand
             cand.notes.append(f"{node.name}: {node.target} is not an epilogue op comfuse fuses")
             continue
         second, state = ([], None) if unpadded else _take_second_product(b, node, anchor, claimed | member_set)
+        prologue = []
+        if not second:
+            prologue, state = _take_prologue(b, node, order, member_set, downstream, claimed)
         try:
             value = rule(b, node)
         except Unfusible as e:
-            if second:  # (the second product only joins with the node that reads it)
+            if state is not None:  # (a second product or a prologue only joins with the node that reads it)
                 b.restore(state)
-            cand.notes.append(f"{node.name}: {e}")
-            continue
+            value = _without_prologue(b, rule, node) if prologue else None
+            if value is None:
+                cand.notes.append(f"{node.name}: {e}")
+                continue
+            prologue = []
+        if prologue:
+            members += prologue
+            member_set.update(prologue)
+            cand.through.append(f"{node.name}: computes {', '.join(n.name for n in prologue)} itself, from what "
+                                "they read, rather than reading the result from memory")
         if second:
             members += second
             member_set.update(second)
