@@ -28,6 +28,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from . import region_op, settings as settings_mod
 from .errors import fallback
+from .frontend.capture import recompose_biased_gemms
 from .kernel_node import keep_launchable, launch_from_inductor, launched_by_inductor, padded_by_inductor
 from .pipeline import compile_graph, fake_inputs
 from .region_op import register as register_region
@@ -98,6 +99,7 @@ def lower(gm: fx.GraphModule, example_inputs, disabled_kinds=frozenset(), tune=N
         fused.delete_submodule(node.target)  # the registry holds it; Inductor need not pickle it
     if not kept:
         return Lowered(None, report)  # autotuning left every region unfused
+    recompose_biased_gemms(graph)  # (the graph goes back to Inductor: its addmm add the bias in cuBLAS)
     views_as_reshapes(graph)  # (Inductor lowers the graph with its own strides, where a view may fail)
     graph.lint()
     fused.recompile()

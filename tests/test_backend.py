@@ -1095,6 +1095,31 @@ def test_a_graph_whose_region_saves_a_vocabulary_sized_tensor_is_not_timed_again
     torch.testing.assert_close(loss, loss_fn(x, t), rtol=1e-5, atol=1e-6)
 
 
+def test_a_linear_layer_no_region_took_keeps_its_bias_inside_the_gemm(monkeypatch):
+    """Region finding decomposes every addmm into a product and a bias add; in the graph that
+    goes back to Inductor, an addmm that no region took is an addmm again (cuBLAS adds the
+    bias inside the GEMM), where a region elsewhere in the graph was kept."""
+    from comfuse import inductor_pass
+    lowered = []
+    real_lower = inductor_pass.lower
+    monkeypatch.setattr(inductor_pass, "lower", lambda *a, **k: lowered.append(real_lower(*a, **k)) or lowered[-1])
+    lin, head = torch.nn.Linear(64, 64).to(DEVICE), torch.nn.Linear(64, 100, bias=False).to(DEVICE)
+    x, t = torch.randn(8, 64, device=DEVICE), torch.randint(0, 100, (8,), device=DEVICE)
+
+    def f(x, t):
+        h = lin(x)  # (returned too: no chain with the head)
+        return F.cross_entropy(head(h), t), h
+    with torch.no_grad(), torch._inductor.config.patch(force_disable_caches=True):
+        loss, h = compiled(f, options={"autotune": "0", "graph_check": "0"})(x, t)
+    gm = lowered[-1].gm
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.comfuse.region.default in targets, gm.graph
+    assert torch.ops.aten.addmm.default in targets and torch.ops.aten.mm.default not in targets, gm.graph
+    want_loss, want_h = f(x, t)
+    torch.testing.assert_close(h, want_h, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 @pytest.mark.parametrize("schedule", ["row_in_cta", "cooperative"])
