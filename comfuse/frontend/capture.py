@@ -119,30 +119,31 @@ def _inline_decomposition(graph: fx.Graph, node: fx.Node, decomposition) -> None
                 raise RuntimeError(f"{node.target}'s tuple result is used whole by {user}")
     else:
         node.replace_all_uses_with(result)
-        if node.target in _BIASED and not node.kwargs and isinstance(result, fx.Node) \
+        if node.target in _PRODUCT_OF and not node.kwargs and isinstance(result, fx.Node) \
                 and result.target is torch.ops.aten.add.Tensor:
             result.meta[BIAS_OF] = node.target  # (``recompose_biased_gemms`` may put it back)
     graph.erase_node(node)
 
 
-_BIASED = (torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default)
+# a GEMM with a bias -> the product capture decomposes it into, beside a bias add
+_PRODUCT_OF = {torch.ops.aten.addmm.default: torch.ops.aten.mm.default,
+               torch.ops.aten.baddbmm.default: torch.ops.aten.bmm.default}
 BIAS_OF = "comfuse_bias_of"  # meta of the add a GEMM with a bias was decomposed into: the GEMM's op
 
 
 def recompose_biased_gemms(graph: fx.Graph) -> int:
     """Put back each ``addmm`` / ``baddbmm`` that capture decomposed into a product and a bias
     add and that no region took: cuBLAS adds the bias inside the GEMM, where the add alone is
-    a kernel of its own (GPT-2's twelve layers lost 0.5 ms a training step that way, H100,
-    2026-12-07). Returns how many were put back."""
+    a kernel of its own (GPT-2's twelve layers lost about 0.5 ms of GPU time a training step
+    that way, H100, 2026-12-07, ``bench/results/2026-12-07-h100-region-inputs-and-bias/``).
+    Returns how many were put back."""
     count = 0
     for add in list(graph.nodes):
         target = add.meta.get(BIAS_OF) if add.op == "call_function" else None
         if target is None or add.target is not torch.ops.aten.add.Tensor or len(add.args) != 2:
             continue
         product, bias = add.args
-        if not isinstance(product, fx.Node) or product.op != "call_function" or len(product.users) != 1 \
-                or product.target is not {_BIASED[0]: torch.ops.aten.mm.default,
-                                          _BIASED[1]: torch.ops.aten.bmm.default}[target]:
+        if not isinstance(product, fx.Node) or product.target is not _PRODUCT_OF[target] or len(product.users) != 1:
             continue
         with graph.inserting_before(add):
             gemm = graph.call_function(target, (bias, *product.args))
@@ -152,6 +153,7 @@ def recompose_biased_gemms(graph: fx.Graph) -> int:
         graph.erase_node(product)
         count += 1
     return count
+
 
 def _freeze(value):
     if isinstance(value, (list, tuple)):
