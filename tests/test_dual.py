@@ -226,3 +226,24 @@ def test_a_region_with_two_products_is_a_class_of_its_own_for_the_cost_model():
     p_dual, p_single = (plan(c.region.replace(sizes=at_8b), target="cuda") for c in (dual, single))
     assert plan_class(p_dual) == "tile/dual/19/flat" and plan_class(p_single) == "tile/single/19/flat"
     assert why_not_tuned([p_single]) and not why_not_tuned([p_dual])
+
+
+def test_a_region_that_writes_its_products_for_the_backward_is_another_class():
+    """A training forward writes the gate and up products for the backward: the shipped record
+    says such a region at the 8B MLP's widths never beat its ops, so a first step does not tune
+    it; the inference form, which writes only ``silu(g) * u``, is still tuned."""
+    from comfuse.ir import Sizes
+    from comfuse.planner.cost import plan_class, why_not_tuned
+
+    def training_forward(x, wg, wu):
+        g, u = x @ wg, x @ wu
+        return F.silu(g) * u, g, u
+    x, wg, wu = torch.randn(64, 32), torch.randn(32, 48), torch.randn(32, 48)
+    (saving,) = regions_of(training_forward, x, wg, wu)
+    (inference,) = regions_of(swiglu, x, wg, wu)
+    assert saving.region.dual and len(saving.region.outputs) == 3
+    at_8b = Sizes(B=1, M=8192, N=14336, K=4096)
+    p_saving, p_inference = (plan(c.region.replace(sizes=at_8b), target="cuda") for c in (saving, inference))
+    assert plan_class(p_saving) == "tile/dual-writes-products/19/flat"
+    assert plan_class(p_inference) == "tile/dual/19/flat"
+    assert "not tuned" in why_not_tuned([p_saving]) and not why_not_tuned([p_inference])

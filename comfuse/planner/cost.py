@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 
+from ..ir import Op
 from .records import Plan
 from .schedules import cdiv
 
@@ -82,6 +83,11 @@ MEASURED_CLASSES = {
     # and an H100, 2026-12-06: the same results and 2026-12-06-cheaper-first-calls/), where the
     # Gluon template reached 0.93-0.97: compiling and timing them took 4-8 s a graph
     "split/single/21/flat": {"f56b1d68e9241809": 0.9974, "7c2ca7339db6d5ca": 1.0199},
+    # the 8B block's gate and up products with SwiGLU, in its training forward, which writes both
+    # products for the backward (8192 x 4096 -> 14336; an H100, 2026-12-07:
+    # bench/results/2026-12-07-h100-models-suite/llama8b/ and 2026-12-07-h100-region-inputs-and-bias/
+    # llama8b-gpt2/, 5-7 s of tuning a first step; on the H200 the same day no candidate beat the ops)
+    "tile/dual-writes-products/19/flat": {"8b-swiglu-training-h100-a": 0.9964, "8b-swiglu-training-h100-b": 0.9944},
 }
 # a schedule must have been at least this much faster than the ops to be tried: autotuning
 # keeps a plan only 2 % faster than the ops (runtime/tuning.py's KEEP_MARGIN), and a kind whose
@@ -109,11 +115,16 @@ def plan_class(plan: Plan) -> str:
     as in a weight gradient) or flat. A weight gradient and a forward GEMM of the same size
     fare differently against cuBLAS (the decoder's weight gradient won at 0.90 of its ops'
     time, the 8B block's MLP GEMMs of that size lost at 1.11-1.15)."""
-    s = plan.region.sizes
+    r, s = plan.region, plan.region.sizes
     work = max(s.B * s.M * s.N * s.K, 1)
     shape = "deep" if s.K >= min(s.M, s.N) else "flat"
-    # (two products of one A: its ops are two GEMMs and their epilogue, another comparison)
-    kind = "batched" if plan.region.gemm.batched else "dual" if plan.region.dual else "single"
+    # (two products of one A: its ops are two GEMMs and their epilogue, another comparison;
+    # one that writes a product too, as a training forward saves them for its backward, gains
+    # less still: the 8B MLP's gate and up products, at 0.994-0.996 of their ops' time where
+    # the region wrote them, 0.85-0.98 where it wrote their epilogue's result alone)
+    kind = "batched" if r.gemm.batched else "dual" if r.dual else "single"
+    if r.dual and any(r.nodes[o.node].op is Op.ACC for o in r.outputs):
+        kind = "dual-writes-products"
     return f"{plan.schedule}/{kind}/{round(math.log2(work) / 2)}/{shape}"
 
 
