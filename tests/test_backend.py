@@ -1,5 +1,7 @@
 """torch.compile(model, backend="comfuse") on model code: inference, training, options."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -1385,3 +1387,31 @@ def test_autotunings_random_inputs_hold_masks_both_ways():
     assert x.std() > 0.5 and not torch.equal(x, torch.zeros_like(x))
     assert int(index.abs().sum()) == 0
     assert random_like(3) == 3
+
+
+@pytest.mark.parametrize("fallback", ["disabled", "kernel fails"])
+def test_a_region_running_its_ops_lays_out_wide_rows_as_its_kernel_does(fallback, monkeypatch):
+    """An LM head whose vocabulary is no multiple of the row alignment (GPT-2's 50257): its
+    kernel writes the logits in rows padded for alignment, and Inductor compiles the graph for
+    those strides. Where the ops run in the kernel's place (comfuse disabled, or the kernel
+    failing at a call), their packed logits are laid out the same way, not a crash on
+    Inductor's stride assertion."""
+    from comfuse.runtime.region import FusedRegion
+
+    def head(x, w, t):
+        logits = x @ w
+        return logits, F.cross_entropy(logits.float(), t)
+    x, w = torch.randn(16, 32, device=DEVICE), torch.randn(32, 1027, device=DEVICE) / 8
+    t = torch.randint(0, 1027, (16,), device=DEVICE)
+    want = head(x, w, t)
+    if fallback == "kernel fails":
+        def broken(self, *a, **k):
+            raise RuntimeError("launch failed")
+        monkeypatch.setattr(FusedRegion, "run", broken)
+    with comfuse.settings.override(disable=fallback == "disabled"), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = compiled(head)(x, w, t)
+    assert last_report().regions[0].anchor == "mm"
+    assert fallback == "disabled" or any("launch failed" in str(x.message) for x in seen)
+    torch.testing.assert_close(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)

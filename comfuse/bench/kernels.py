@@ -37,8 +37,8 @@ def host_us(call, calls: int = 5) -> dict:
 
 
 def regions_by_graph() -> list:
-    """Per graph Inductor lowered in this process (the last 16): fused/found regions, who
-    launches them, their schedules, and the sum of the fused regions' autotuned ms minus their
+    """Per graph Inductor lowered in this process (the last 16): fused/found regions, why the
+    others stayed unfused (reason -> their anchors), who launches them, their schedules, and the sum of the fused regions' autotuned ms minus their
     unfused ops' ms (what they should save inside the model)."""
     from .. import inductor_pass
     rows = []
@@ -47,7 +47,11 @@ def regions_by_graph() -> list:
             continue
         fused = [x for x in r.regions if x.fused]
         tuned = [x.tuned_ms for x in fused if x.tuned_ms]
-        rows.append({"graph": r.function, "fused": len(fused), "found": len(r.regions),
+        why: dict = {}  # (why regions stayed unfused: reason -> anchors, for the results' JSON)
+        for x in r.regions:
+            if not x.fused:
+                why.setdefault((x.reason or "")[:160], []).append(x.anchor)
+        rows.append({"graph": r.function, "fused": len(fused), "found": len(r.regions), "not_fused": why,
                      "by_inductor": sum(x.launch.startswith("Inductor") for x in fused),
                      "schedules": sorted({x.schedule for x in fused}),
                      "saved_alone_ms": round(sum(u - f for f, u in tuned), 4) if tuned else None})

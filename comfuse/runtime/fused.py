@@ -56,6 +56,11 @@ class Fused(torch.nn.Module):
         """The outputs' tensors as a launch returns them (what a fake execution returns)."""
         return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in self.output_specs]
 
+    def laid_out(self, outs):
+        """``outs`` (the unfused ops', where they run in the kernel's place) as a launch lays
+        them out: the graph that calls the region was compiled for those strides."""
+        return outs
+
     def forward(self, *ext):
         return self._call(ext)
 
@@ -83,7 +88,7 @@ class Fused(torch.nn.Module):
 
     def _decide_and_run(self, ext, choose_only: bool):
         settings = settings_mod.get()  # (once a call: Python's time per call matters)
-        unfused = (lambda: None) if choose_only else (lambda: self.unfused(*ext))
+        unfused = (lambda: None) if choose_only else (lambda: self.laid_out(self.unfused(*ext)))
         if self.failed or settings.disable:
             return unfused()
         device = self.device_of(ext)
@@ -101,10 +106,10 @@ class Fused(torch.nn.Module):
             if device not in self.tuned and not capturing and tuning.enabled(device, settings):
                 self.tune(ext, device)
             if self.prefer_unfused:
-                return None if choose_only else self.run_separate(ext)
+                return None if choose_only else self.laid_out(self.run_separate(ext))
             outs = self.run(ext, device, check=settings.check and not capturing)
             if device not in self.tuned and device not in self.validated and not capturing:
-                return self.validate(ext, device, outs)
+                return self.laid_out(self.validate(ext, device, outs))
             return outs
         except KernelMismatch:
             raise
