@@ -242,5 +242,24 @@ def _differentiate(out, fn, args: tuple, kwargs: dict) -> None:
         elif hasattr(item, "to_tuple"):
             stack.extend(item.to_tuple())
     outs = [t for t in flat if t.requires_grad and t.is_floating_point()]
+    leaves = leaves or _leaves_behind(outs)  # (a function that closes over a model's parameters)
     if torch.is_grad_enabled() and outs and leaves:
         torch.autograd.grad([t.float().sum() for t in outs], leaves, allow_unused=True)
+
+
+def _leaves_behind(outs: list) -> list:
+    """The tensors requiring grad that ``outs`` were computed from (the leaves of their
+    autograd graph: parameters and inputs, however the function reached them)."""
+    stack = [t.grad_fn for t in outs if t.grad_fn is not None]
+    seen, leaves = set(), []
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        variable = getattr(fn, "variable", None)  # (an AccumulateGrad: a leaf's)
+        if variable is not None:
+            leaves.append(variable)
+        else:
+            stack.extend(f for f, _ in fn.next_functions)
+    return leaves

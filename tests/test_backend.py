@@ -392,6 +392,21 @@ def test_explain_lists_the_regions_of_hugging_face_models(name):
     assert not positional.error and len(positional.fused) >= 1, str(positional)
 
 
+def test_explain_lists_the_backward_of_a_function_that_closes_over_a_model():
+    """A training loop's loss function reaches the model's parameters through its closure, not
+    its arguments: explain still takes the gradients (returned, not accumulated), so the
+    backward graph's regions are listed too."""
+    torch.manual_seed(0)
+    model, kwargs = _tiny_models()["gpt2"]
+    model = model.train().to(DEVICE)
+
+    def loss_only(**kw):
+        return model(**kw).loss
+    report = comfuse.explain(loss_only, (), kwargs)
+    assert not report.error and report.regions, str(report)
+    assert any(r.anchor.startswith("backward") for r in report.regions), str(report)
+    assert all(p.grad is None for p in model.parameters())
+
 def test_fake_inputs_keep_requires_grad():
     """Capture sees what the call will need: attention saves its log-sum-exp for a backward
     only when an input requires grad, and Inductor's backward then reads it."""
