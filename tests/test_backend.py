@@ -579,6 +579,81 @@ def test_an_lm_head_inductor_padded_trains_as_one_region_over_the_vocabulary():
     assert ((got - w.grad).norm() / w.grad.norm()).item() < 1e-5
 
 
+@pytest.mark.parametrize("schedule", ["split", "cooperative"])
+def test_an_lm_head_inductor_padded_trains_with_the_loss_alone_returned(schedule):
+    """A training forward that returns only the loss saves the padded product for its backward
+    (its slices are views, recomputed there): the region writes it whole, its padded columns
+    zeros, and the gradients are eager's."""
+    import comfuse.inductor_pass as pass_mod
+    aten = torch.ops.aten
+
+    def head(x, w, t):
+        return F.cross_entropy(aten.mm(x, aten.constant_pad_nd(w.t(), [0, 7]))[:, :-7].float(), t)
+    torch.manual_seed(0)
+    x = torch.randn(64, 32, device=DEVICE)
+    w = torch.randn(57, 32, device=DEVICE, requires_grad=True)
+    t = torch.randint(0, 57, (64,), device=DEVICE)
+    loss = compiled(head, options={"schedule": schedule, "autotune": "0"})(x, w, t)
+    forward = [r for r in pass_mod.REPORTS if r.function.startswith("forward")][-1]
+    assert [(r.fused, r.schedule) for r in forward.regions] == [(True, schedule)], str(forward)
+    assert "mm" in forward.regions[0].outputs, str(forward)  # (the padded product, saved)
+    loss.backward()
+    got = w.grad.clone()
+    w.grad = None
+    want = head(x, w, t)
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    assert ((got - w.grad).norm() / w.grad.norm()).item() < 1e-5
+
+
+def test_a_linear_heads_loss_alone_through_inductors_own_padding_trains_fused(monkeypatch):
+    """The graph Inductor's ``pad_mm`` leaves a training forward that returns only the loss of
+    an ``nn.Linear`` head over an unaligned vocabulary (GPT-2's), made here on a CPU by letting
+    ``pad_mm`` pad a CPU GEMM: the padded product is what the backward saves, and the region
+    still takes the head and its loss, with eager's loss and gradients."""
+    import comfuse.inductor_pass as pass_mod
+    pad_mm = pytest.importorskip("torch._inductor.fx_passes.pad_mm")
+    if not all(hasattr(pad_mm, f) for f in ("check_device", "has_triton")):
+        pytest.skip("this torch's pad_mm has another form")
+    monkeypatch.setattr(pad_mm, "check_device", lambda a, b: True)
+    monkeypatch.setattr(pad_mm, "has_triton", lambda: True)
+    monkeypatch.setattr(torch._inductor.config, "force_shape_pad", True)
+    torch.manual_seed(0)
+    head = torch.nn.Linear(32, 1027, bias=False)
+    x = torch.randn(64, 32, requires_grad=True)
+    t = torch.randint(0, 1027, (64,))
+    loss = compiled(lambda x, t: F.cross_entropy(head(x).float(), t), options={"autotune": "0"})(x, t)
+    forward = [r for r in pass_mod.REPORTS if r.function.startswith("forward")][-1]
+    (region,) = forward.regions
+    assert region.fused and "mm" in region.outputs, str(forward)
+    loss.backward()
+    got = torch.cat([x.grad.flatten(), head.weight.grad.flatten()])
+    x.grad = head.weight.grad = None
+    want = F.cross_entropy(head(x).float(), t)
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    expected = torch.cat([x.grad.flatten(), head.weight.grad.flatten()])
+    assert ((got - expected).norm() / expected.norm()).item() < 1e-5
+
+def test_a_padded_product_returned_whole_has_zeros_in_its_padded_columns():
+    """The region writes the product over its own columns and zeros in the padded ones, as
+    the GEMM on the padded operand gives them, fused and unfused alike."""
+    aten = torch.ops.aten
+
+    def head(x, w, t):
+        p = aten.mm(x, aten.constant_pad_nd(w.t(), [0, 7]))
+        return p, F.cross_entropy(p[:, :-7].float(), t, reduction="none")
+    x, w = torch.randn(16, 32), torch.randn(57, 32)
+    t = torch.randint(0, 57, (16,))
+    for options in ({}, {"disable": True}):
+        with settings.override(**options):
+            fn = comfuse.compile(head, (x, w, t))
+            got = fn(x, w, t)
+        assert fn.report.regions[0].fused and "mm" in fn.report.regions[0].outputs, str(fn.report)
+        assert got[0].shape == (16, 64) and not got[0][:, 57:].any()
+        for g, want in zip(got, head(x, w, t)):
+            torch.testing.assert_close(g, want, rtol=1e-5, atol=1e-5)
+
 SPLIT_GRADS = {
     "ce_ignore": lambda x, w, t: F.cross_entropy(x @ w, t, ignore_index=3),
     "logsumexp": lambda x, w, t: torch.logsumexp(x @ w, -1).sum(),

@@ -36,6 +36,8 @@ _CASTS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
 class OutputBinding:
     node: fx.Node
     shape: tuple
+    columns: int = 0  # nonzero: ``node`` is a product Inductor padded (``Unpadded.saved``): the
+    # region writes its first ``columns`` columns and zeros in the rest
 
 
 @dataclasses.dataclass
@@ -111,13 +113,17 @@ class Unpadded(NamedTuple):
     keep: int  # the columns read
     slices: list  # the slices of the padded product that read them
     pad: fx.Node  # the constant_pad_nd
+    saved: bool  # the graph returns the padded product too (a training forward saves it)
 
 
 def _unpadded(anchor: fx.Node) -> Unpadded | None:
     """Where ``anchor`` is ``mm(A, constant_pad_nd(B, [0, p]))`` read only by slices of its first
     N - p columns: Inductor's ``pad_mm`` (columns padded for cuBLAS's alignment, then sliced
     off). The padded columns are zeros that nothing reads, so the region is the product with B
-    itself over N - p columns; else None."""
+    itself over N - p columns; else None. The graph may return the padded product as well:
+    ``pad_mm`` pads the joint graph before AOTAutograd partitions it, and a training forward
+    that returns only the loss saves the padded product for the backward, which slices it again
+    (its slices are views, recomputed there); the region then writes it whole."""
     if anchor.target is not aten.mm.default:
         return None
     pad = anchor.args[1]
@@ -130,7 +136,7 @@ def _unpadded(anchor: fx.Node) -> Unpadded | None:
         return None
     padded = shape_of(anchor)[-1]
     keep = padded - widths[1]
-    slices = list(anchor.users)
+    slices = [u for u in anchor.users if u.op != "output"]
     for s in slices:
         if s.target is not aten.slice.Tensor:
             return None
@@ -139,7 +145,7 @@ def _unpadded(anchor: fx.Node) -> Unpadded | None:
         end = padded if end is None else end + padded if end < 0 else min(end, padded)
         if dim not in (1, -1) or start not in (0, None) or end != keep or step != 1:
             return None
-    return Unpadded(pad.args[0], keep, slices, pad) if slices else None
+    return Unpadded(pad.args[0], keep, slices, pad, len(slices) < len(anchor.users)) if slices else None
 
 
 _PASS_THROUGH = (aten.view.default, aten._unsafe_view.default, aten.reshape.default, *_CASTS)
@@ -334,11 +340,13 @@ def grow(anchor: fx.Node, order: dict, claimed: frozenset = frozenset()) -> Cand
             value = b.values[m]
             axes = b.nodes[value.idx].axes | {lab for lab in value.labels if lab is not None}
             canon = math.prod(b.sizes.of(a) for a in axes)
-            if canon != math.prod(shape_of(m)):
+            columns = unpadded.keep if unpadded and m is anchor else 0  # (the padded product, saved)
+            shape = shape_of(m)
+            if canon != (math.prod(shape[:-1]) * columns if columns else math.prod(shape)):
                 cand.reason = f"internal: output {m.name} does not match its canonical layout"
                 return cand
             outputs.append(Output(value.idx, dtype_of(m), frozenset(axes), m.name))
-            cand.outputs.append(OutputBinding(m, shape_of(m)))
+            cand.outputs.append(OutputBinding(m, shape_of(m), columns))
     a_node, b_node = anchor.args[0], (unpadded.b if unpadded else anchor.args[1])
     b2 = b.second.args[1] if b.second is not None else None
     gemm = Gemm(Operand(a_node.name, dtype_of(a_node), _major(a_node, "K", "M")),

@@ -26,6 +26,8 @@ class FusedRegion(Fused):
         self.cand_inputs = cand.inputs
         self.operands = cand.operands
         self.out_shapes = [ob.shape for ob in cand.outputs]
+        # (per output, the columns the kernel writes of a padded product saved whole; 0: all)
+        self.out_columns = [ob.columns for ob in cand.outputs]
         self.plan = plan
         self.alternatives = list(alternatives) or [plan]  # candidate plans for autotuning
         self.region = cand.region  # as found (original orientation)
@@ -147,15 +149,27 @@ class FusedRegion(Fused):
         # each output allocated in its own shape, the kernel given its canonical view: the
         # tensors returned are bases of their own (no view of a temporary for a caller to inspect)
         results = self.empty_outputs(device)
-        outs = [r.view(canon) for r, (canon, _) in zip(results, self.canon_outs)]
+        outs = [w.view(canon) for w, (canon, _) in zip(self.written(results), self.canon_outs)]
         if kernel.plan.transposed:
             kernel.launch(b3.transpose(1, 2), a3.transpose(1, 2), [t.transpose(1, 2) for t in ins],
                           [t.transpose(1, 2) for t in outs])
         else:
             kernel.launch(a3, b3, ins, outs)
+        for r, c in zip(results, self.out_columns):
+            if c:  # (a padded product's columns past the region's are zeros, as the GEMM made them)
+                r.narrow(-1, c, r.shape[-1] - c).zero_()
         if check:
             self.check(a3, b3, ins, outs, kernel)
         return tuple(results)
+
+    def written(self, results) -> list:
+        """What the kernel writes of each output: all of it, or a padded product's first columns."""
+        return [r.narrow(-1, 0, c) if c else r for r, c in zip(results, self.out_columns)]
+
+    def settled(self, device, settings) -> bool:
+        """Not where a padded product is saved: zeroing its padded columns is no launch of the
+        kernel's, which is all a replay repeats."""
+        return not any(self.out_columns) and super().settled(device, settings)
 
     def check(self, a3, b3, ins, outs, kernel) -> None:
         refs, scales = evaluate_with_scale(self.region, a3, b3, ins)
@@ -184,7 +198,8 @@ class FusedRegion(Fused):
         with torch.no_grad():
             a3, b3, ins = self.region_operands(ext)
             refs = evaluate_by_rows(self.region, a3.detach(), b3.detach(), [t.detach() for t in ins], rows)
-        return [r.reshape(shape) for r, shape in zip(refs, self.out_shapes)]
+        return [torch.nn.functional.pad(r.reshape(*shape[:-1], c), (0, shape[-1] - c)) if c else r.reshape(shape)
+                for r, shape, c in zip(refs, self.out_shapes, self.out_columns)]
 
     def canonical(self, ext):
         """(a3, b3, side inputs) in the plan's orientation, as views of ``ext`` (so autograd
