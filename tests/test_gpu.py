@@ -543,6 +543,38 @@ def test_gpt2s_head_behind_inductors_padding_runs_on_the_template_with_a_partial
     torch.testing.assert_close(loss.float(), want.float(), rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("schedule", ["ws_split", "split"])
+def test_gpt2s_head_trains_fused_with_the_loss_alone_behind_inductors_padding(schedule):
+    """GPT-2's LM head (vocabulary 50257) in a training loop that uses the loss alone: Inductor
+    pads the weight's columns to 50264 before the graph is partitioned, and the forward saves
+    the padded product for its backward; the region writes it whole (its padded columns
+    zeroed) with the loss, and the loss and every gradient (one vector) are eager's."""
+    from comfuse import inductor_pass
+    torch._dynamo.reset()
+    inductor_pass.REPORTS.clear()
+    torch.manual_seed(0)
+    lm = torch.nn.Linear(768, 50257, bias=False, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(8192, 768, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    t = torch.randint(0, 50257, (8192, ), device="cuda")
+
+    def fn(x, t):
+        return torch.nn.functional.cross_entropy(lm(x).float(), t)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", comfuse.ComfuseWarning)
+        loss = torch.compile(fn, backend="comfuse", options={"schedule": schedule, "autotune": "0"})(x, t)
+        loss.backward()
+    got = torch.cat([x.grad.flatten(), lm.weight.grad.flatten()]).double()
+    x.grad = None
+    lm.zero_grad()
+    ref = fn(x, t)
+    ref.backward()
+    want = torch.cat([x.grad.flatten(), lm.weight.grad.flatten()]).double()
+    forward = [r for rep in inductor_pass.REPORTS if rep.function.startswith("forward") for r in rep.regions]
+    assert [(r.fused, r.schedule) for r in forward] == [(True, schedule)], inductor_pass.REPORTS
+    assert "mm" in forward[0].outputs, inductor_pass.REPORTS  # (the padded product, saved whole)
+    torch.testing.assert_close(loss.float(), ref.float(), rtol=1e-3, atol=1e-3)
+    assert ((got - want).norm() / want.norm()).item() < 2e-2
+
 def test_linear_cross_entropy_trains_through_the_backend_with_the_template_forced():
     """Linear + cross-entropy under torch.compile(backend="comfuse") with the template's
     log-sum-exp kind forced: Inductor's backward needs the logits and their statistics; the
