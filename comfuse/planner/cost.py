@@ -62,7 +62,16 @@ MEASURED_CLASSES = {
     # GPT-2's MLP up projection with its GELU (8192 x 768 x 3072; training and inference graphs;
     # an H100, 2026-12-06: bench/results/2026-12-06-h100-region-replay/): 2.7-3.0 s of tuning a graph
     "tile/single/17/flat": {"354d29f4bd9b5fab": 1.0307, "c029c7d73c5b9adc": 1.3821},
-    "tile/single/19/deep": {"1503987c2a4fc3e4": 0.8996},  # the decoder's weight gradient (30522 x 768 x 16384)
+    # weight gradients into an LM head's vocabulary with their epilogue (BERT's decoder, 30522 x
+    # 768 x 16384; GPT-2's tied head, 50257 x 768 x 8192): an H100, 2026-12-07,
+    # bench/results/2026-12-07-h100-region-inputs-and-bias/ and 2026-12-07-h100-swiglu-class/
+    # (BERT's 0.90 on the H200 on 2026-12-05 timed ops Inductor had not padded, as the graph does)
+    "tile/single/19/deep": {"bert-decoder-wgrad-h100-a": 1.8861, "bert-decoder-wgrad-h100-b": 1.7995,
+                            "gpt2-head-wgrad-h100-a": 1.5333, "gpt2-head-wgrad-h100-b": 1.5226},
+    # GELU's backward after dY @ W2 and the bias gradient's column sum, the derivative computed in
+    # the region (GPT-2's 8192 x 3072 x 768, BERT's 16384 x 3072 x 768; the same runs)
+    "split/single/17/flat": {"gpt2-gelu-backward-h100-a": 1.1059, "gpt2-gelu-backward-h100-b": 1.0773},
+    "split/single/18/flat": {"bert-gelu-backward-h100-a": 1.2025, "bert-gelu-backward-h100-b": 1.1770},
     # LM heads with their loss that return the logits (GPT-2's 8192 x 768 x 50257, Llama's
     # 8192 x 2048 x 32000; training and inference graphs; H100 and H200, 2026-12-05:
     # bench/results/2026-12-05-gpt2-head-padded/, 2026-12-05-h100-lm-head-logits/llama-run1/)
@@ -113,8 +122,8 @@ def plan_class(plan: Plan) -> str:
     the GEMM is batched or has a second product, its size within a factor of 4 (B * M * N * K), and its shape: deep
     (K at least the smaller side of its output: few output tiles, each with a long mainloop,
     as in a weight gradient) or flat. A weight gradient and a forward GEMM of the same size
-    fare differently against cuBLAS (the decoder's weight gradient won at 0.90 of its ops'
-    time, the 8B block's MLP GEMMs of that size lost at 1.11-1.15)."""
+    fare differently against cuBLAS (LM heads' weight gradients at 1.52-1.89 of their ops'
+    time, the 8B block's MLP GEMMs of that size at 1.11-1.15)."""
     r, s = plan.region, plan.region.sizes
     work = max(s.B * s.M * s.N * s.K, 1)
     shape = "deep" if s.K >= min(s.M, s.N) else "flat"
