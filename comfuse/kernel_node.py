@@ -220,7 +220,7 @@ def launch_from_inductor(graph: fx.Graph, call: fx.Node, module, ext_nodes: list
     from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table, triton_kernel_wrapper_functional
     if not isinstance(module, FusedRegion):
         return why_not_launched(module, torch.device("cpu"))
-    if any(module.out_columns):
+    if module.saves_padded:
         return "it saves a padded product whole, whose padded columns the operator zeroes"
     padded = next((n for n in ext_nodes if padded_by_inductor(n) is not None), None)
     if padded is not None:

@@ -543,15 +543,32 @@ def test_gpt2s_head_behind_inductors_padding_runs_on_the_template_with_a_partial
     torch.testing.assert_close(loss.float(), want.float(), rtol=1e-3, atol=1e-3)
 
 
+def _head_trained_through_the_backend(fn, lm, x, t, schedule: str) -> tuple:
+    """``fn(x, t)`` (a loss through ``lm``) trained once through the backend with ``schedule``
+    forced, then eagerly: (comfuse's loss, eager's, comfuse's gradients of x and lm's weight,
+    eager's, the forward graphs' region reports)."""
+    from comfuse import inductor_pass
+    torch._dynamo.reset()
+    inductor_pass.REPORTS.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", comfuse.ComfuseWarning)
+        loss = torch.compile(fn, backend="comfuse", options={"schedule": schedule, "autotune": "0"})(x, t)
+        loss.backward()
+    got = [x.grad.clone(), lm.weight.grad.clone()]
+    x.grad = None
+    lm.zero_grad()
+    ref = fn(x, t)
+    ref.backward()
+    forward = [r for rep in inductor_pass.REPORTS if rep.function.startswith("forward") for r in rep.regions]
+    return loss, ref, got, [x.grad, lm.weight.grad], forward
+
+
 @pytest.mark.parametrize("schedule", ["ws_split", "split"])
 def test_gpt2s_head_trains_fused_with_the_loss_alone_behind_inductors_padding(schedule):
     """GPT-2's LM head (vocabulary 50257) in a training loop that uses the loss alone: Inductor
     pads the weight's columns to 50264 before the graph is partitioned, and the forward saves
     the padded product for its backward; the region writes it whole (its padded columns
     zeroed) with the loss, and the loss and every gradient (one vector) are eager's."""
-    from comfuse import inductor_pass
-    torch._dynamo.reset()
-    inductor_pass.REPORTS.clear()
     torch.manual_seed(0)
     lm = torch.nn.Linear(768, 50257, bias=False, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(8192, 768, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -559,21 +576,13 @@ def test_gpt2s_head_trains_fused_with_the_loss_alone_behind_inductors_padding(sc
 
     def fn(x, t):
         return torch.nn.functional.cross_entropy(lm(x).float(), t)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", comfuse.ComfuseWarning)
-        loss = torch.compile(fn, backend="comfuse", options={"schedule": schedule, "autotune": "0"})(x, t)
-        loss.backward()
-    got = torch.cat([x.grad.flatten(), lm.weight.grad.flatten()]).double()
-    x.grad = None
-    lm.zero_grad()
-    ref = fn(x, t)
-    ref.backward()
-    want = torch.cat([x.grad.flatten(), lm.weight.grad.flatten()]).double()
-    forward = [r for rep in inductor_pass.REPORTS if rep.function.startswith("forward") for r in rep.regions]
-    assert [(r.fused, r.schedule) for r in forward] == [(True, schedule)], inductor_pass.REPORTS
-    assert "mm" in forward[0].outputs, inductor_pass.REPORTS  # (the padded product, saved whole)
+    loss, ref, got, want, forward = _head_trained_through_the_backend(fn, lm, x, t, schedule)
+    assert [(r.fused, r.schedule) for r in forward] == [(True, schedule)], forward
+    assert "mm" in forward[0].outputs, forward  # (the padded product, saved whole)
     torch.testing.assert_close(loss.float(), ref.float(), rtol=1e-3, atol=1e-3)
+    got, want = (torch.cat([g.flatten() for g in gs]).double() for gs in (got, want))
     assert ((got - want).norm() / want.norm()).item() < 2e-2
+
 
 def test_linear_cross_entropy_trains_through_the_backend_with_the_template_forced():
     """Linear + cross-entropy under torch.compile(backend="comfuse") with the template's
@@ -581,9 +590,6 @@ def test_linear_cross_entropy_trains_through_the_backend_with_the_template_force
     training forward's region is the template writing the logits too, or where what the
     backward saves is more than that, runs its ops (with the reason); the gradients are
     eager's."""
-    from comfuse import inductor_pass
-    torch._dynamo.reset()
-    inductor_pass.REPORTS.clear()
     torch.manual_seed(0)
     lm = torch.nn.Linear(1024, 32768, bias=False, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(2048, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -592,21 +598,12 @@ def test_linear_cross_entropy_trains_through_the_backend_with_the_template_force
 
     def fn(x, t):
         return torch.nn.functional.cross_entropy(lm(x), t)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", comfuse.ComfuseWarning)
-        loss = torch.compile(fn, backend="comfuse", options={"schedule": "ws_split", "autotune": "0"})(x, t)
-        loss.backward()
-    gx, gw = x.grad.clone(), lm.weight.grad.clone()
-    x.grad = None
-    lm.zero_grad()
-    ref = fn(x, t)
-    ref.backward()
-    forward = [r for rep in inductor_pass.REPORTS if rep.function.startswith("forward") for r in rep.regions]
+    loss, ref, got, want, forward = _head_trained_through_the_backend(fn, lm, x, t, "ws_split")
     assert forward and all((r.fused and r.schedule == "ws_split") or (not r.fused and r.reason) for r in forward), \
-        inductor_pass.REPORTS
+        forward
     torch.testing.assert_close(loss.float(), ref.float(), rtol=2e-2, atol=1e-2)
-    for got, want in ((gx, x.grad), (gw, lm.weight.grad)):
-        err = ((got.double() - want.double()).norm() / want.double().norm()).item()
+    for g, w in zip(got, want):
+        err = ((g.double() - w.double()).norm() / w.double().norm()).item()
         assert err < 2e-2, err
 
 

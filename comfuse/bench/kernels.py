@@ -38,8 +38,9 @@ def host_us(call, calls: int = 5) -> dict:
 
 def regions_by_graph() -> list:
     """Per graph Inductor lowered in this process (the last 16): fused/found regions, why the
-    others stayed unfused (reason -> their anchors), who launches them, their schedules, and the sum of the fused regions' autotuned ms minus their
-    unfused ops' ms (what they should save inside the model)."""
+    others stayed unfused (reason -> their anchors), who launches them, their schedules, and
+    the sum of the fused regions' autotuned ms minus their unfused ops' ms (what they should
+    save inside the model)."""
     from .. import inductor_pass
     rows = []
     for r in inductor_pass.REPORTS:

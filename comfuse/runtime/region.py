@@ -28,6 +28,7 @@ class FusedRegion(Fused):
         self.out_shapes = [ob.shape for ob in cand.outputs]
         # (per output, the columns the kernel writes of a padded product saved whole; 0: all)
         self.out_columns = [ob.columns for ob in cand.outputs]
+        self.saves_padded = any(self.out_columns)
         self.plan = plan
         self.alternatives = list(alternatives) or [plan]  # candidate plans for autotuning
         self.region = cand.region  # as found (original orientation)
@@ -155,21 +156,24 @@ class FusedRegion(Fused):
                           [t.transpose(1, 2) for t in outs])
         else:
             kernel.launch(a3, b3, ins, outs)
-        for r, c in zip(results, self.out_columns):
-            if c:  # (a padded product's columns past the region's are zeros, as the GEMM made them)
-                r.narrow(-1, c, r.shape[-1] - c).zero_()
+        if self.saves_padded:  # (a padded product's columns past the region's are zeros, as the GEMM made them)
+            for r, c in zip(results, self.out_columns):
+                if c:
+                    r.narrow(-1, c, r.shape[-1] - c).zero_()
         if check:
             self.check(a3, b3, ins, outs, kernel)
         return tuple(results)
 
     def written(self, results) -> list:
         """What the kernel writes of each output: all of it, or a padded product's first columns."""
+        if not self.saves_padded:
+            return results
         return [r.narrow(-1, 0, c) if c else r for r, c in zip(results, self.out_columns)]
 
     def settled(self, device, settings) -> bool:
         """Not where a padded product is saved: zeroing its padded columns is no launch of the
         kernel's, which is all a replay repeats."""
-        return not any(self.out_columns) and super().settled(device, settings)
+        return not self.saves_padded and super().settled(device, settings)
 
     def check(self, a3, b3, ins, outs, kernel) -> None:
         refs, scales = evaluate_with_scale(self.region, a3, b3, ins)
