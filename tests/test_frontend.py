@@ -286,3 +286,26 @@ def test_a_gathers_index_computed_for_it_alone_stays_a_side_input():
     names = {m.name for m in cand.members}
     assert "gather" in names and "where_1" in names, cand.notes  # (where_1: the loss's, after the gather)
     assert not {"where", "unsqueeze"} & names, names  # (the index's)
+
+
+def test_a_graph_retraced_keeps_each_nodes_origin_for_inductors_kernel_names():
+    # (Inductor names its kernels after the aten ops their nodes came from, and profiles show
+    # those names: a graph comfuse hands back must keep them, decomposed composites included)
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, w, g, b):
+        return F.layer_norm(x @ w, (8,), g, b), torch.sigmoid(x).sum()
+    args = (randn(4, 8), randn(8, 8), randn(8), randn(8))
+    given = make_fx(f)(*args)
+    for node in given.graph.nodes:
+        if node.op == "call_function":
+            node.meta.update(original_aten=node.target, stack_trace=f"line of {node.name}")
+    gm = capture(given, args)
+    ops = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert any(n.target == torch.ops.aten.sigmoid.default for n in ops)
+    assert len(ops) > 5  # (layer_norm decomposed after the GEMM)
+    for node in ops:
+        assert node.meta.get("stack_trace", "").startswith("line of "), node
+        assert isinstance(node.meta.get("original_aten"), torch._ops.OpOverload), node
+    sigmoid = next(n for n in ops if n.target == torch.ops.aten.sigmoid.default)
+    assert str(sigmoid.meta["original_aten"]) == "aten.sigmoid.default"

@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 
 import torch
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
@@ -35,10 +36,20 @@ def _portable_attention():
         return contextlib.nullcontext()
 
 
+def _node_by_node(fn: Callable) -> Callable:
+    """``fn``, run node by node where it is a graph, so that each node traced from one of its
+    nodes takes that node's metadata (``preserve_node_meta``): the aten op it came from, its
+    source line and module. Inductor names its kernels after those ops and profiles show
+    them; a graph retraced without them would give its kernels bare names."""
+    if not isinstance(fn, fx.GraphModule):
+        return fn
+    return lambda *args: fx.Interpreter(fn).run(*args)
+
+
 def capture(fn: Callable, example_inputs: Sequence) -> fx.GraphModule:
     try:
-        with _portable_attention():
-            gm = make_fx(torch.func.functionalize(fn, remove="mutations"), tracing_mode="fake",
+        with _portable_attention(), fx_traceback.preserve_node_meta():
+            gm = make_fx(torch.func.functionalize(_node_by_node(fn), remove="mutations"), tracing_mode="fake",
                          _allow_non_fake_inputs=True)(*example_inputs)
         decompose_after_gemms(gm)
     except Exception as e:  # tracing can fail in many ways: data-dependent control flow, ...
@@ -110,6 +121,9 @@ def _inline_decomposition(graph: fx.Graph, node: fx.Node, decomposition) -> None
                 result = tree_map(lambda a: env[a] if isinstance(a, fx.Node) else a, sn.args[0])
             else:
                 env[sn] = graph.node_copy(sn, lambda a: env[a])
+                for field, value in node.meta.items():  # (the composite op's origin and source)
+                    if field not in ("val", "tensor_meta"):
+                        env[sn].meta.setdefault(field, value)
     if isinstance(result, (list, tuple)):
         for user in list(node.users):
             if user.op == "call_function" and user.target is operator.getitem:

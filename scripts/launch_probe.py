@@ -1,0 +1,146 @@
+"""Does comfuse's work in a process make Inductor's launches in it slower?
+
+One process: an Inductor-compiled pointwise function, a bare Triton kernel and an Inductor-
+compiled GPT-2 (``LP_LAYERS`` layers, 8 x 1024, bf16) are built first; their host time a call
+is measured at each stage: at the start, after importing comfuse, after a copy of the model
+trained two steps through the backend (autotuning, compile workers, whole-graph checks),
+after ``gc.freeze()``, and after the compile workers stop. Wall time a call of the small
+functions (back-to-back calls, the GPU idle: host-bound), the profiler's median host time of
+each of GPT-2's Inductor launches in a training step, and the step's wall time. One JSON line
+a stage to stdout and $OUT/launch_probe.jsonl, then a table.
+
+    python scripts/launch_probe.py
+"""
+import cProfile
+import gc
+import json
+import os
+import pstats
+import statistics
+import threading
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+LAYERS = int(os.environ.get("LP_LAYERS", "4"))
+DRY = os.environ.get("LP_DRY") == "1"  # (a dry run of the script on a CPU: a small model, nothing timed that counts)
+DEVICE = "cpu" if DRY else "cuda"
+if DRY:
+    torch.cuda.synchronize = lambda *a: None
+OUT = os.environ.get("OUT", "/tmp")
+
+
+@triton.jit
+def _twice(x_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * 2, mask=offs < n)
+
+
+def per_call_us(fn, calls=30 if DRY else 3000):
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - began) / calls * 1e6
+
+
+def main():
+    from comfuse.bench import models
+    from comfuse.bench.kernels import host_us
+    torch.manual_seed(0)
+    small = torch.randn(1024, device=DEVICE)
+    pointwise = torch.compile(lambda x: (x * 2 + 1).relu())
+    model, batch, seq, inputs = models.build("gpt2", LAYERS, small=DRY, device=DEVICE)
+    model = model.to(DEVICE, torch.float32 if DRY else torch.bfloat16)
+    batch, seq = (2, 32) if DRY else (batch, seq)
+    kwargs = inputs(batch, seq)
+    inductor_model = torch.compile(model)
+
+    def step(fn):
+        def run():
+            fn(**kwargs).loss.backward()
+        return run
+    ind_step = step(inductor_model)
+    ind_step()
+    model.zero_grad(set_to_none=True)
+    rows = []
+
+    gc_time = {"ms": 0.0, "collections": [0, 0, 0], "began": 0.0}
+
+    def on_gc(phase, info):
+        if phase == "start":
+            gc_time["began"] = time.perf_counter()
+        else:
+            gc_time["ms"] += (time.perf_counter() - gc_time["began"]) * 1e3
+            gc_time["collections"][info["generation"]] += 1
+    gc.callbacks.append(on_gc)
+
+    def stage(name):
+        wall = []
+        gc_time.update(ms=0.0, collections=[0, 0, 0])
+        for _ in range(3):
+            torch.cuda.synchronize()
+            began = time.perf_counter()
+            for _ in range(5):
+                ind_step()
+            torch.cuda.synchronize()
+            wall.append((time.perf_counter() - began) / 5 * 1e3)
+        row = {"stage": name,
+               "pointwise_us": round(per_call_us(lambda: pointwise(small)), 2),
+               "triton_us": None if DRY else round(per_call_us(lambda: _twice[(1,)](small, 1024, BLOCK=1024)), 2),
+               "gpt2_step_ms": round(statistics.median(wall), 3),
+               "gc_ms_a_step": round(gc_time["ms"] / 15, 3), "gc_collections": list(gc_time["collections"]),
+               "gpt2_launch_host_us": host_us(ind_step, 3),
+               "threads": len(threading.enumerate()), "gc_objects": len(gc.get_objects())}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+
+    stage("start")
+    import comfuse  # noqa: F401
+    stage("comfuse imported")
+    copy, _, _, _ = models.build("gpt2", LAYERS, small=DRY, device=DEVICE)
+    copy = copy.to(DEVICE, torch.float32 if DRY else torch.bfloat16)
+    copy.load_state_dict(model.state_dict())
+    fused = torch.compile(copy, backend="comfuse")
+    fused_step = step(fused)
+    for _ in range(2):
+        fused_step()
+    stage("a copy trained through comfuse")
+    rows[-1]["comfuse_step_launch_host_us"] = host_us(fused_step, 3)
+    print(json.dumps({"comfuse_step_launch_host_us": rows[-1]["comfuse_step_launch_host_us"]}), flush=True)
+    for label, fn in (("inductor", ind_step), ("comfuse", fused_step)):
+        fn()
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        prof.disable()
+        with open(os.path.join(OUT, f"pyprofile-{label}.txt"), "w") as f:
+            pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(45)
+            pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(60)
+    gc.collect()
+    gc.freeze()
+    stage("gc frozen")
+    from comfuse.runtime import workers
+    for w in workers._pool:
+        w.stop()
+    time.sleep(2)
+    stage("compile workers stopped")
+    with open(os.path.join(OUT, "launch_probe.jsonl"), "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    print(f"\n{'stage':34} {'pointwise us':>12} {'triton us':>10} {'step ms':>8} {'gc ms':>6}  launch host us")
+    for r in rows:
+        print(f"{r['stage']:34} {r['pointwise_us']:12} {str(r['triton_us']):>10} {r['gpt2_step_ms']:8} {r['gc_ms_a_step']:6}  "
+              f"{r['gpt2_launch_host_us']}")
+
+
+if __name__ == "__main__":
+    main()
