@@ -6,10 +6,14 @@ is measured at each stage: at the start, after importing comfuse, after a copy o
 trained two steps through the backend (autotuning, compile workers, whole-graph checks),
 after ``gc.freeze()``, and after the compile workers stop. Wall time a call of the small
 functions (back-to-back calls, the GPU idle: host-bound), the profiler's median host time of
-each of GPT-2's Inductor launches in a training step, and the step's wall time. One JSON line
-a stage to stdout and $OUT/launch_probe.jsonl, then a table.
+each of GPT-2's Inductor launches in a training step, the step's wall time, and how the
+loaded Inductor kernels launch (static or Triton launchers). After the copy's training: the
+profiler's launch times of the copy's step, both models' steps timed in turn (wall, no
+profiler), and cProfile tables of five steps of each ($OUT/pyprofile-*.txt). One JSON line a
+stage to stdout and $OUT/launch_probe.jsonl, then a table.
 
-    python scripts/launch_probe.py
+    python scripts/launch_probe.py            # LP_LAYERS=2 for a shorter run
+    LP_DRY=1 LP_LAYERS=1 COMFUSE_AUTOTUNE=0 python scripts/launch_probe.py   # a dry run on a CPU
 """
 import cProfile
 import gc
@@ -17,13 +21,16 @@ import json
 import os
 import pstats
 import statistics
+import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 LAYERS = int(os.environ.get("LP_LAYERS", "4"))
 DRY = os.environ.get("LP_DRY") == "1"  # (a dry run of the script on a CPU: a small model, nothing timed that counts)
 DEVICE = "cpu" if DRY else "cuda"
@@ -38,7 +45,7 @@ def _twice(x_ptr, n, BLOCK: tl.constexpr):
     tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * 2, mask=offs < n)
 
 
-def per_call_us(fn, calls=30 if DRY else 3000):
+def per_call_us(fn, calls=3000):
     for _ in range(50):
         fn()
     torch.cuda.synchronize()
@@ -47,6 +54,26 @@ def per_call_us(fn, calls=30 if DRY else 3000):
         fn()
     torch.cuda.synchronize()
     return (time.perf_counter() - began) / calls * 1e6
+
+
+def kernel_kinds() -> dict:
+    """How the Inductor kernels loaded in this process launch: (compile result type, launcher
+    name, its binary's type) -> count, over every generated module's CachingAutotuners."""
+    from collections import Counter
+
+    from torch._inductor.codecache import PyCodeCache
+    from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+    modules = PyCodeCache.modules
+    modules = modules.values() if isinstance(modules, dict) else modules
+    kinds = Counter()
+    for module in list(modules):
+        for value in list(vars(module).values()):
+            if isinstance(value, CachingAutotuner):
+                results = getattr(value, "compile_results", None) or [None]
+                launcher = value.launchers[0] if value.launchers else None
+                kinds[f"{type(results[0]).__name__} / {getattr(launcher, '__qualname__', None)} / "
+                      f"{type(getattr(launcher, 'bin', None)).__name__} / {len(value.launchers)}"] += 1
+    return dict(kinds)
 
 
 def main():
@@ -80,23 +107,31 @@ def main():
             gc_time["collections"][info["generation"]] += 1
     gc.callbacks.append(on_gc)
 
-    def stage(name):
+    def step_ms(fn):
         wall = []
-        gc_time.update(ms=0.0, collections=[0, 0, 0])
         for _ in range(3):
             torch.cuda.synchronize()
             began = time.perf_counter()
             for _ in range(5):
-                ind_step()
+                fn()
             torch.cuda.synchronize()
             wall.append((time.perf_counter() - began) / 5 * 1e3)
+        return statistics.median(wall)
+
+    def stage(name):
+        gc_time.update(ms=0.0, collections=[0, 0, 0])
+        ind_ms = step_ms(ind_step)
         row = {"stage": name,
                "pointwise_us": round(per_call_us(lambda: pointwise(small)), 2),
                "triton_us": None if DRY else round(per_call_us(lambda: _twice[(1,)](small, 1024, BLOCK=1024)), 2),
-               "gpt2_step_ms": round(statistics.median(wall), 3),
+               "gpt2_step_ms": round(ind_ms, 3),
                "gc_ms_a_step": round(gc_time["ms"] / 15, 3), "gc_collections": list(gc_time["collections"]),
                "gpt2_launch_host_us": host_us(ind_step, 3),
                "threads": len(threading.enumerate()), "gc_objects": len(gc.get_objects())}
+        try:
+            row["kernel_kinds"] = kernel_kinds()
+        except Exception as e:
+            row["kernel_kinds"] = f"{type(e).__name__}: {e}"
         print(json.dumps(row), flush=True)
         rows.append(row)
 
@@ -112,7 +147,9 @@ def main():
         fused_step()
     stage("a copy trained through comfuse")
     rows[-1]["comfuse_step_launch_host_us"] = host_us(fused_step, 3)
-    print(json.dumps({"comfuse_step_launch_host_us": rows[-1]["comfuse_step_launch_host_us"]}), flush=True)
+    # the two models' steps in turn, in this process: wall ms (host time included, no profiler)
+    rows[-1]["steps_in_turn_ms"] = [(round(step_ms(ind_step), 3), round(step_ms(fused_step), 3)) for _ in range(3)]
+    print(json.dumps({k: rows[-1][k] for k in ("comfuse_step_launch_host_us", "steps_in_turn_ms")}), flush=True)
     for label, fn in (("inductor", ind_step), ("comfuse", fused_step)):
         fn()
         torch.cuda.synchronize()
