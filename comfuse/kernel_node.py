@@ -221,7 +221,7 @@ def launch_from_inductor(graph: fx.Graph, call: fx.Node, module, ext_nodes: list
     if not isinstance(module, FusedRegion):
         return why_not_launched(module, torch.device("cpu"))
     if module.saves_padded:
-        return "it saves a padded product whole, whose padded columns the operator zeroes"
+        return "it saves a padded product whole, whose padded columns the operator zeroes with a launch of its own"
     padded = next((n for n in ext_nodes if padded_by_inductor(n) is not None), None)
     if padded is not None:
         return f"Inductor pads the rows of {padded.name} for alignment; the operator takes them as laid out"

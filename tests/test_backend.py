@@ -1505,3 +1505,21 @@ def test_a_region_running_its_ops_lays_out_wide_rows_as_its_kernel_does(fallback
     assert fallback == "disabled" or any("launch failed" in str(x.message) for x in seen)
     torch.testing.assert_close(got[0], want[0])
     torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape,first", [((5, 3, 12), 9), ((70, 8), 1), ((6,), 4), ((2, 1, 4, 40), 3)])
+def test_a_padded_products_columns_are_zeroed_by_a_launch_of_their_own(shape, first):
+    """The padded columns of a product a region writes whole are zeroed by a bound kernel (so a
+    replay repeats it with the region's launches): exactly those columns, whatever the leading
+    dimensions, and a view whose rows have no single stride by the tensor's own method."""
+    from comfuse.runtime.pad_columns import zero_columns
+    t = torch.randn(shape, device=DEVICE)
+    want = t.clone()
+    want[..., first:] = 0
+    zero_columns(t, first)
+    assert torch.equal(t, want)
+    strided = torch.randn(4, 6, 10, device=DEVICE).transpose(0, 1)  # (rows at two strides)
+    want = strided.clone()
+    want[..., first % 10:] = 0
+    zero_columns(strided, first % 10)
+    assert torch.equal(strided, want)

@@ -543,17 +543,24 @@ def test_gpt2s_head_behind_inductors_padding_runs_on_the_template_with_a_partial
     torch.testing.assert_close(loss.float(), want.float(), rtol=1e-3, atol=1e-3)
 
 
-def _head_trained_through_the_backend(fn, lm, x, t, schedule: str) -> tuple:
-    """``fn(x, t)`` (a loss through ``lm``) trained once through the backend with ``schedule``
-    forced, then eagerly: (comfuse's loss, eager's, comfuse's gradients of x and lm's weight,
-    eager's, the forward graphs' region reports)."""
+def _head_trained_through_the_backend(fn, lm, x, t, schedule: str, steps: int = 1) -> tuple:
+    """``fn(x, t)`` (a loss through ``lm``) trained ``steps`` times through the backend with
+    ``schedule`` forced (gradients of the last step kept), then eagerly: (comfuse's loss,
+    eager's, comfuse's gradients of x and lm's weight, eager's, the forward graphs' region
+    reports)."""
     from comfuse import inductor_pass
     torch._dynamo.reset()
     inductor_pass.REPORTS.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", comfuse.ComfuseWarning)
-        loss = torch.compile(fn, backend="comfuse", options={"schedule": schedule, "autotune": "0"})(x, t)
-        loss.backward()
+        # (the whole-graph check off: the fused graph runs, whatever its time against Inductor's)
+        compiled = torch.compile(fn, backend="comfuse", options={"schedule": schedule, "autotune": "0",
+                                                                  "graph_check": "0"})
+        for _ in range(steps):
+            x.grad = None
+            lm.zero_grad()
+            loss = compiled(x, t)
+            loss.backward()
     got = [x.grad.clone(), lm.weight.grad.clone()]
     x.grad = None
     lm.zero_grad()
@@ -579,6 +586,27 @@ def test_gpt2s_head_trains_fused_with_the_loss_alone_behind_inductors_padding(sc
     loss, ref, got, want, forward = _head_trained_through_the_backend(fn, lm, x, t, schedule)
     assert [(r.fused, r.schedule) for r in forward] == [(True, schedule)], forward
     assert "mm" in forward[0].outputs, forward  # (the padded product, saved whole)
+    torch.testing.assert_close(loss.float(), ref.float(), rtol=1e-3, atol=1e-3)
+    got, want = (torch.cat([g.flatten() for g in gs]).double() for gs in (got, want))
+    assert ((got - want).norm() / want.norm()).item() < 2e-2
+
+
+def test_gpt2s_padded_head_is_replayed_with_its_padded_columns_zeroed():
+    """The same head over six steps: once settled, the region's calls are replayed, the
+    zeroing of the padded columns among the replayed launches, and the last step's loss and
+    gradients are still eager's."""
+    from comfuse import region_op
+    from comfuse.runtime.replay import Replay
+    torch.manual_seed(0)
+    lm = torch.nn.Linear(768, 50257, bias=False, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(8192, 768, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    t = torch.randint(0, 50257, (8192, ), device="cuda")
+
+    def fn(x, t):
+        return torch.nn.functional.cross_entropy(lm(x).float(), t)
+    loss, ref, got, want, forward = _head_trained_through_the_backend(fn, lm, x, t, "ws_split", steps=6)
+    padded = [m for m, _ in region_op.REGISTRY.values() if getattr(m, "saves_padded", False)]
+    assert padded and any(m.__dict__.get("_replay").__class__ is Replay for m in padded), padded
     torch.testing.assert_close(loss.float(), ref.float(), rtol=1e-3, atol=1e-3)
     got, want = (torch.cat([g.flatten() for g in gs]).double() for gs in (got, want))
     assert ((got - want).norm() / want.norm()).item() < 2e-2
