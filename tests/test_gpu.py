@@ -570,12 +570,8 @@ def _head_trained_through_the_backend(fn, lm, x, t, schedule: str, steps: int = 
     return loss, ref, got, [x.grad, lm.weight.grad], forward
 
 
-@pytest.mark.parametrize("schedule", ["ws_split", "split"])
-def test_gpt2s_head_trains_fused_with_the_loss_alone_behind_inductors_padding(schedule):
-    """GPT-2's LM head (vocabulary 50257) in a training loop that uses the loss alone: Inductor
-    pads the weight's columns to 50264 before the graph is partitioned, and the forward saves
-    the padded product for its backward; the region writes it whole (its padded columns
-    zeroed) with the loss, and the loss and every gradient (one vector) are eager's."""
+def _gpt2s_head() -> tuple:
+    """(a loss through GPT-2's LM head, the head, 8192 tokens' hidden states, their targets)."""
     torch.manual_seed(0)
     lm = torch.nn.Linear(768, 50257, bias=False, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(8192, 768, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -583,7 +579,16 @@ def test_gpt2s_head_trains_fused_with_the_loss_alone_behind_inductors_padding(sc
 
     def fn(x, t):
         return torch.nn.functional.cross_entropy(lm(x).float(), t)
-    loss, ref, got, want, forward = _head_trained_through_the_backend(fn, lm, x, t, schedule)
+    return fn, lm, x, t
+
+
+@pytest.mark.parametrize("schedule", ["ws_split", "split"])
+def test_gpt2s_head_trains_fused_with_the_loss_alone_behind_inductors_padding(schedule):
+    """GPT-2's LM head (vocabulary 50257) in a training loop that uses the loss alone: Inductor
+    pads the weight's columns to 50264 before the graph is partitioned, and the forward saves
+    the padded product for its backward; the region writes it whole (its padded columns
+    zeroed) with the loss, and the loss and every gradient (one vector) are eager's."""
+    loss, ref, got, want, forward = _head_trained_through_the_backend(*_gpt2s_head(), schedule)
     assert [(r.fused, r.schedule) for r in forward] == [(True, schedule)], forward
     assert "mm" in forward[0].outputs, forward  # (the padded product, saved whole)
     torch.testing.assert_close(loss.float(), ref.float(), rtol=1e-3, atol=1e-3)
@@ -597,14 +602,7 @@ def test_gpt2s_padded_head_is_replayed_with_its_padded_columns_zeroed():
     gradients are still eager's."""
     from comfuse import region_op
     from comfuse.runtime.replay import Replay
-    torch.manual_seed(0)
-    lm = torch.nn.Linear(768, 50257, bias=False, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(8192, 768, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    t = torch.randint(0, 50257, (8192, ), device="cuda")
-
-    def fn(x, t):
-        return torch.nn.functional.cross_entropy(lm(x).float(), t)
-    loss, ref, got, want, forward = _head_trained_through_the_backend(fn, lm, x, t, "ws_split", steps=6)
+    loss, ref, got, want, forward = _head_trained_through_the_backend(*_gpt2s_head(), "ws_split", steps=6)
     padded = [m for m, _ in region_op.REGISTRY.values() if getattr(m, "saves_padded", False)]
     assert padded and any(m.__dict__.get("_replay").__class__ is Replay for m in padded), padded
     torch.testing.assert_close(loss.float(), ref.float(), rtol=1e-3, atol=1e-3)
