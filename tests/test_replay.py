@@ -64,7 +64,7 @@ class Region(torch.nn.Module):
         if self.how == "copy":  # a copy made for the call: not replayable
             x = x.clone()
         if self.how == "jit":  # a launch through the JIT: not replayable
-            launch._unrecorded()
+            launch.unrecorded()
         scale = float(self.calls) if self.how == "counter" else 2.0  # a value that changes per call
         first = Descriptor(x, (4,)) if self.how == "descriptor" else x
         if self.how == "held descriptor":

@@ -67,11 +67,11 @@ def launch_direct(fn, grid, args: list, options: dict, fresh: set):
     calls with the same layout skip the JIT's argument binding and specialisation (about
     half the Python time of a launch). The layout must include each tensor's 16-byte
     alignment, which Triton specialises on."""
-    _unrecorded()
+    unrecorded()
     compiled = fn[grid](*args, **options)
     names = fn.arg_names[len(args):]
     if compiled is None or any(n not in options for n in names):  # pragma: no cover
-        run = lambda *a: _unrecorded() or fn[grid](*a, **options)  # noqa: E731
+        run = lambda *a: unrecorded() or fn[grid](*a, **options)  # noqa: E731
         full = list(args)
     else:
         run = _recorded(compiled[(*grid, 1, 1)[:3]])  # (its launcher takes three grid sizes)
@@ -107,8 +107,9 @@ def _recorded(run):
     return launch
 
 
-def _unrecorded() -> None:
-    """A launch through Triton's JIT: this thread's recording cannot be replayed."""
+def unrecorded() -> None:
+    """A launch that is not a bound one (Triton's JIT, a tensor op): this thread's recording
+    cannot be replayed."""
     launches = getattr(_thread, "launches", None)
     if launches is not None:
         launches.append(None)

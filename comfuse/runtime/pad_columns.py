@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import filled, interpreting, launch_direct, layout_key, _unrecorded
+from .launch import filled, interpreting, launch_direct, layout_key, unrecorded
 
 BLOCK_ROWS = 64
 
@@ -49,7 +49,7 @@ def zero_columns(t: torch.Tensor, first: int) -> None:
     if width <= 0 or t.numel() == 0:
         return
     if shape is None:  # (no single row stride: not a bound launch, so a call that does this is not replayed)
-        _unrecorded()
+        unrecorded()
         t.narrow(-1, first, width).zero_()
         return
     rows, row_stride = shape
