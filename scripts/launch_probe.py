@@ -9,7 +9,8 @@ functions (back-to-back calls, the GPU idle: host-bound), the profiler's median 
 each of GPT-2's Inductor launches in a training step, the step's wall time, and how the
 loaded Inductor kernels launch (static or Triton launchers). After the copy's training: the
 profiler's launch times of the copy's step, both models' steps timed in turn (wall, no
-profiler), and cProfile tables of five steps of each ($OUT/pyprofile-*.txt). One JSON line a
+profiler), cProfile tables of five steps of each ($OUT/pyprofile-*.txt) and a profiler
+timeline of two steps of each ($OUT/trace-*.json). One JSON line a
 stage to stdout and $OUT/launch_probe.jsonl, then a table.
 
     python scripts/launch_probe.py            # LP_LAYERS=2 for a shorter run
@@ -162,6 +163,13 @@ def main():
         with open(os.path.join(OUT, f"pyprofile-{label}.txt"), "w") as f:
             pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(45)
             pstats.Stats(prof, stream=f).sort_stats("cumulative").print_stats(60)
+        if not DRY:  # (a timeline of two steps: where the GPU waits on the host)
+            activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            with torch.profiler.profile(activities=activities) as trace:
+                for _ in range(2):
+                    fn()
+                torch.cuda.synchronize()
+            trace.export_chrome_trace(os.path.join(OUT, f"trace-{label}.json"))
     gc.collect()
     gc.freeze()
     stage("gc frozen")
