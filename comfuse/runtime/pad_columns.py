@@ -45,9 +45,9 @@ def _rows(t: torch.Tensor):
 def zero_columns(t: torch.Tensor, first: int) -> None:
     """Zero ``t``'s last-dimension columns from ``first`` on, in place."""
     width = t.shape[-1] - first
-    shape = _rows(t)
     if width <= 0 or t.numel() == 0:
         return
+    shape = _rows(t)
     if shape is None:  # (no single row stride: not a bound launch, so a call that does this is not replayed)
         unrecorded()
         t.narrow(-1, first, width).zero_()
