@@ -278,3 +278,21 @@ def test_kept_memory_is_made_on_a_thread_of_its_own_for_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     kept.allocate("cuda:0", make)
     assert made_on[-1] is here
+
+
+@pytest.mark.parametrize("numel, shape, stride, offset", [
+    (12, (3, 4), (4, 1), 0),  # contiguous: the storage is the strides' extent
+    (12, (3, 4), (1, 3), 0),  # column-major
+    (16, (3, 4), (5, 1), 0),  # rows padded, the storage wider than the last row's end
+    (14, (3, 4), (4, 1), 2),  # a view into its storage
+    (15, (3, 4), (5, 1), 0),  # padded rows ending at the extent
+])
+def test_a_replay_allocates_each_output_as_recorded(numel, shape, stride, offset):
+    """Every output a replay allocates has the recorded shape, strides, offset, storage size,
+    dtype and device, by whichever allocation it takes."""
+    record = (numel, shape, stride, offset, torch.float16, torch.device("cpu"))
+    run = replay.Replay((torch.backends.cuda.matmul.allow_tf32, launch.layout_key([])), (record,), ())
+    (out,) = run([])
+    assert (tuple(out.shape), out.stride(), out.storage_offset(), out.dtype, out.device) == \
+        (shape, stride, offset, torch.float16, torch.device("cpu"))
+    assert out.untyped_storage().nbytes() == numel * 2
