@@ -3,7 +3,8 @@ launch left out (replaced by a no-op): what comfuse's Python and the dispatcher 
 Also, for the parts: ``settings.get()``, and one dispatch of an operator of the region's schema
 defined through ``torch.library.Library`` against one defined through ``torch.library.custom_op``.
 Runs on a CPU (a row-in-CTA region, LayerNorm after a 64 x 32 x 48 GEMM); medians of 7 rounds
-of 20000 calls, in microseconds.
+of 20000 calls, in microseconds. And a settled region's replayed call as Inductor's code makes
+it (``region_op.call``): five 64 x 64 tensors in, three outputs allocated, two launches (no-ops).
 
     python scripts/region_call_cost.py
 """
@@ -20,7 +21,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import comfuse  # noqa: E402
 from comfuse import settings  # noqa: E402
+from comfuse import region_op  # noqa: E402
 from comfuse.region_op import register  # noqa: E402
+from comfuse.runtime.launch import layout_key  # noqa: E402
+from comfuse.runtime.replay import Replay  # noqa: E402
 
 
 def per_call_us(fn, calls: int = 20000, rounds: int = 7) -> float:
@@ -32,6 +36,20 @@ def per_call_us(fn, calls: int = 20000, rounds: int = 7) -> float:
             fn()
         times.append((time.perf_counter() - t0) / calls * 1e6)
     return statistics.median(times)
+
+
+def replayed_call():
+    """A region call that replays: five tensors, three outputs, two launches that do nothing."""
+    class Region(torch.nn.Module):
+        pinned = ()
+    tensors = [torch.randn(64, 64) for _ in range(5)]
+    outputs = ((64 * 64, (64, 64), (64, 1), 0, torch.float32, torch.device("cpu")),) * 3
+    launch = (lambda *args: None, (None, None, None, 1, 2, 3, 4), ((0, 0, None), (1, 1, None), (2, 5, None)))
+    module = Region()
+    module.__dict__["_replay"] = Replay((torch.backends.cuda.matmul.allow_tf32, layout_key(tensors)), outputs,
+                                        (launch, launch), settings.get(()))
+    i = register(module, [True] * 5)
+    return lambda: region_op.call(i, tensors, [])
 
 
 def main() -> None:
@@ -59,6 +77,7 @@ def main() -> None:
             "region module's forward (launch left out)": per_call_us(lambda: region.forward(x, w, g)),
             "comfuse::region call (launch left out)": per_call_us(
                 lambda: torch.ops.comfuse.region(region_id, [x, w, g], [])),
+            "a replayed region call from Inductor's code (launches left out)": per_call_us(replayed_call()),
         }
     print(f"torch {torch.__version__}, python {sys.version.split()[0]}")
     print("| what | us a call |")
