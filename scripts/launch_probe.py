@@ -1,8 +1,10 @@
 """Does comfuse's work in a process make Inductor's launches in it slower?
 
-One process: an Inductor-compiled pointwise function, a bare Triton kernel and an Inductor-
-compiled GPT-2 (``LP_LAYERS`` layers, 8 x 1024, bf16) are built first; their host time a call
-is measured at each stage: at the start, after importing comfuse, after a copy of the model
+One process: an Inductor-compiled pointwise function, a bare Triton kernel, an in-place aten
+op and an Inductor-compiled GPT-2 (``LP_LAYERS`` layers, 8 x 1024, bf16) are built first;
+their host time a call is measured at each stage: at the start, at the start once more (the
+stages' drift, and what a first profiler session leaves behind), after 64 more Triton kernels
+are loaded, after importing comfuse, after a copy of the model
 trained two steps through the backend (autotuning, compile workers, whole-graph checks),
 after ``gc.freeze()``, and after the compile workers stop. Wall time a call of the small
 functions (back-to-back calls, the GPU idle: host-bound), the profiler's median host time of
@@ -46,6 +48,12 @@ def _twice(x_ptr, n, BLOCK: tl.constexpr):
     tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * 2, mask=offs < n)
 
 
+@triton.jit
+def _scaled(x_ptr, n, SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) * SCALE, mask=offs < n)
+
+
 def per_call_us(fn, calls=3000):
     for _ in range(50):
         fn()
@@ -82,6 +90,7 @@ def main():
     from comfuse.bench.kernels import host_us
     torch.manual_seed(0)
     small = torch.randn(1024, device=DEVICE)
+    other = torch.zeros(1024, device=DEVICE)
     pointwise = torch.compile(lambda x: (x * 2 + 1).relu())
     model, batch, seq, inputs = models.build("gpt2", LAYERS, small=DRY, device=DEVICE)
     model = model.to(DEVICE, torch.float32 if DRY else torch.bfloat16)
@@ -125,10 +134,12 @@ def main():
         row = {"stage": name,
                "pointwise_us": round(per_call_us(lambda: pointwise(small)), 2),
                "triton_us": None if DRY else round(per_call_us(lambda: _twice[(1,)](small, 1024, BLOCK=1024)), 2),
+               "aten_us": round(per_call_us(lambda: other.add_(1)), 2),
                "gpt2_step_ms": round(ind_ms, 3),
                "gc_ms_a_step": round(gc_time["ms"] / 15, 3), "gc_collections": list(gc_time["collections"]),
                "gpt2_launch_host_us": host_us(ind_step, 3),
-               "threads": len(threading.enumerate()), "gc_objects": len(gc.get_objects())}
+               "threads": len(threading.enumerate()), "gc_objects": len(gc.get_objects()),
+               "cuda_segments": None if DRY else torch.cuda.memory_stats().get("segment.all.current")}
         try:
             row["kernel_kinds"] = kernel_kinds()
         except Exception as e:
@@ -137,6 +148,12 @@ def main():
         rows.append(row)
 
     stage("start")
+    stage("start, once more")  # (drift, and what the first profiler session leaves behind)
+    if not DRY:  # (do loaded modules slow a launch? 64 more Triton kernels, each launched once)
+        for scale in range(3, 67):
+            _scaled[(1,)](other, 1024, SCALE=scale, BLOCK=1024)
+        torch.cuda.synchronize()
+        stage("64 more Triton kernels loaded")
     import comfuse  # noqa: F401
     stage("comfuse imported")
     copy, _, _, _ = models.build("gpt2", LAYERS, small=DRY, device=DEVICE)
@@ -181,10 +198,10 @@ def main():
     with open(os.path.join(OUT, "launch_probe.jsonl"), "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
-    print(f"\n{'stage':34} {'pointwise us':>12} {'triton us':>10} {'step ms':>8} {'gc ms':>6}  launch host us")
+    print(f"\n{'stage':34} {'pointwise us':>12} {'triton us':>10} {'aten us':>8} {'step ms':>8} {'gc ms':>6}  launch host us")
     for r in rows:
-        print(f"{r['stage']:34} {r['pointwise_us']:12} {str(r['triton_us']):>10} {r['gpt2_step_ms']:8} {r['gc_ms_a_step']:6}  "
-              f"{r['gpt2_launch_host_us']}")
+        print(f"{r['stage']:34} {r['pointwise_us']:12} {str(r['triton_us']):>10} {r['aten_us']:8} {r['gpt2_step_ms']:8} "
+              f"{r['gc_ms_a_step']:6}  {r['gpt2_launch_host_us']}")
 
 
 if __name__ == "__main__":
