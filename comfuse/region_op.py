@@ -204,7 +204,7 @@ RECORD_TRIES = 4  # settled calls recorded, at most, before a region that cannot
 def _run(region_id: int, tensors, scalars) -> list:
     entry = REGISTRY.get(region_id)
     # a region module's ``_replay`` (runtime/replay.py): its Replay, the recordings of its calls
-    # so far (a list), or False once it is not replayed
+    # so far (a list), or False once it is not replayed (``_not_replayed`` says why)
     replay = entry[0].__dict__.get("_replay") if entry is not None else None
     if replay.__class__ is Replay:
         if replay.settings is settings_mod.get(getattr(entry[0], "pinned", ())):
@@ -258,6 +258,7 @@ def _recorded(module, args, tensors):
     recordings[:] = [None] * len(recordings) + [recording]  # (counted; the last kept)
     if len(recordings) >= RECORD_TRIES:
         module.__dict__["_replay"] = False
+        module.__dict__["_not_replayed"] = why
         log.info("backend: %s at %s is not replayed: %s", module.kind, module.report.anchor, why)
     return outs
 
