@@ -467,3 +467,13 @@ def test_models_suite_compares_a_mode_with_inductor_in_the_same_mode():
             "0.500x | 2.500x |") in lines
     assert "| gpt2 | comfuse | inductor | 1.000x | - | 1.200x | 1.000x | - | - |" in lines
     assert not any(line.startswith("| gpt2 | inductor") for line in lines)
+
+
+def test_the_models_report_says_how_fast_each_rows_process_launched():
+    from comfuse.bench.models_report import host_lines
+    rows = [{"model": "gpt2", "form": "inductor", "launch_host_us": {"start": 5.1, "timed": 5.3}},
+            {"model": "gpt2", "form": "comfuse", "launch_host_us": {"start": 5.2}},
+            {"model": "bert", "form": "eager", "skipped": "no GPU"}]
+    lines = host_lines(rows)
+    assert lines[-2:] == ["| gpt2 | inductor | 5.1 | 5.3 |", "| gpt2 | comfuse | 5.2 | - |"]
+    assert host_lines(rows[2:]) == []

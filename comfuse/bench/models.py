@@ -152,6 +152,22 @@ def time_side_by_side(calls: dict, rounds: int, device: str = "cuda") -> dict:
     return {n: (statistics.median(t), min(t), max(t)) for n, t in time_rounds(calls, device, rounds).items()}
 
 
+def launch_host_us(device: str = "cuda", calls: int = 2000) -> float:
+    """Host microseconds of one small in-place op on ``device``, back to back with the device
+    idle: how fast this process launches at that moment (compare rows: a process slowed by
+    what ran in it before shows here, not in its kernels)."""
+    t = torch.zeros(256, device=device)
+    sync = _sync(device)
+    for _ in range(50):
+        t.add_(1)
+    sync()
+    began = time.perf_counter()
+    for _ in range(calls):
+        t.add_(1)
+    sync()
+    return round((time.perf_counter() - began) / calls * 1e6, 2)
+
+
 def peak_gib(call, device: str = "cuda") -> float | None:
     """The most GPU memory allocated during one ``call``, in GiB (None off the GPU)."""
     if device != "cuda":
@@ -205,6 +221,7 @@ def measure(name: str, form: str, layers: int, small: bool, rounds: int, device:
     def loss_only(**kw):  # a training loop's step: the loss alone leaves the function, not the logits
         return loss_of(model(**kw))
     sync = _sync(device)
+    row["launch_host_us"] = {"start": launch_host_us(device)}
     began = time.perf_counter()
     if form in ("eager", "liger"):
         run, run_loss = model, loss_only
@@ -224,6 +241,7 @@ def measure(name: str, form: str, layers: int, small: bool, rounds: int, device:
     row["first_forward_s"] = round(time.perf_counter() - began, 2)
     if first_calls_only:
         return row
+    row["launch_host_us"]["timed"] = launch_host_us(device)  # (after the first calls: compilation, tuning)
     with torch.no_grad():
         row["forward_ms"] = time_ms(lambda: run(**kwargs), rounds, device)
         row["forward_peak_gib"] = peak_gib(lambda: run(**kwargs), device)

@@ -45,7 +45,8 @@ def markdown(results: dict) -> str:
                      f"{r.get('first_forward_s', '-')} / {warm.get('first_forward_s', '-')} | "
                      f"{r.get('loss_rel_err', float('nan')):.1e} | {r.get('grads_rel_err', float('nan')):.1e} | "
                      + _loss_step(r, base_loss))
-    lines += ratio_lines(results["rows"]) + profile_lines(results["rows"]) + fused_lines(results["rows"])
+    lines += (ratio_lines(results["rows"]) + host_lines(results["rows"]) + profile_lines(results["rows"])
+              + fused_lines(results["rows"]))
     return "\n".join(lines) + "\n"
 
 
@@ -76,6 +77,17 @@ def ratio_lines(rows: list) -> list:
             "step: the form's over Inductor's):", "",
             "| model | form | against | " + " | ".join(name for _, name in RATIOS) + " | step peak memory | first step |",
             "|---|---|---|" + "---|" * (len(RATIOS) + 2)] + out
+
+
+def host_lines(rows: list) -> list:
+    """How fast each row's process launched: the host time of a small in-place op, back to
+    back with the GPU idle, at the process's start and after its first calls (before timing)."""
+    cells = [f"| {r['model']} | {r['form']} | {r['launch_host_us'].get('start', '-')} | "
+             f"{r['launch_host_us'].get('timed', '-')} |" for r in rows if r.get("launch_host_us")]
+    if not cells:
+        return []
+    return ["", "Host time of one small launch in each row's process, us (back-to-back calls, the GPU idle):", "",
+            "| model | form | at its start | when timed |", "|---|---|---|---|"] + cells
 
 
 def _baseline(r: dict, base: dict):
