@@ -596,14 +596,17 @@ def test_gpt2s_head_trains_fused_with_the_loss_alone_behind_inductors_padding(sc
     assert ((got - want).norm() / want.norm()).item() < 2e-2
 
 
-def test_gpt2s_padded_head_is_replayed_with_its_padded_columns_zeroed():
+def test_gpt2s_padded_head_is_replayed_with_its_padded_columns_zeroed(monkeypatch):
     """The same head over six steps: once settled, the region's calls are replayed, the
     zeroing of the padded columns among the replayed launches, and the last step's loss and
-    gradients are still eager's."""
+    gradients are still eager's. (With every launch checked against the reference, as the
+    tests' COMFUSE_CHECK=1 has it, no call settles: the check is off here.)"""
     from comfuse import region_op
     from comfuse.runtime.replay import Replay
+    monkeypatch.setenv("COMFUSE_CHECK", "0")
+    before = set(region_op.REGISTRY)
     loss, ref, got, want, forward = _head_trained_through_the_backend(*_gpt2s_head(), "ws_split", steps=6)
-    padded = [m for m, _ in region_op.REGISTRY.values() if getattr(m, "saves_padded", False)]
+    padded = [m for i, (m, _) in region_op.REGISTRY.items() if i not in before and getattr(m, "saves_padded", False)]
     assert padded and any(m.__dict__.get("_replay").__class__ is Replay for m in padded), \
         [(m.__dict__.get("_replay"), m.__dict__.get("_not_replayed")) for m in padded]
     torch.testing.assert_close(loss.float(), ref.float(), rtol=1e-3, atol=1e-3)
