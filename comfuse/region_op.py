@@ -204,7 +204,7 @@ RECORD_TRIES = 4  # settled calls recorded, at most, before a region that cannot
 def _run(region_id: int, tensors, scalars) -> list:
     entry = REGISTRY.get(region_id)
     # a region module's ``_replay`` (runtime/replay.py): its Replay, the recordings of its calls
-    # so far (a list), or False once it is not replayed (``_not_replayed`` says why)
+    # so far (a list), or False once it is not replayed (its report's ``replayed`` says why)
     replay = entry[0].__dict__.get("_replay") if entry is not None else None
     if replay.__class__ is Replay:
         if replay.settings is settings_mod.get(getattr(entry[0], "pinned", ())):
@@ -252,13 +252,14 @@ def _recorded(module, args, tensors):
     if built is not None:
         built.settings = settings
         module.__dict__["_replay"] = built
+        module.report.replayed = f"its settled calls, as their {len(built.launches)} launch(es)"
         log.info("backend: %s at %s is replayed as its %d launch(es)", module.kind, module.report.anchor,
                  len(built.launches))
         return outs
     recordings[:] = [None] * len(recordings) + [recording]  # (counted; the last kept)
     if len(recordings) >= RECORD_TRIES:
         module.__dict__["_replay"] = False
-        module.__dict__["_not_replayed"] = why
+        module.report.replayed = f"no: {why}"
         log.info("backend: %s at %s is not replayed: %s", module.kind, module.report.anchor, why)
     return outs
 

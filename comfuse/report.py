@@ -22,6 +22,7 @@ class RegionReport:
     kernel_path: str = ""  # generated source on disk
     launch: str = ""  # inside Inductor: who launches the kernel (or why comfuse's operator does)
     tuned_ms: tuple = ()  # autotuned: (the chosen plan's ms, the unfused ops' ms), alone on random inputs
+    replayed: str = ""  # inside Inductor, once settled: its calls replayed as N launch(es), or why not
     forms: list = dataclasses.field(default_factory=list)  # (pass, IR text) per planner step
     templates: list = dataclasses.field(default_factory=list)  # (Gluon schedule, '' or why not) on sm_90
     planned: object = dataclasses.field(default=None, repr=False)  # the Plan / ChainPlan run
@@ -56,6 +57,8 @@ class RegionReport:
             parts.append(f"  kernel source: {self.kernel_path}")
         if self.launch and self.fused:
             parts.append(f"  launched: {self.launch}")
+        if self.replayed:
+            parts.append(f"  replayed: {self.replayed}")
         if self.ir:
             parts.append("  " + self.ir.replace("\n", "\n  "))
         return "\n".join(parts)

@@ -608,7 +608,7 @@ def test_gpt2s_padded_head_is_replayed_with_its_padded_columns_zeroed(monkeypatc
     loss, ref, got, want, forward = _head_trained_through_the_backend(*_gpt2s_head(), "ws_split", steps=6)
     padded = [m for i, (m, _) in region_op.REGISTRY.items() if i not in before and getattr(m, "saves_padded", False)]
     assert padded and any(m.__dict__.get("_replay").__class__ is Replay for m in padded), \
-        [(m.__dict__.get("_replay"), m.__dict__.get("_not_replayed")) for m in padded]
+        [(m.__dict__.get("_replay"), m.report.replayed) for m in padded]
     torch.testing.assert_close(loss.float(), ref.float(), rtol=1e-3, atol=1e-3)
     got, want = (torch.cat([g.flatten() for g in gs]).double() for gs in (got, want))
     assert ((got - want).norm() / want.norm()).item() < 2e-2

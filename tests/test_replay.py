@@ -94,6 +94,7 @@ def test_a_settled_region_is_replayed_on_new_tensors(how):
         (out,) = region_op.call(i, [x, y], [])
         torch.testing.assert_close(out, _want(x, y))
     assert isinstance(module.__dict__["_replay"], replay.Replay) and module.calls == 3
+    assert module.report.replayed == "its settled calls, as their 1 launch(es)"
     x, y = torch.randn(4), torch.randn(4)
     outs = region_op.call(i, [x, y], [])
     again = region_op.call(i, [x, y], [])
@@ -128,6 +129,7 @@ def test_calls_that_launches_alone_cannot_repeat_are_not_replayed(how, why, capl
     assert module.calls == region_op.RECORD_TRIES + 3
     assert module.__dict__["_replay"] is False
     assert why in caplog.text  # (the reason logged once, when recording stops)
+    assert module.report.replayed.startswith("no: ") and why in module.report.replayed  # (and in its report)
 
 
 def test_two_tensors_at_one_address_are_not_replayed():
@@ -296,3 +298,11 @@ def test_a_replay_allocates_each_output_as_recorded(numel, shape, stride, offset
     assert (tuple(out.shape), out.stride(), out.storage_offset(), out.dtype, out.device) == \
         (shape, stride, offset, torch.float16, torch.device("cpu"))
     assert out.untyped_storage().nbytes() == numel * 2
+
+
+def test_a_regions_report_says_whether_its_calls_are_replayed():
+    from comfuse.report import RegionReport
+    report = RegionReport(0, "mm", "gemm_epilogue", True, "", 1, "tile", "")
+    assert "replayed" not in str(report)  # (not yet settled, or outside Inductor)
+    report.replayed = "its settled calls, as their 2 launch(es)"
+    assert "\n  replayed: its settled calls, as their 2 launch(es)" in str(report)
