@@ -22,7 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import comfuse  # noqa: E402
 from comfuse import settings  # noqa: E402
 from comfuse import region_op  # noqa: E402
-from comfuse.region_op import register  # noqa: E402
 from comfuse.runtime.launch import layout_key  # noqa: E402
 from comfuse.runtime.replay import Replay  # noqa: E402
 
@@ -48,7 +47,7 @@ def replayed_call():
     module = Region()
     module.__dict__["_replay"] = Replay((torch.backends.cuda.matmul.allow_tf32, layout_key(tensors)), outputs,
                                         (launch, launch), settings.get(()))
-    i = register(module, [True] * 5)
+    i = region_op.register(module, [True] * 5)
     return lambda: region_op.call(i, tensors, [])
 
 
@@ -67,7 +66,7 @@ def main() -> None:
         compiled = comfuse.compile(lambda x, w, g: torch.nn.functional.layer_norm(x @ w, (48,), g), (x, w, g))
         (region,) = compiled.fused_regions()
         region.kernel.launch = lambda *args, **kwargs: None
-        region_id = register(region, [True, True, True])
+        region_id = region_op.register(region, [True, True, True])
         rows = {
             "settings.get()": per_call_us(settings.get),
             "dispatch, torch.library.Library": per_call_us(

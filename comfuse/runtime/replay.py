@@ -67,16 +67,20 @@ def _allocator(numel, shape, stride, offset, dtype, device):
     """A function allocating an output as recorded: where its storage is exactly the extent of
     its strides from offset 0, through the allocation Inductor's generated code uses (one call,
     about a quarter of an empty tensor's Python time viewed with ``as_strided``)."""
+    def general():
+        return torch.empty(numel, dtype=dtype, device=device).as_strided(shape, stride, offset)
     extent = 1 + sum((n - 1) * st for n, st in zip(shape, stride)) if all(shape) else 0
     fast = getattr(torch._C._dynamo.guards, f"_empty_strided_{device.type}", None)
-    if offset == 0 and numel == extent and fast is not None and (device.type == "cpu" or device.index is not None):
-        if device.type == "cpu":
-            return lambda: fast(shape, stride, dtype)
-        current = getattr(torch._C, f"_{device.type}_getDevice", None)
-        if current is not None:  # (it allocates on the current device: where that is another, the general way)
-            return lambda: fast(shape, stride, dtype) if current() == device.index else \
-                torch.empty_strided(shape, stride, dtype=dtype, device=device)
-    return lambda: torch.empty(numel, dtype=dtype, device=device).as_strided(shape, stride, offset)
+    if offset or numel != extent or fast is None:
+        return general
+    if device.type == "cpu":
+        return lambda: fast(shape, stride, dtype)
+    current = getattr(torch._C, f"_{device.type}_getDevice", None)
+    if current is None or device.index is None:
+        return general
+    index = device.index  # (it allocates on the current device: where that is another, the general way)
+    return lambda: fast(shape, stride, dtype) if current() == index else \
+        torch.empty_strided(shape, stride, dtype=dtype, device=device)
 
 
 def held_tensors(obj, depth: int = 5) -> set:
