@@ -35,7 +35,7 @@ from .attention_masks import dense_masks_pay, with_dense_attention_masks
 from .errors import fallback, notice_once
 from .report import Report
 from .graph_check import (GRAPH_CHECKS, backward_checked, checks_graph, faster_graph,  # noqa: F401  (GRAPH_CHECKS:
-                          later_compilation, training_call)  # for inspection)
+                          later_compilation, standalone_margin, training_call)  # for inspection)
 from .inductor_pass import REPORTS, RegionPass, settings_text, symbolic  # noqa: F401  (REPORTS: for inspection)
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -112,6 +112,13 @@ def _fused_so_far(regions: RegionPass):
     return lambda: regions.fused if regions.calls > forward_calls else None
 
 
+def _standalone(regions: RegionPass):
+    """For the whole-graph check's prediction: the ``standalone_margin`` of the regions the
+    graphs lowered so far (the forward, or the inference graph) keep fused."""
+    kept = [m for lowered in regions.lowered if lowered.gm is not None for m in lowered.modules]
+    return lambda: standalone_margin(kept)
+
+
 def comfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, mode: str | None = None,
                     passes: list | None = None):
     """The torch.compile backend: Inductor compiles the graph (in ``mode``, torch.compile's),
@@ -162,7 +169,8 @@ def comfuse_backend(gm: fx.GraphModule, example_inputs, options: dict | None = N
             return backward_checked(gm, example_inputs, compiled, regions, plain, on_choice=on_choice)
     with settings_mod.override(**opts["settings"]):
         return faster_graph(gm, example_inputs, compiled, regions.fused, regions.saves_memory, plain,
-                            on_choice=on_choice, fused_so_far=_fused_so_far(regions), cudagraphs=opts["cudagraphs"])
+                            on_choice=on_choice, fused_so_far=_fused_so_far(regions), cudagraphs=opts["cudagraphs"],
+                            standalone=_standalone(regions))
 
 
 @dataclasses.dataclass
@@ -323,7 +331,8 @@ class PerShape:
         with settings_mod.override(**self.opts["settings"]):
             return faster_graph(self.gm, args, compiled, regions.fused, regions.saves_memory,
                                 lambda: self._static(gm, args), plain=self.dynamic, on_choice=self._chose,
-                                fused_so_far=_fused_so_far(regions), cudagraphs=self.opts["cudagraphs"])
+                                fused_so_far=_fused_so_far(regions), cudagraphs=self.opts["cudagraphs"],
+                                standalone=_standalone(regions))
 
     def _chose(self, kept: str) -> None:
         if kept != verdicts.FUSED:

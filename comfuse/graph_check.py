@@ -1,7 +1,10 @@
 """The backend's whole-graph check: a graph that keeps fused regions is timed at its first
 call against Inductor's compilation of the same graph without them, and the faster is kept
 for good (``GraphChoice``). A region that wins its own timing can still cost the model: its
-calls add host time, and Inductor can no longer fuse across it. A training graph whose
+calls add host time, and Inductor can no longer fuse across it. Where the regions' own
+timings leave no doubt (``predicted``: a GPU-bound graph whose regions saved, alone, far more
+than crossing their boundaries could cost), the fused graph is kept without compiling
+Inductor's for the comparison. A training graph whose
 forward fused nothing is checked the same way once its backward, lowered at the first
 backward, turns out to fuse a region (``BackwardChoice``). Each decision is logged
 (``COMFUSE_LOG=info``) and the last ones are in ``GRAPH_CHECKS``.
@@ -101,6 +104,60 @@ def mutates(gm: fx.GraphModule) -> bool:
 
 GRAPH_TIMING_S = 0.3  # about how long each form is timed per round (3 rounds of 3-20 calls)
 
+# The prediction that spares a check (``GraphChoice.predicted``): of what the regions saved
+# alone, this share is counted on in the graph; a tensor crossing a region's boundary is
+# charged one write and one read more than Inductor's fused code might have needed, at this
+# many bytes a second (about half an H100's HBM3 rate, well under what Inductor's kernels
+# reach: the charge errs high); and a graph whose call spends more than this share of its
+# wall time on the host is host-bound, where a region's call costs what its launches cost.
+PREDICTION_SHARE = 0.5
+BOUNDARY_BYTES_PER_S = 2e12
+HOST_BOUND_SHARE = 0.7
+
+
+def boundary_bytes(region) -> int:
+    """Bytes of the tensors crossing ``region``'s boundary, its GEMM's weight aside: the
+    activation A, the side inputs and the outputs, each of which Inductor's code for the same
+    ops might have kept inside a fused kernel of its own (with a neighbour's work)."""
+    s = region.sizes
+
+    def size(axes, dtype) -> int:
+        count = 1
+        for axis in axes:
+            count *= s.of(axis)
+        return count * dtype.itemsize
+    a = s.B * s.M * s.K * region.gemm.a.dtype.itemsize
+    return a + sum(size(i.axes, i.dtype) for i in region.inputs) + sum(size(o.axes, o.dtype) for o in region.outputs)
+
+
+def standalone_margin(modules) -> tuple | None:
+    """(ms the kept regions ``modules`` saved in their own timings against their ops'
+    Inductor code, the most ms crossing their boundaries could cost in the graph: each
+    boundary tensor written and read once more at ``BOUNDARY_BYTES_PER_S``), or None where a
+    region's timing is not known (autotuning off) or it is not a single region (a GEMM chain)."""
+    saved = lost = 0.0
+    for module in modules:
+        region, tuned = getattr(module, "region", None), getattr(getattr(module, "report", None), "tuned_ms", ())
+        if region is None or len(tuned) != 2:
+            return None
+        saved += tuned[1] - tuned[0]
+        lost += 2 * boundary_bytes(region) / BOUNDARY_BYTES_PER_S * 1e3
+    return (saved, lost) if modules else None
+
+
+def host_ms(call, device, calls: int = 3) -> float:
+    """Median host ms of ``calls`` calls of ``call``, each started with the device idle and
+    timed until it returns (what the host spends queueing its work)."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    times = []
+    for _ in range(calls):
+        sync()
+        began = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - began) * 1e3)
+        sync()
+    return statistics.median(times)
+
 
 def _time_graphs(calls: dict, device) -> dict:
     """name -> ms per call of ``calls``, each timed as Python calls queued back to back with
@@ -145,7 +202,8 @@ def time_rounds(calls: dict, device, rounds: int) -> dict:
 
 
 def faster_graph(gm: fx.GraphModule, example_inputs, fused, regions: int, saves_memory: bool, compile_plain,
-                 plain=None, on_choice=None, fused_so_far=None, kept_now=None, cudagraphs: bool = False):
+                 plain=None, on_choice=None, fused_so_far=None, kept_now=None, cudagraphs: bool = False,
+                 standalone=None):
     """``fused`` (Inductor's compilation of the graph with comfuse's regions in it) or, when
     the graph is checked (COMFUSE_GRAPH_CHECK), a ``GraphChoice`` between it and Inductor's
     compilation of ``gm`` as Dynamo gave it (``plain``, or ``compile_plain()`` when not given).
@@ -156,7 +214,10 @@ def faster_graph(gm: fx.GraphModule, example_inputs, fused, regions: int, saves_
     (the two forms' backward graphs are the same until the pass fuses in one: see
     ``GraphChoice``). ``kept_now()``: the regions the pass has kept so far, for the log (a
     backward lowered during the check counted). ``cudagraphs``: the graph runs as CUDA-graph
-    replays (a training graph is then timed by its steps alone: see ``GraphChoice``)."""
+    replays (a training graph is then timed by its steps alone: see ``GraphChoice``).
+    ``standalone()``: the kept regions' ``standalone_margin``, for a prediction that may
+    spare the check (``GraphChoice.predicted``); Inductor's compilation is then left to the
+    first call, which builds it only where the prediction does not hold."""
     on_choice = on_choice or _told_no_one
     if not checks_graph(gm, example_inputs):
         on_choice(FUSED)
@@ -166,6 +227,9 @@ def faster_graph(gm: fx.GraphModule, example_inputs, fused, regions: int, saves_
                  "the graph keeps it without timing Inductor's")
         on_choice(FUSED)
         return fused
+    if plain is None and standalone is not None and predicts(cudagraphs):
+        return GraphChoice(fused, None, regions, on_choice, fused_so_far, kept_now=kept_now, cudagraphs=cudagraphs,
+                           compile_plain=compile_plain, standalone=standalone)
     try:
         if plain is None:
             began = time.perf_counter()
@@ -176,7 +240,15 @@ def faster_graph(gm: fx.GraphModule, example_inputs, fused, regions: int, saves_
         fallback("compiling the graph without fused regions, to time it, failed", e, "the fused graph runs")
         on_choice(FUSED)
         return fused
-    return GraphChoice(fused, plain, regions, on_choice, fused_so_far, kept_now=kept_now, cudagraphs=cudagraphs)
+    return GraphChoice(fused, plain, regions, on_choice, fused_so_far, kept_now=kept_now, cudagraphs=cudagraphs,
+                       standalone=standalone)
+
+
+def predicts(cudagraphs: bool) -> bool:
+    """Whether a prediction may spare a graph's check: not under COMFUSE_GRAPH_CHECK=1 (every
+    graph timed), nor where the graph runs as CUDA-graph replays (its training forward alone
+    runs no replay, so its times are not taken alone)."""
+    return not cudagraphs and settings_mod.get().graph_check != "1"
 
 
 class GraphChoice:
@@ -204,8 +276,9 @@ class GraphChoice:
     graph break) still holds for its backward."""
 
     def __init__(self, fused, plain, regions: int, on_choice=None, fused_so_far=None, forward_differs: bool = True,
-                 kept_now=None, cudagraphs: bool = False):
+                 kept_now=None, cudagraphs: bool = False, compile_plain=None, standalone=None):
         self.fused, self.plain, self.regions = fused, plain, regions
+        self.compile_plain, self.standalone = compile_plain, standalone  # (plain None: built when needed)
         self.cudagraphs = cudagraphs
         self.kept_now = kept_now or fused_so_far or (lambda: regions)
         self.on_choice = on_choice or _told_no_one
@@ -217,7 +290,7 @@ class GraphChoice:
     def __call__(self, *args):
         if self.chosen is None:
             self.chosen = self.decide(list(args))
-            self.fused = self.plain = None  # (the other form's code and buffers go)
+            self.fused = self.plain = self.compile_plain = None  # (the other form's code and buffers go)
         return self.chosen(*args)
 
     def decide(self, args: list):
@@ -230,6 +303,16 @@ class GraphChoice:
         device = next(t for t in args if isinstance(t, torch.Tensor)).device
         training = training_call(args)
         began = time.perf_counter()
+        if self.standalone is not None and self.predicted(args, device, training):
+            return self.fused
+        if self.plain is None:
+            try:
+                self.plain = self.compile_plain()
+                log.info("backend: Inductor's compilation of the graph without regions, for the check: %.1f s",
+                         time.perf_counter() - began)
+            except Exception as e:  # keep the fused graph: each of its regions won its own timing
+                fallback("compiling the graph without fused regions, to time it, failed", e, "the fused graph runs")
+                return self.fused
         try:
             # the random state is put back afterwards: the caller's first call draws the same
             # numbers (dropout, say) as it would have without the timing
@@ -264,17 +347,60 @@ class GraphChoice:
         other form)."""
         if not times["fused"] <= times["inductor"] * GRAPH_MARGIN:
             return False
-        if self.fused_so_far is None:
-            return True
-        _step(self.fused, args)()
-        so_far = self.fused_so_far()  # (None: the pass did not see the backward, which a cache gave)
-        if so_far is None:
-            return True
-        kept = self.backward_kept = so_far - self.regions
-        if kept <= 0:
+        kept = self._backward_kept(args)
+        if kept == 0:
             log.info("backend: the fused graph's backward kept no fused region: the two training steps "
                      "differ in the forward alone, not timed")
-        return kept > 0
+        return kept != 0
+
+    def _backward_kept(self, args):
+        """The regions the fused graph's backward keeps, lowered now by one step of it (once),
+        or None where that is not known (the pass did not see the backward: a cache gave it)."""
+        if self.backward_kept is None and self.fused_so_far is not None:
+            _step(self.fused, args)()
+            so_far = self.fused_so_far()
+            self.backward_kept = None if so_far is None else so_far - self.regions
+        return self.backward_kept
+
+    def predicted(self, args, device, training: bool) -> bool:
+        """Whether the fused graph is kept without a comparison (recorded in ``GRAPH_CHECKS``
+        and the log): where it is GPU-bound (a call's host time at most
+        ``HOST_BOUND_SHARE`` of its wall time, timed now on ``args``: a region's call then
+        costs no time of the graph's), ``PREDICTION_SHARE`` of what its regions saved alone,
+        less the most that crossing their boundaries can cost (``standalone_margin``), is
+        still at least the check's 1 % of the call, and, training, its backward (lowered by
+        one step) keeps no fused region. Otherwise the check times both forms."""
+        if not (self.forward_differs and predicts(self.cudagraphs)):
+            return False
+        margin = self.standalone()
+        if margin is None:
+            return False
+        saved, lost = margin
+        call = lambda: self.fused(*args)  # noqa: E731
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            wall = statistics.median(time_rounds({"fused": call}, device, 1)["fused"])
+            host = host_ms(call, device)
+            why = ""
+            if host > HOST_BOUND_SHARE * wall:
+                why = f"a call spends {host:.4f} of its {wall:.4f} ms on the host"
+            elif PREDICTION_SHARE * saved - lost < (1 - GRAPH_MARGIN) * wall:
+                why = (f"its regions saved {saved:.4f} ms alone, at most {lost:.4f} ms lost at their boundaries, "
+                       f"in a {wall:.4f} ms call: too close to tell")
+            elif training and self._backward_kept(args) != 0:
+                why = "its backward keeps fused regions" if self.backward_kept else "its backward was not lowered here"
+        prediction = {"fused_ms": round(wall, 4), "host_ms": round(host, 4), "alone_saved_ms": round(saved, 4),
+                      "boundary_ms": round(lost, 4)}
+        if why:
+            log.info("backend: the graph with %d fused region(s) is timed against Inductor's: %s",
+                     self.kept_now() or self.regions, why)
+            return False
+        GRAPH_CHECKS.append({"regions": self.regions, "training": training, "backward_regions": self.backward_kept,
+                             "predicted": prediction, "kept": "fused"})
+        del GRAPH_CHECKS[:-16]
+        log.info("backend: the graph with %d fused region(s) is kept without timing Inductor's: its regions saved "
+                 "%.4f ms alone, at most %.4f ms lost at their boundaries, in a %.4f ms call (%.4f ms of it on the "
+                 "host)", self.regions, saved, lost, wall, host)
+        return True
 
 
 def _times_text(times: dict, form: str) -> str:
