@@ -13,7 +13,8 @@
 # form's default limit, 250 s), ROUNDS (5), TESTS / TESTK / TESTS_S (pytest's files, -k and
 # limit), WHEELS (a folder of wheels installed first, e.g. Liger-Kernel's; .whl), SUITE_DIR
 # (where results.json accumulates, out/suite), COMMIT (recorded in env.txt; pass it: a copy of
-# the working tree may carry a .git whose HEAD is older than the files).
+# the working tree may carry a .git whose HEAD is older than the files), WARM (1: each
+# compiled form's first calls again in a new process with the caches the first left).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/comfuse-out}
@@ -46,7 +47,7 @@ for spec in ${SPECS:-}; do
   [ "$row_s" -gt $(( left - 20 )) ] && row_s=$(( left - 20 ))
   profile=""; [[ " ${PROFILE_MODELS:-} " == *" $model "* ]] && profile=--profile
   timeout $(( left - 10 )) python3 -c 'from comfuse.cli import main; main()' bench --suite models --only "$model" \
-    --candidates "$forms" --rounds "${ROUNDS:-5}" --no-warm $profile --resume --row-limit "$row_s" --out "$SUITE" \
+    --candidates "$forms" --rounds "${ROUNDS:-5}" $([ "${WARM:-0}" = 1 ] || echo --no-warm) $profile --resume --row-limit "$row_s" --out "$SUITE" \
     > "$RUN/suite-$model.txt" 2>&1
   echo "$spec rc=$? ($(( $(date +%s) - began )) s so far)"
 done
