@@ -258,7 +258,10 @@ class GraphChoice:
     step (forward and backward, gradients returned rather than accumulated) must both win.
     A region that wins its own timing can still cost the model: its calls add host time,
     and Inductor can no longer fuse across it. (Timed at the first call, not at compile
-    time: a backward compiled inside Dynamo's compilation fails.)
+    time: a backward compiled inside Dynamo's compilation fails.) Given ``standalone``, the
+    first call may keep the fused graph without the comparison (``predicted``); given
+    ``compile_plain`` in place of ``plain``, Inductor's compilation is built only where it
+    does not.
 
     The training step is timed only where it can differ from the forward: where the forward
     wins, and (given ``fused_so_far``) where the fused graph's backward, lowered by one step,
