@@ -305,10 +305,10 @@ class GraphChoice:
     def _choose(self, args):
         device = next(t for t in args if isinstance(t, torch.Tensor)).device
         training = training_call(args)
-        began = time.perf_counter()
         if self.standalone is not None and self.predicted(args, device, training):
             return self.fused
         if self.plain is None:
+            began = time.perf_counter()
             try:
                 self.plain = self.compile_plain()
                 log.info("backend: Inductor's compilation of the graph without regions, for the check: %.1f s",
@@ -316,6 +316,7 @@ class GraphChoice:
             except Exception as e:  # keep the fused graph: each of its regions won its own timing
                 fallback("compiling the graph without fused regions, to time it, failed", e, "the fused graph runs")
                 return self.fused
+        began = time.perf_counter()
         try:
             # the random state is put back afterwards: the caller's first call draws the same
             # numbers (dropout, say) as it would have without the timing
