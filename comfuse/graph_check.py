@@ -227,7 +227,8 @@ def faster_graph(gm: fx.GraphModule, example_inputs, fused, regions: int, saves_
                  "the graph keeps it without timing Inductor's")
         on_choice(FUSED)
         return fused
-    if plain is None and standalone is not None and predicts(cudagraphs):
+    standalone = standalone if predicts(cudagraphs) else None  # (the settings in force now: a backend option's)
+    if plain is None and standalone is not None:
         return GraphChoice(fused, None, regions, on_choice, fused_so_far, kept_now=kept_now, cudagraphs=cudagraphs,
                            compile_plain=compile_plain, standalone=standalone)
     try:
@@ -374,7 +375,7 @@ class GraphChoice:
         less the most that crossing their boundaries can cost (``standalone_margin``), is
         still at least the check's 1 % of the call, and, training, its backward (lowered by
         one step) keeps no fused region. Otherwise the check times both forms."""
-        if not (self.forward_differs and predicts(self.cudagraphs)):
+        if not self.forward_differs or self.cudagraphs:
             return False
         margin = self.standalone()
         if margin is None:

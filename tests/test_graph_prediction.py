@@ -79,12 +79,12 @@ def checked(monkeypatch, fused_regions_win):
         yield times, seen
 
 
-def _run(model, grad: bool):
+def _run(model, grad: bool, options=None):
     torch._dynamo.reset()
     torch.manual_seed(0)
     x = torch.randn(2, 5, 32, device=DEVICE, requires_grad=grad)
     r = torch.randn(2, 5, 48, device=DEVICE)
-    fn = torch.compile(model, backend="comfuse", dynamic=False)
+    fn = torch.compile(model, backend="comfuse", dynamic=False, options=options)
     if not grad:
         with torch.no_grad():
             torch.testing.assert_close(fn(x, r), model(x, r), rtol=1e-4, atol=1e-5)
@@ -131,10 +131,15 @@ def test_a_training_graph_is_kept_unchecked_only_where_its_backward_fuses_nothin
     assert "predicted" not in graph_check.GRAPH_CHECKS[-1]
 
 
-def test_a_forced_check_times_every_graph(checked):
-    """COMFUSE_GRAPH_CHECK=1 times every graph, predictable or not."""
+@pytest.mark.parametrize("how", ["setting", "backend option"])
+def test_a_forced_check_times_every_graph(checked, how):
+    """COMFUSE_GRAPH_CHECK=1, or the backend's option graph_check="1" (in force while the
+    graph compiles, not at its first call), times every graph, predictable or not."""
     from comfuse import settings
     times, seen = checked
-    with settings.override(graph_check="1"):
-        _run(PostNorm().to(DEVICE), grad=False)
+    if how == "setting":
+        with settings.override(graph_check="1"):
+            _run(PostNorm().to(DEVICE), grad=False)
+    else:
+        _run(PostNorm().to(DEVICE), grad=False, options={"graph_check": "1"})
     assert seen == {"compared": 1, "plain": 1}
