@@ -145,10 +145,17 @@ def standalone_margin(modules) -> tuple | None:
     return (saved, lost) if modules else None
 
 
+def _synchronizer(device):
+    """A function that waits for ``device``'s work (nothing to wait for off a GPU)."""
+    if torch.device(device).type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
 def host_ms(call, device, calls: int = 3) -> float:
     """Median host ms of ``calls`` calls of ``call``, each started with the device idle and
     timed until it returns (what the host spends queueing its work)."""
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    sync = _synchronizer(device)
     times = []
     for _ in range(calls):
         sync()
@@ -176,9 +183,7 @@ def time_rounds(calls: dict, device, rounds: int) -> dict:
     of each of ``calls`` (the order rotating each round, so a drift of the GPU's speed falls on
     every call alike), one synchronisation per round; 3 to 20 calls a round, fewer the slower
     a call, after a first untimed call and one timed call of each."""
-    def sync():
-        if torch.device(device).type == "cuda":
-            torch.cuda.synchronize(device)
+    sync = _synchronizer(device)
     names = list(calls)
     slowest = 0.0
     for name in names:  # a first call each (its compilation and autotuning stay out), then one timed
@@ -353,10 +358,11 @@ class GraphChoice:
         if not times["fused"] <= times["inductor"] * GRAPH_MARGIN:
             return False
         kept = self._backward_kept(args)
-        if kept == 0:
+        if kept is not None and kept <= 0:
             log.info("backend: the fused graph's backward kept no fused region: the two training steps "
                      "differ in the forward alone, not timed")
-        return kept != 0
+            return False
+        return True
 
     def _backward_kept(self, args):
         """The regions the fused graph's backward keeps, lowered now by one step of it (once),
@@ -391,7 +397,7 @@ class GraphChoice:
             elif PREDICTION_SHARE * saved - lost < (1 - GRAPH_MARGIN) * wall:
                 why = (f"its regions saved {saved:.4f} ms alone, at most {lost:.4f} ms lost at their boundaries, "
                        f"in a {wall:.4f} ms call: too close to tell")
-            elif training and self._backward_kept(args) != 0:
+            elif training and (self._backward_kept(args) is None or self.backward_kept > 0):
                 why = "its backward keeps fused regions" if self.backward_kept else "its backward was not lowered here"
         prediction = {"fused_ms": round(wall, 4), "host_ms": round(host, 4), "alone_saved_ms": round(saved, 4),
                       "boundary_ms": round(lost, 4)}

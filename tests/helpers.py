@@ -6,6 +6,7 @@ import os
 import warnings
 
 import torch
+import torch.nn.functional as F
 
 from comfuse.errors import ComfuseWarning, FallbackWarning
 from comfuse.runtime.check import compare, tolerance
@@ -15,6 +16,24 @@ PROPERTY_COUNTS: collections.Counter = collections.Counter()
 # Where the tests run their tensors: CUDA when present (the whole suite then runs on the
 # GPU), else the CPU through Triton's interpreter. COMFUSE_TEST_DEVICE overrides.
 DEVICE = os.environ.get("COMFUSE_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class PostNorm(torch.nn.Module):
+    """A GEMM, a residual add and a LayerNorm: the backend's forward fuses all three."""
+    def __init__(self, d=32, h=48):
+        super().__init__()
+        self.lin = torch.nn.Linear(d, h)
+        self.ln = torch.nn.LayerNorm(h)
+
+    def forward(self, x, r):
+        return self.ln(self.lin(x) + r)
+
+
+class NormPostNorm(PostNorm):
+    """PostNorm after a LayerNorm of its input: the forward fuses the GEMM with the residual
+    and the second norm, the backward the GEMM into the first norm's input gradient."""
+    def forward(self, x, r):
+        return super().forward(F.layer_norm(x, (x.shape[-1],)), r)
 
 
 @contextlib.contextmanager

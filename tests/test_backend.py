@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import comfuse
 from comfuse import backend as backend_reports, settings
 
-from helpers import DEVICE, assert_grads_close
+from helpers import DEVICE, NormPostNorm, PostNorm, assert_grads_close
 
 pytestmark = pytest.mark.filterwarnings("ignore::comfuse.ComfuseWarning", "ignore::UserWarning")
 
@@ -27,16 +27,6 @@ def last_report():
 def compiled(model, **kw):
     torch._dynamo.reset()
     return torch.compile(model, backend="comfuse", dynamic=False, **kw)
-
-
-class PostNorm(torch.nn.Module):
-    def __init__(self, d=32, h=48):
-        super().__init__()
-        self.lin = torch.nn.Linear(d, h)
-        self.ln = torch.nn.LayerNorm(h)
-
-    def forward(self, x, r):
-        return self.ln(self.lin(x) + r)
 
 
 def test_backend_is_registered():
@@ -883,13 +873,6 @@ def test_the_whole_graph_is_timed_against_inductors_and_the_faster_kept(monkeypa
     assert timed == [["fused", "inductor"]]
     assert backend.GRAPH_CHECKS[-1]["kept"] == winner and backend.GRAPH_CHECKS[-1]["regions"] == 1
     assert bool(region_calls) == (winner == "fused")
-
-
-class NormPostNorm(PostNorm):
-    """PostNorm after a LayerNorm of its input: the forward fuses the GEMM with the residual
-    and the second norm, the backward the GEMM into the first norm's input gradient."""
-    def forward(self, x, r):
-        return super().forward(F.layer_norm(x, (x.shape[-1],)), r)
 
 
 def _training_check(monkeypatch, model, fused_step_ms: float, fused_forward_ms: float = 1.0):

@@ -13,8 +13,7 @@ from comfuse.planner import candidates, cost
 from comfuse.planner.gluon import GLUON_SCHEDULES
 from comfuse.runtime import prediction, tuning
 
-from helpers import DEVICE
-from test_backend import PostNorm
+from helpers import DEVICE, PostNorm
 
 BF = torch.bfloat16
 CUDA = torch.device("cuda")

@@ -4,30 +4,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from comfuse import backend, graph_check
 from comfuse.ir.nodes import Sizes
 
-from helpers import DEVICE, assert_grads_close
+from helpers import DEVICE, NormPostNorm, PostNorm, assert_grads_close
 
 pytestmark = pytest.mark.filterwarnings("ignore::comfuse.ComfuseWarning", "ignore::UserWarning")
-
-
-class PostNorm(torch.nn.Module):
-    def __init__(self, d=32, h=48):
-        super().__init__()
-        self.lin = torch.nn.Linear(d, h)
-        self.ln = torch.nn.LayerNorm(h)
-
-    def forward(self, x, r):
-        return self.ln(self.lin(x) + r)
-
-
-class NormPostNorm(PostNorm):
-    """Its backward fuses too (the GEMM into the first LayerNorm's input gradient)."""
-    def forward(self, x, r):
-        return super().forward(F.layer_norm(x, (x.shape[-1],)), r)
 
 
 def _region(M=1024, N=4096, K=512, side=("M", "N"), out=(("M", "N"), ("M",))):
